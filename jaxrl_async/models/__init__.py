@@ -1,0 +1,11 @@
+"""Models: the Qwen3 / Qwen2 / Llama decoder family, its HF mapping, import and export."""
+from jaxrl_async.models.config import PRESETS, ModelConfig, UnsupportedModelError, preset
+from jaxrl_async.models.hf_io import CheckpointMismatchError, load_hf, save_hf
+from jaxrl_async.models.transformer import (
+    Transformer, apply, forward, init_params, logical_axes, param_shapes, sequence_logprobs,
+)
+
+__all__ = [
+    "PRESETS", "ModelConfig", "UnsupportedModelError", "preset", "CheckpointMismatchError", "load_hf", "save_hf",
+    "Transformer", "apply", "forward", "init_params", "logical_axes", "param_shapes", "sequence_logprobs",
+]

@@ -1,0 +1,285 @@
+"""Model configuration for the decoder-only Qwen/Llama family.
+
+`ModelConfig` holds the architecture (read from a Hugging Face `config.json`) and the
+numerical policy (compute dtype, parameter dtype, remat, scan over layers). It is frozen
+and hashable so it can be a static argument of jitted functions.
+
+Supported architectures (selected by `model_type`):
+
+| model_type | HF class            | differences                                   |
+|------------|---------------------|-----------------------------------------------|
+| qwen3      | Qwen3ForCausalLM    | RMSNorm on q and k per head (q_norm, k_norm)  |
+| qwen2      | Qwen2ForCausalLM    | bias on q, k, v projections                   |
+| llama      | LlamaForCausalLM    | optional "llama3" RoPE scaling, attention_bias|
+
+Qwen2.5 checkpoints use `model_type: qwen2`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+_ARCH_BY_TYPE = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes a model this package does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str = "qwen3"
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_layers: int = 28
+    num_heads: int = 16
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    rope_theta: float = 1_000_000.0
+    # Sorted (key, value) pairs of the HF rope parameters other than rope_theta/rope_type,
+    # e.g. (("factor", 8.0), ("high_freq_factor", 4.0), ...) for llama3. Tuple => hashable.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rope_type: str = "default"
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 40960
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    # numerical policy
+    dtype: str = "float32"  # compute dtype of activations and matmuls
+    param_dtype: str = "float32"  # storage dtype of the parameters (master weights in training)
+    remat: str = "none"  # "none" | "full" | "dots" (jax.checkpoint policy per layer)
+    scan_layers: bool = True  # lax.scan over the stacked layers (fast compile) or a Python loop
+
+    def __post_init__(self):
+        self.validate()
+
+    # -- validation -------------------------------------------------------------------
+    def validate(self) -> None:
+        def bad(field, msg):
+            raise ValueError(f"ModelConfig.{field}: {msg}")
+
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"ModelConfig.model_type: {self.model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                bad(f, f"must be a positive int, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            bad("num_kv_heads", f"{self.num_kv_heads} must divide num_heads={self.num_heads}")
+        if self.head_dim % 2:
+            bad("head_dim", f"must be even for RoPE, got {self.head_dim}")
+        if self.dtype not in _DTYPES:
+            bad("dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.param_dtype not in _DTYPES:
+            bad("param_dtype", f"must be one of {_DTYPES}, got {self.param_dtype!r}")
+        if self.remat not in ("none", "full", "dots"):
+            bad("remat", f"must be 'none', 'full' or 'dots', got {self.remat!r}")
+        if self.rope_type not in ("default", "llama3"):
+            raise UnsupportedModelError(
+                f"ModelConfig.rope_type: RoPE scaling {self.rope_type!r} is not supported (default, llama3)"
+            )
+        if self.rope_type == "llama3":
+            keys = dict(self.rope_scaling or ())
+            for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                if k not in keys:
+                    bad("rope_scaling", f"llama3 RoPE needs {k!r}")
+
+    # -- derived ----------------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (GQA ratio)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def num_params(self) -> int:
+        d, f, h, k, hd, v, L = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
+                                self.head_dim, self.vocab_size, self.num_layers)
+        attn = d * h * hd + 2 * d * k * hd + h * hd * d
+        attn += (h + 2 * k) * hd if self.qkv_bias else 0
+        attn += d if self.o_bias else 0
+        attn += 2 * hd if self.qk_norm else 0
+        mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
+        per_layer = attn + mlp + 2 * d
+        emb = v * d * (1 if self.tie_word_embeddings else 2)
+        return L * per_layer + emb + d
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    # -- Hugging Face config.json -------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any] | str | os.PathLike, **policy) -> "ModelConfig":
+        """Build from a HF `config.json` dict, a path to it, or a model directory.
+
+        Reads `rope_theta` from `rope_parameters` (transformers >= 5) or the top level (older files).
+        `policy` overrides numerical fields (dtype, param_dtype, remat, scan_layers).
+        """
+        source = "config"
+        if not isinstance(hf, Mapping):
+            path = os.fspath(hf)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            source = path
+            try:
+                with open(path) as fh:
+                    hf = json.load(fh)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{path}: no config.json found") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: invalid JSON ({e})") from None
+        hf = dict(hf)
+        mt = hf.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            archs = hf.get("architectures")
+            raise UnsupportedModelError(
+                f"{source}: model_type {mt!r} (architectures={archs}) is not supported; "
+                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if hf.get("use_sliding_window"):
+            raise UnsupportedModelError(f"{source}: use_sliding_window=true is not supported")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (silu only)")
+
+        def req(key):
+            if key not in hf:
+                raise ValueError(f"{source}: missing required field {key!r}")
+            return hf[key]
+
+        hidden = int(req("hidden_size"))
+        heads = int(req("num_attention_heads"))
+        rope = dict(hf.get("rope_parameters") or {})
+        legacy_scaling = hf.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = {**legacy_scaling, **rope}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+        extra = tuple(sorted((k, v) for k, v in scaling.items() if k not in ("rope_theta", "rope_type", "type")))
+        head_dim = hf.get("head_dim") or hidden // heads
+        attention_bias = bool(hf.get("attention_bias", False))
+        kw = dict(
+            model_type=mt,
+            vocab_size=int(req("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(req("intermediate_size")),
+            num_layers=int(req("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rope_theta=float(rope_theta),
+            rope_type=rope_type,
+            rope_scaling=extra if rope_type != "default" else None,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            qkv_bias=True if mt == "qwen2" else attention_bias,
+            o_bias=attention_bias if mt in ("qwen3", "llama") else False,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=mt == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+        kw.update(policy)
+        return cls(**kw)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `config.json` dict for this architecture (transformers 5 layout)."""
+        rope_parameters: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": self.rope_type}
+        rope_parameters.update(dict(self.rope_scaling or ()))
+        out: dict[str, Any] = {
+            "architectures": [_ARCH_BY_TYPE[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope_parameters,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "dtype": self.param_dtype,
+            "use_cache": True,
+        }
+        if self.model_type in ("qwen3", "llama"):
+            out["attention_bias"] = self.o_bias
+        if self.model_type == "qwen2":
+            out["use_sliding_window"] = False
+        if self.model_type == "llama":
+            out["mlp_bias"] = self.mlp_bias
+        return out
+
+
+def _qwen3(hidden, inter, layers, heads, kv, tied) -> ModelConfig:
+    return ModelConfig(
+        model_type="qwen3", vocab_size=151936, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=tied, max_position_embeddings=40960, qk_norm=True,
+        bos_token_id=151643, eos_token_id=151645, dtype="bfloat16", param_dtype="float32",
+    )
+
+
+# Exact dimensions of the published Qwen3 dense models (config.json of Qwen/Qwen3-*).
+# Used for planning on paper; weights are never downloaded by this package.
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, 8, False),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    try:
+        cfg = PRESETS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def llama3_inv_freq_scale(cfg: ModelConfig, inv_freq):
+    """Apply "llama3" RoPE scaling to inverse frequencies (as transformers' _compute_llama3_parameters)."""
+    import numpy as np
+
+    p = dict(cfg.rope_scaling or ())
+    factor, lo, hi = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old_ctx = float(p["original_max_position_embeddings"])
+    low_freq_wavelen = old_ctx / lo
+    high_freq_wavelen = old_ctx / hi
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled)

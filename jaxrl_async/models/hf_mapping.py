@@ -1,0 +1,126 @@
+"""Hugging Face <-> jaxrl_async parameter name mapping (Qwen3 / Qwen2 / Llama).
+
+One row per tensor kind: (our path, HF name template, to_ours, to_hf). Per-layer rows use
+`{i}` in the HF name and map to slice i of our stacked `layers/*` arrays. Shapes, with
+D hidden, H heads, K kv heads, E head_dim, F intermediate, V vocab:
+
+| ours (per layer)      | HF                                          | transform (HF -> ours)          |
+|-----------------------|---------------------------------------------|---------------------------------|
+| embed [V, D]          | model.embed_tokens.weight [V, D]            | identity                        |
+| attn_norm [D]         | model.layers.{i}.input_layernorm.weight     | identity                        |
+| q [D, H, E]           | model.layers.{i}.self_attn.q_proj.weight    | [H*E, D] -> T -> reshape        |
+| k, v [D, K, E]        | ...self_attn.{k,v}_proj.weight              | [K*E, D] -> T -> reshape        |
+| o [H, E, D]           | ...self_attn.o_proj.weight                  | [D, H*E] -> T -> reshape        |
+| q_bias [H, E]         | ...self_attn.q_proj.bias (qwen2, bias=True) | reshape                         |
+| k_bias, v_bias [K, E] | ...self_attn.{k,v}_proj.bias                | reshape                         |
+| o_bias [D]            | ...self_attn.o_proj.bias (attention_bias)   | identity                        |
+| q_norm, k_norm [E]    | ...self_attn.{q,k}_norm.weight (qwen3)      | identity                        |
+| mlp_norm [D]          | model.layers.{i}.post_attention_layernorm   | identity                        |
+| gate, up [D, F]       | ...mlp.{gate,up}_proj.weight [F, D]         | T                               |
+| down [F, D]           | ...mlp.down_proj.weight [D, F]              | T                               |
+| *_bias (mlp_bias)     | ...mlp.*_proj.bias                          | identity                        |
+| final_norm [D]        | model.norm.weight                           | identity                        |
+| lm_head [D, V]        | lm_head.weight [V, D] (absent when tied)    | T                               |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from jaxrl_async.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    ours: tuple[str, ...]  # path in the params tree
+    hf: str  # HF tensor name ({i} = layer index for per-layer rows)
+    to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+
+def _ident(x, cfg):
+    return x
+
+
+def _t(x, cfg):
+    return x.T
+
+
+def _proj_in(n_attr):
+    """[N*E, D] -> [D, N, E]."""
+    def f(x, cfg):
+        return x.T.reshape(cfg.hidden_size, getattr(cfg, n_attr), cfg.head_dim)
+    return f
+
+
+def _proj_in_hf(x, cfg):
+    """[D, N, E] -> [N*E, D]."""
+    return x.reshape(x.shape[0], -1).T
+
+
+def _o_in(x, cfg):
+    return x.T.reshape(cfg.num_heads, cfg.head_dim, cfg.hidden_size)
+
+
+def _o_hf(x, cfg):
+    return x.reshape(-1, x.shape[-1]).T
+
+
+def _bias_in(n_attr):
+    def f(x, cfg):
+        return x.reshape(getattr(cfg, n_attr), cfg.head_dim)
+    return f
+
+
+def _bias_hf(x, cfg):
+    return x.reshape(-1)
+
+
+def mapping(cfg: ModelConfig) -> list[Row]:
+    L = "model.layers.{i}."
+    rows = [
+        Row(("embed",), "model.embed_tokens.weight", _ident, _ident),
+        Row(("final_norm",), "model.norm.weight", _ident, _ident),
+        Row(("layers", "attn_norm"), L + "input_layernorm.weight", _ident, _ident),
+        Row(("layers", "mlp_norm"), L + "post_attention_layernorm.weight", _ident, _ident),
+        Row(("layers", "q"), L + "self_attn.q_proj.weight", _proj_in("num_heads"), _proj_in_hf),
+        Row(("layers", "k"), L + "self_attn.k_proj.weight", _proj_in("num_kv_heads"), _proj_in_hf),
+        Row(("layers", "v"), L + "self_attn.v_proj.weight", _proj_in("num_kv_heads"), _proj_in_hf),
+        Row(("layers", "o"), L + "self_attn.o_proj.weight", _o_in, _o_hf),
+        Row(("layers", "gate"), L + "mlp.gate_proj.weight", _t, _t),
+        Row(("layers", "up"), L + "mlp.up_proj.weight", _t, _t),
+        Row(("layers", "down"), L + "mlp.down_proj.weight", _t, _t),
+    ]
+    if cfg.qkv_bias:
+        rows += [
+            Row(("layers", "q_bias"), L + "self_attn.q_proj.bias", _bias_in("num_heads"), _bias_hf),
+            Row(("layers", "k_bias"), L + "self_attn.k_proj.bias", _bias_in("num_kv_heads"), _bias_hf),
+            Row(("layers", "v_bias"), L + "self_attn.v_proj.bias", _bias_in("num_kv_heads"), _bias_hf),
+        ]
+    if cfg.o_bias:
+        rows.append(Row(("layers", "o_bias"), L + "self_attn.o_proj.bias", _ident, _ident))
+    if cfg.qk_norm:
+        rows += [
+            Row(("layers", "q_norm"), L + "self_attn.q_norm.weight", _ident, _ident),
+            Row(("layers", "k_norm"), L + "self_attn.k_norm.weight", _ident, _ident),
+        ]
+    if cfg.mlp_bias:
+        rows += [
+            Row(("layers", "gate_bias"), L + "mlp.gate_proj.bias", _ident, _ident),
+            Row(("layers", "up_bias"), L + "mlp.up_proj.bias", _ident, _ident),
+            Row(("layers", "down_bias"), L + "mlp.down_proj.bias", _ident, _ident),
+        ]
+    if not cfg.tie_word_embeddings:
+        rows.append(Row(("lm_head",), "lm_head.weight", _t, _t))
+    return rows
+
+
+# HF tensors that carry no parameters of ours and may be present in older checkpoints.
+IGNORED_HF = ("rotary_emb.inv_freq",)

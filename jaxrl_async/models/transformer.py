@@ -1,0 +1,378 @@
+"""Decoder-only transformer of the Qwen3 / Qwen2 / Llama family, in Flax NNX.
+
+Design
+------
+* One parameter table (`param_table`) is the single source of truth for every weight: its
+  shape, its logical axis names (for sharding rules, see `jaxrl_async.sharding`) and its
+  initialiser. The NNX module `Transformer`, the abstract shapes used for planning, the
+  sharding trees and the Hugging Face mapping (`hf_mapping.py`) are all derived from it.
+* Layers are stored *stacked* (leading `layers` axis). The forward runs them with
+  `jax.lax.scan` (fast compile, `cfg.scan_layers=True`) or a Python loop over static slices;
+  both use the same layer function, with optional `jax.checkpoint` (remat).
+* The hot paths (trainer, generator) call the pure function `forward(params, cfg, ...)` on a
+  plain dict of arrays (`nnx.state(model, nnx.Param).to_pure_dict()`), so new weights are
+  just new arguments: no retrace, no NNX graph traversal per step.
+* Attention is pluggable: the layer computes q/k/v and calls
+  `attend(q, k, v, layer_idx, state) -> (out, state)`. Training/scoring uses
+  `segment_attention` (padded *and* packed batches via segment ids: no attention across
+  sequences, causal within); the generator passes a KV-cache attention whose `state` is the
+  cache. The layer code is shared by both.
+
+Shapes: B batch, T time, D hidden, H query heads, K kv heads, G = H // K, E head_dim,
+F intermediate (mlp), V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_async.models.config import ModelConfig, llama3_inv_freq_scale
+
+Params = dict[str, Any]
+AttendFn = Callable[..., tuple[jax.Array, Any]]
+
+_NEG_INF = -1e30
+
+
+# ---------------------------------------------------------------------------------------
+# Parameter table
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axis names, one per dimension
+    init: str  # "normal" | "ones" | "zeros"
+
+
+def param_table(cfg: ModelConfig) -> dict[str, Any]:
+    """Nested dict of ParamSpec mirroring the parameter tree."""
+    D, F, H, K, E, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                           cfg.head_dim, cfg.vocab_size, cfg.num_layers)
+    layers = {
+        "attn_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
+        "q": ParamSpec((L, D, H, E), ("layers", "embed", "heads", "head_dim"), "normal"),
+        "k": ParamSpec((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+        "v": ParamSpec((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+        "o": ParamSpec((L, H, E, D), ("layers", "heads", "head_dim", "embed"), "normal"),
+        "mlp_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
+        "gate": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+        "up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+        "down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
+    }
+    if cfg.qkv_bias:
+        layers["q_bias"] = ParamSpec((L, H, E), ("layers", "heads", "head_dim"), "zeros")
+        layers["k_bias"] = ParamSpec((L, K, E), ("layers", "kv_heads", "head_dim"), "zeros")
+        layers["v_bias"] = ParamSpec((L, K, E), ("layers", "kv_heads", "head_dim"), "zeros")
+    if cfg.o_bias:
+        layers["o_bias"] = ParamSpec((L, D), ("layers", "norm"), "zeros")
+    if cfg.qk_norm:
+        layers["q_norm"] = ParamSpec((L, E), ("layers", "head_dim"), "ones")
+        layers["k_norm"] = ParamSpec((L, E), ("layers", "head_dim"), "ones")
+    if cfg.mlp_bias:
+        layers["gate_bias"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
+        layers["up_bias"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
+        layers["down_bias"] = ParamSpec((L, D), ("layers", "norm"), "zeros")
+    table: dict[str, Any] = {
+        "embed": ParamSpec((V, D), ("vocab", "embed"), "normal"),
+        "layers": layers,
+        "final_norm": ParamSpec((D,), ("norm",), "ones"),
+    }
+    if not cfg.tie_word_embeddings:
+        table["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
+    return table
+
+
+def _is_spec(x):
+    return isinstance(x, ParamSpec)
+
+
+def logical_axes(cfg: ModelConfig) -> Params:
+    """Tree (same structure as the params) of logical axis-name tuples."""
+    return jax.tree.map(lambda s: s.axes, param_table(cfg), is_leaf=_is_spec)
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """Tree of jax.ShapeDtypeStruct: the parameters without allocating them."""
+    dt = jnp.dtype(cfg.param_dtype)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dt), param_table(cfg), is_leaf=_is_spec)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
+    """Random parameters (normal(0, std) matrices, unit norms, zero biases) as a pure dict."""
+    table = param_table(cfg)
+    leaves, treedef = jax.tree.flatten(table, is_leaf=_is_spec)
+    keys = jax.random.split(key, len(leaves))
+    dt = jnp.dtype(cfg.param_dtype)
+
+    def make(spec: ParamSpec, k):
+        if spec.init == "ones":
+            return jnp.ones(spec.shape, dt)
+        if spec.init == "zeros":
+            return jnp.zeros(spec.shape, dt)
+        return (std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dt)
+
+    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
+
+
+# ---------------------------------------------------------------------------------------
+# Building blocks (pure functions)
+# ---------------------------------------------------------------------------------------
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """y = w * x / sqrt(mean(x^2) + eps), statistics in float32, output in x's dtype (as HF)."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies theta^(-2i/E), with llama3 scaling when configured (float32, as HF)."""
+    E = cfg.head_dim
+    inv = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, E, 2, dtype=np.int64).astype(np.float32) / E))
+    inv = inv.astype(np.float32)
+    if cfg.rope_type == "llama3":
+        inv = llama3_inv_freq_scale(cfg, inv).astype(np.float32)
+    return inv
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape positions.shape + (E,), float32 (HF layout: frequencies repeated twice)."""
+    inv = jnp.asarray(rope_inv_freq(cfg))
+    freqs = positions.astype(jnp.float32)[..., None] * inv
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x * cos + rotate_half(x) * sin, with x [..., T, N, E] and cos/sin [..., T, E]."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c = cos[..., None, :].astype(x.dtype)
+    s = sin[..., None, :].astype(x.dtype)
+    return x * c + rot * s
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Grouped-query attention.
+
+    q [B, T, H, E], k/v [B, S, K, E], mask [B, T, S] (True = may attend) -> [B, T, H, E].
+    Scores and softmax in float32; probabilities cast back to the compute dtype.
+    """
+    B, T, H, E = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, H // K, E)
+    s = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None, :, :], s, _NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgts,bske->btkge", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
+    return o.reshape(B, T, H, E)
+
+
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] segment ids (0 = padding) -> [B, T, T] causal mask with no attention across segments."""
+    T = segment_ids.shape[-1]
+    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    valid = (segment_ids != 0)[:, None, :]
+    return causal[None] & same & valid
+
+
+def segment_attention(segment_ids: jax.Array, scale: float) -> AttendFn:
+    """The training/scoring attention: causal within a segment, none across (packing-safe)."""
+    mask = segment_mask(segment_ids)
+
+    def attend(q, k, v, layer_idx, state):
+        del layer_idx
+        return grouped_attention(q, k, v, mask, scale), state
+
+    return attend
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    if policy == "full":
+        return jax.checkpoint(fn)
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
+
+
+def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: AttendFn, state, layer_idx):
+    """One pre-norm block: x + Attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x)). Returns (x, state)."""
+    dt = x.dtype
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x, p["attn_norm"], eps)
+    q = jnp.einsum("btd,dhe->bthe", h, p["q"].astype(dt))
+    k = jnp.einsum("btd,dke->btke", h, p["k"].astype(dt))
+    v = jnp.einsum("btd,dke->btke", h, p["v"].astype(dt))
+    if cfg.qkv_bias:
+        q = q + p["q_bias"].astype(dt)
+        k = k + p["k_bias"].astype(dt)
+        v = v + p["v_bias"].astype(dt)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], eps)
+        k = rms_norm(k, p["k_norm"], eps)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    a, state = attend(q, k, v, layer_idx, state)
+    out = jnp.einsum("bthe,hed->btd", a, p["o"].astype(dt))
+    if cfg.o_bias:
+        out = out + p["o_bias"].astype(dt)
+    x = x + out
+    h = rms_norm(x, p["mlp_norm"], eps)
+    g = jnp.einsum("btd,df->btf", h, p["gate"].astype(dt))
+    u = jnp.einsum("btd,df->btf", h, p["up"].astype(dt))
+    if cfg.mlp_bias:
+        g = g + p["gate_bias"].astype(dt)
+        u = u + p["up_bias"].astype(dt)
+    y = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["down"].astype(dt))
+    if cfg.mlp_bias:
+        y = y + p["down_bias"].astype(dt)
+    return x + y, state
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            attend: AttendFn, state: Any = None) -> tuple[jax.Array, Any]:
+    """Embeddings -> L decoder layers -> final RMSNorm. Returns (hidden [B, T, D], state)."""
+    dt = jnp.dtype(cfg.dtype)
+    x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
+    cos, sin = rope_cos_sin(cfg, positions)
+
+    def body(carry, xs):
+        x, state = carry
+        p, i = xs
+        x, state = decoder_layer(p, x, cos, sin, cfg, attend, state, i)
+        return (x, state), None
+
+    body = _remat(body, cfg.remat)
+    layers = params["layers"]
+    if cfg.scan_layers:
+        (x, state), _ = jax.lax.scan(body, (x, state), (layers, jnp.arange(cfg.num_layers)))
+    else:
+        for i in range(cfg.num_layers):
+            p_i = jax.tree.map(lambda a: a[i], layers)
+            (x, state), _ = body((x, state), (p_i, i))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), state
+
+
+def unembed_matrix(params: Params) -> jax.Array:
+    """[D, V] output projection (the transposed embedding when tied)."""
+    return params["lm_head"] if "lm_head" in params else params["embed"].T
+
+
+def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
+    """float32 logits [..., V] (matmul in the compute dtype, accumulated in float32)."""
+    w = unembed_matrix(params).astype(hidden.dtype)
+    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def apply(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array | None = None,
+          segment_ids: jax.Array | None = None) -> jax.Array:
+    """Full-sequence logits [B, T, V] (float32) for padded or packed batches.
+
+    segment_ids: [B, T] ints, 0 marks padding; tokens with equal non-zero ids form one
+    sequence (packing). Defaults: one sequence per row, positions 0..T-1.
+    """
+    B, T = tokens.shape
+    if segment_ids is None:
+        segment_ids = jnp.ones((B, T), jnp.int32)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    hidden, _ = forward(params, cfg, tokens, positions, segment_attention(segment_ids, cfg.head_dim ** -0.5))
+    return logits_from_hidden(params, hidden)
+
+
+def token_logprobs_from_hidden(params: Params, hidden: jax.Array, targets: jax.Array, temperature: float = 1.0,
+                               chunk: int = 2048) -> tuple[jax.Array, jax.Array]:
+    """log softmax(logits / temperature)[target] and the entropy of that distribution, per position.
+
+    hidden [N, D] (flattened positions), targets [N] -> (logprobs [N], entropy [N]), float32.
+    The vocabulary projection runs over chunks of `chunk` positions inside a scan so that the
+    [N, V] float32 logits never exist at once (rematerialised in the backward pass).
+    """
+    N, D = hidden.shape
+    c = min(chunk, N)
+    n_chunks = -(-N // c)
+    pad = n_chunks * c - N
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n_chunks, c, D)
+    t = jnp.pad(targets, (0, pad)).reshape(n_chunks, c)
+    w = unembed_matrix(params)
+
+    @jax.checkpoint
+    def one(h_c, t_c):
+        logits = jnp.einsum("nd,dv->nv", h_c, w.astype(h_c.dtype), preferred_element_type=jnp.float32)
+        logits = logits / temperature
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        lp = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0] - lse
+        probs = jnp.exp(logits - lse[:, None])
+        ent = lse - jnp.sum(probs * logits, axis=-1)
+        return lp, ent
+
+    if n_chunks == 1:
+        lp, ent = one(h[0], t[0])
+    else:
+        lp, ent = jax.lax.map(lambda ht: one(*ht), (h, t))
+    return lp.reshape(-1)[:N], ent.reshape(-1)[:N]
+
+
+def sequence_logprobs(params: Params, cfg: ModelConfig, tokens: jax.Array, segment_ids: jax.Array,
+                      positions: jax.Array | None = None, temperature: float = 1.0,
+                      chunk: int = 2048) -> tuple[jax.Array, jax.Array]:
+    """Teacher-forced per-token log-probs, aligned with the tokens.
+
+    out[b, t] = log p(tokens[b, t] | tokens of the same segment before t), for t that is not
+    the first token of its segment; 0 elsewhere (first tokens and padding). The entropy at
+    [b, t] is that of the distribution that predicted tokens[b, t]. This is the one log-prob
+    computation shared by the trainer, the `score` CLI and the generator parity checks.
+    """
+    B, T = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    hidden, _ = forward(params, cfg, tokens, positions, segment_attention(segment_ids, cfg.head_dim ** -0.5))
+    lp, ent = token_logprobs_from_hidden(
+        params, hidden[:, :-1].reshape(B * (T - 1), -1), tokens[:, 1:].reshape(-1), temperature, chunk)
+    lp = lp.reshape(B, T - 1)
+    ent = ent.reshape(B, T - 1)
+    valid = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
+    zero = jnp.zeros((B, 1), jnp.float32)
+    lp = jnp.concatenate([zero, jnp.where(valid, lp, 0.0)], axis=1)
+    ent = jnp.concatenate([zero, jnp.where(valid, ent, 0.0)], axis=1)
+    return lp, ent
+
+
+# ---------------------------------------------------------------------------------------
+# NNX module
+# ---------------------------------------------------------------------------------------
+class Transformer(nnx.Module):
+    """Flax NNX container of the parameters, each an `nnx.Param` carrying its logical axes
+    (`out_sharding` metadata, read by `nnx.get_partition_spec` and by our sharding rules).
+
+    `model(tokens, positions, segment_ids)` returns float32 logits. Hot paths should use
+    `model.params()` with the pure functions of this module.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, params: Params | None = None):
+        self.cfg = cfg
+        if params is None:
+            rngs = rngs or nnx.Rngs(0)
+            params = init_params(cfg, rngs.params())
+        axes = logical_axes(cfg)
+
+        def wrap(value, ax):
+            return nnx.Param(value, sharding_names=ax, eager_sharding=False)
+
+        self.embed = wrap(params["embed"], axes["embed"])
+        self.final_norm = wrap(params["final_norm"], axes["final_norm"])
+        self.layers = nnx.Dict({k: wrap(params["layers"][k], axes["layers"][k]) for k in axes["layers"]})
+        if "lm_head" in axes:
+            self.lm_head = wrap(params["lm_head"], axes["lm_head"])
+
+    def params(self) -> Params:
+        return nnx.state(self, nnx.Param).to_pure_dict()
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        return apply(self.params(), self.cfg, tokens, positions, segment_ids)

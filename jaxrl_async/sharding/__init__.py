@@ -1,0 +1,10 @@
+from jaxrl_async.sharding.mesh import make_mesh, split_devices
+from jaxrl_async.sharding.rules import (
+    GENERATOR_RULES, RULE_SETS, TRAINER_RULES, activation_sharding, get_rules, logical_to_spec, model_shardings,
+    tree_shardings,
+)
+
+__all__ = [
+    "make_mesh", "split_devices", "GENERATOR_RULES", "TRAINER_RULES", "RULE_SETS", "activation_sharding",
+    "get_rules", "logical_to_spec", "model_shardings", "tree_shardings",
+]

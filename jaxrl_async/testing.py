@@ -1,0 +1,60 @@
+"""Helpers that build tiny, random Hugging Face checkpoints locally (no hub access).
+
+Used by the tests, the benchmarks and the examples: `make_tiny_hf_model(dir, "qwen3")` writes a
+`save_pretrained` directory of a small model of the requested family whose weights are
+random with non-trivial norms and biases (so parity checks exercise every tensor).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+TINY_FAMILIES = ("qwen3", "qwen3_untied", "qwen2", "llama")
+
+
+def tiny_hf_config(family: str, vocab_size: int = 256, **overrides) -> Any:
+    """A transformers config of a tiny model: head_dim != hidden/heads, GQA ratio 2."""
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=512,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if family in ("qwen3", "qwen3_untied"):
+        common.update(tie_word_embeddings=family == "qwen3", rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+        common.update(overrides)
+        return transformers.Qwen3Config(**common)
+    if family == "qwen2":
+        common.update(tie_word_embeddings=False, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+        common.update(overrides)
+        return transformers.Qwen2Config(**common)
+    if family == "llama":
+        common.update(tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        common.update(overrides)
+        return transformers.LlamaConfig(**common)
+    raise ValueError(f"unknown tiny family {family!r}; known: {TINY_FAMILIES}")
+
+
+def make_tiny_hf_model(out_dir: str, family: str = "qwen3", seed: int = 0, std: float = 0.15, **overrides) -> str:
+    """Write a random tiny model of `family` with `save_pretrained` into out_dir; returns out_dir."""
+    import torch
+    import transformers
+
+    cfg = tiny_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(std * torch.randn_like(p))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return out_dir
