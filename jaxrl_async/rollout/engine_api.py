@@ -1,0 +1,147 @@
+"""The generation engine contract (JetStream-style), shared by the engine and the orchestrator.
+
+The engine is the device side: it owns the jitted prefill and decode steps, the paged KV
+cache and the page allocator. The orchestrator (`orchestrator.py`) is the host side: request
+queue, slot bookkeeping, weight swaps, streaming results. Parameters are always passed as
+arguments, so a weight swap never retraces.
+
+Lifecycle of one request with n samples::
+
+    prefix = engine.prefill(params, prompt_ids, sampling, num_samples=n)  # KV + n first tokens
+    state  = engine.bulk_insert(prefix, state, slots)                     # n slots share the prompt
+    loop:  state, step = engine.generate(params, state)                   # one token for every slot
+           ... host reads step.tokens / step.logprobs / step.valid for the slots it owns ...
+    state  = engine.release(state, slot)                                  # pages back to the pool
+
+Token bookkeeping: `prefill` samples the first new token of each sample (the token after the
+prompt) and returns its log-prob; every `generate` step then appends one token to every live
+slot. The log-prob of a token is log-softmax of the temperature-scaled logits over the *full*
+vocabulary (before top-k/top-p truncation); with temperature 0 (greedy) it is the log-softmax
+of the raw logits. Random streams are per request: the key that samples the token at absolute
+position p of sample i of a request with seed s is fold_in(fold_in(PRNGKey(s), i), p), so
+results do not depend on the batch composition, the slot or the timing.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 => greedy (argmax)
+    top_k: int = 0  # 0 => no top-k truncation
+    top_p: float = 1.0  # 1 => no nucleus truncation
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()  # checked on device each step
+    stop_strings: tuple[str, ...] = ()  # checked on the host by the orchestrator (needs detokenizer)
+    seed: int = 0
+    n: int = 1  # samples per prompt
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+
+
+@dataclasses.dataclass
+class Prefix:
+    """Result of one prefill: the prompt's KV (engine-specific layout) and the first sampled tokens."""
+
+    kv: Any  # engine-specific (device arrays)
+    length: int  # true prompt length (tokens in the KV)
+    first_tokens: np.ndarray  # [num_samples] int32, host
+    first_logprobs: np.ndarray  # [num_samples] float32, host
+    sampling: SamplingParams
+    sample_indices: tuple[int, ...]  # which sample index of the request each first token belongs to
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Output of one decode step for all slots (device arrays; call `to_host()` when needed)."""
+
+    tokens: Any  # [S] int32: token generated for each slot this step
+    logprobs: Any  # [S] float32: behaviour log-prob of that token
+    valid: Any  # [S] bool: slot was live and produced a token this step
+    done: Any  # [S] bool: slot hit a stop token or its max_new_tokens with this token
+
+    def copy_to_host_async(self) -> "StepResult":
+        for a in (self.tokens, self.logprobs, self.valid, self.done):
+            if hasattr(a, "copy_to_host_async"):
+                a.copy_to_host_async()
+        return self
+
+    def to_host(self) -> "StepResult":
+        return StepResult(*(np.asarray(a) for a in (self.tokens, self.logprobs, self.valid, self.done)))
+
+
+class OutOfPagesError(RuntimeError):
+    """The paged KV cache has no free page for a prefill or a decode step."""
+
+
+class Engine(abc.ABC):
+    """Abstract generation engine. Implementations: `engine.PagedEngine` (and a mock in tests)."""
+
+    @property
+    @abc.abstractmethod
+    def max_concurrent_decodes(self) -> int:
+        """Number of decode slots (static decode batch)."""
+
+    @property
+    @abc.abstractmethod
+    def max_prefill_length(self) -> int:
+        """Longest prompt (or prompt + continuation for re-prefill) the engine accepts."""
+
+    @property
+    def max_sequence_length(self) -> int:
+        """Longest total length (prompt + generated) of one slot."""
+        return self.max_prefill_length
+
+    @abc.abstractmethod
+    def init_decode_state(self) -> Any:
+        """Empty decode state: all slots free, all pages free."""
+
+    @abc.abstractmethod
+    def prefill(self, params: Any, tokens: Sequence[int] | np.ndarray, sampling: SamplingParams,
+                num_samples: int = 1, sample_offset: int = 0) -> Prefix:
+        """Run the prompt (padded to a bucket), sample `num_samples` first tokens.
+
+        Sample k of the result has request-level sample index `sample_offset + k` (for its
+        random stream). Raises ValueError if the prompt is longer than `max_prefill_length`.
+        """
+
+    @abc.abstractmethod
+    def insert(self, prefix: Prefix, state: Any, slot: int, sample: int = 0) -> Any:
+        """Place sample `sample` of `prefix` into free decode slot `slot` (allocates pages)."""
+
+    def bulk_insert(self, prefix: Prefix, state: Any, slots: Sequence[int]) -> Any:
+        """Place the samples of one prefill into `slots` (one slot per sample)."""
+        for k, slot in enumerate(slots):
+            state = self.insert(prefix, state, slot, sample=k)
+        return state
+
+    @abc.abstractmethod
+    def generate(self, params: Any, state: Any) -> tuple[Any, StepResult]:
+        """Advance every live slot by one token. Slots that finish are marked done (not freed)."""
+
+    @abc.abstractmethod
+    def release(self, state: Any, slot: int) -> Any:
+        """Free a slot and its pages."""
+
+    def free_pages(self, state: Any) -> int:
+        """Pages currently free in the KV pool (for admission control)."""
+        return 1 << 30
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return 0
