@@ -58,3 +58,27 @@ def make_tiny_hf_model(out_dir: str, family: str = "qwen3", seed: int = 0, std: 
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def make_tiny_tokenizer(out_dir: str, vocab_size: int = 256) -> str:
+    """Save a character-level Hugging Face tokenizer (ids < vocab_size) into out_dir.
+
+    ids 0..2 are <pad>, <s>, </s> (matching `tiny_hf_config`); printable ASCII follows.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for ch in chars:
+        if len(vocab) >= vocab_size:
+            break
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    os.makedirs(out_dir, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,207 @@
+"""`python -m jaxrl_async.score`: teacher-forced per-token log-probs and entropies of completions.
+
+    python -m jaxrl_async.score --model DIR --input in.jsonl --output out.jsonl \
+        [--dtype float32|bfloat16] [--batch-tokens N] [--temperature T] [--skip-bad-rows]
+
+Input rows: {"prompt_ids": [...], "completion_ids": [...]} or {"prompt": "...", "completion": "..."}
+(text is tokenised with the model directory's tokenizer; no special tokens are added).
+Output rows, in input order: {"row": i, "logprobs": [...], "entropy": [...]}, aligned with the
+completion tokens. The computation is `models.transformer.sequence_logprobs`, the trainer's own
+log-prob path. Sequences are packed several per row (segment ids, no cross-attention) into
+power-of-two row lengths and row counts, so a file with many lengths compiles only a handful
+of shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any, Iterable
+
+import numpy as np
+
+
+class BadRowError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class ScoreItem:
+    row: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+def _int_list(v, field, row):
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise BadRowError(f"row {row}: field {field!r} must be a list of integers")
+    return v
+
+
+def parse_row(obj: Any, row: int, tokenizer_fn, vocab_size: int, max_len: int) -> ScoreItem:
+    """Validate one input row; raise BadRowError naming the row and the problem."""
+    if not isinstance(obj, dict):
+        raise BadRowError(f"row {row}: expected a JSON object")
+    if "prompt_ids" in obj or "completion_ids" in obj:
+        for f in ("prompt_ids", "completion_ids"):
+            if f not in obj:
+                raise BadRowError(f"row {row}: missing field {f!r}")
+        prompt = _int_list(obj["prompt_ids"], "prompt_ids", row)
+        completion = _int_list(obj["completion_ids"], "completion_ids", row)
+    elif "prompt" in obj or "completion" in obj:
+        for f in ("prompt", "completion"):
+            if f not in obj:
+                raise BadRowError(f"row {row}: missing field {f!r}")
+            if not isinstance(obj[f], str):
+                raise BadRowError(f"row {row}: field {f!r} must be a string")
+        prompt = tokenizer_fn(obj["prompt"], row)
+        completion = tokenizer_fn(obj["completion"], row)
+    else:
+        raise BadRowError(f"row {row}: missing fields: need prompt_ids+completion_ids or prompt+completion")
+    if not completion:
+        raise BadRowError(f"row {row}: empty completion")
+    if not prompt:
+        raise BadRowError(f"row {row}: empty prompt (the first completion token needs a context)")
+    bad = [t for t in prompt + completion if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRowError(f"row {row}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    n = len(prompt) + len(completion)
+    if n > max_len:
+        raise BadRowError(f"row {row}: sequence of {n} tokens is longer than the model maximum {max_len}")
+    return ScoreItem(row, list(prompt), list(completion))
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def pack(items: list[ScoreItem], batch_tokens: int) -> Iterable[tuple[list[list[ScoreItem]], int]]:
+    """Group items into batches of rows (first-fit decreasing within power-of-two row lengths).
+
+    Yields (rows, row_len) with len(rows) * row_len <= max(batch_tokens, row_len).
+    """
+    by_len: dict[int, list[ScoreItem]] = {}
+    for it in items:
+        by_len.setdefault(_pow2(it.length), []).append(it)
+    for row_len in sorted(by_len):
+        rows: list[list[ScoreItem]] = []
+        free: list[int] = []
+        for it in sorted(by_len[row_len], key=lambda x: -x.length):
+            for r, f in enumerate(free):
+                if f >= it.length:
+                    rows[r].append(it)
+                    free[r] -= it.length
+                    break
+            else:
+                rows.append([it])
+                free.append(row_len - it.length)
+        per_batch = max(1, batch_tokens // row_len)
+        for k in range(0, len(rows), per_batch):
+            yield rows[k:k + per_batch], row_len
+
+
+def score_items(params, cfg, items: list[ScoreItem], batch_tokens: int = 8192, temperature: float = 1.0,
+                progress=None) -> dict[int, tuple[list[float], list[float]]]:
+    """Per-item (logprobs, entropy) of the completion tokens, keyed by row."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_async.models.transformer import sequence_logprobs
+
+    fn = jax.jit(sequence_logprobs, static_argnames=("cfg", "temperature", "chunk"))
+    out: dict[int, tuple[list[float], list[float]]] = {}
+    for rows, row_len in pack(items, batch_tokens):
+        n_rows = _pow2(len(rows), lo=1)
+        tokens = np.zeros((n_rows, row_len), np.int32)
+        seg = np.zeros((n_rows, row_len), np.int32)
+        pos = np.zeros((n_rows, row_len), np.int32)
+        where = []
+        for r, row in enumerate(rows):
+            o = 0
+            for k, it in enumerate(row):
+                seq = it.prompt_ids + it.completion_ids
+                tokens[r, o:o + len(seq)] = seq
+                seg[r, o:o + len(seq)] = k + 1
+                pos[r, o:o + len(seq)] = np.arange(len(seq))
+                where.append((it, r, o + len(it.prompt_ids), o + len(seq)))
+                o += len(seq)
+        lp, ent = fn(params, cfg=cfg, tokens=jnp.asarray(tokens), segment_ids=jnp.asarray(seg),
+                     positions=jnp.asarray(pos), temperature=temperature, chunk=2048)
+        lp, ent = np.asarray(lp), np.asarray(ent)
+        for it, r, a, b in where:
+            out[it.row] = (lp[r, a:b].tolist(), ent[r, a:b].tolist())
+        if progress is not None:
+            progress.update(sum(len(row) for row in rows))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxrl_async.score", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    ap.add_argument("--input", required=True, help="input JSONL")
+    ap.add_argument("--output", required=True, help="output JSONL")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute and parameter dtype")
+    ap.add_argument("--batch-tokens", type=int, default=8192, help="tokens per forward batch (memory bound)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="score log_softmax(logits / T)")
+    ap.add_argument("--skip-bad-rows", action="store_true", help="report bad rows on stderr and skip them")
+    args = ap.parse_args(argv)
+    if args.batch_tokens < 1:
+        ap.error("--batch-tokens must be >= 1")
+    if args.temperature <= 0:
+        ap.error("--temperature must be > 0")
+
+    from tqdm import tqdm
+
+    from jaxrl_async.models import load_hf
+
+    cfg, params = load_hf(args.model, dtype=args.dtype, param_dtype=args.dtype)
+    tokenizer = None
+
+    def tokenize(text: str, row: int) -> list[int]:
+        nonlocal tokenizer
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(args.model)
+            except Exception as e:  # noqa: BLE001 - report which row needed it
+                raise BadRowError(f"row {row}: text input needs a tokenizer in {args.model} ({e})") from None
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    items: list[ScoreItem] = []
+    skipped = 0
+    with open(args.input) as fh:
+        for i, line in enumerate(fh):
+            if not line.strip():
+                continue
+            try:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise BadRowError(f"row {i}: invalid JSON ({e.msg})") from None
+                items.append(parse_row(obj, i, tokenize, cfg.vocab_size, cfg.max_position_embeddings))
+            except BadRowError as e:
+                if not args.skip_bad_rows:
+                    print(f"error: {args.input}: {e}", file=sys.stderr)
+                    return 2
+                skipped += 1
+                print(f"skipped: {args.input}: {e}", file=sys.stderr)
+    with tqdm(total=len(items), desc="score", unit="seq", file=sys.stderr, disable=None) as bar:
+        results = score_items(params, cfg, items, args.batch_tokens, args.temperature, bar)
+    with open(args.output, "w") as fh:
+        for it in items:
+            lp, ent = results[it.row]
+            fh.write(json.dumps({"row": it.row, "logprobs": lp, "entropy": ent}) + "\n")
+    print(f"scored {len(items)} rows" + (f", skipped {skipped} bad rows" if skipped else "") + f" -> {args.output}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
