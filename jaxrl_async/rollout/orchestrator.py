@@ -1,0 +1,996 @@
+"""Host side of the generator: request queue, continuous batching, weight swaps, streaming.
+
+`Generator` drives an `engine_api.Engine` (device side: jitted prefill/decode, paged KV cache)
+from two threads. Callers talk to it through `submit()` (-> `RequestHandle`), `update_params()`,
+`abort()` and `stats()`; all of them are non-blocking.
+
+Threads and queues
+==================
+
+::
+
+    callers ──submit/abort──► inbox (SimpleQueue, unbounded) ──► DECODE thread ──► outbox (SimpleQueue, unbounded)
+       ▲       update_params ─► _pending_params (lock, newest wins) ─┘   ▲   │                     │
+       │                                                                  │   ▼                     ▼
+       │                                                        release(sample) ◄──────── STREAM thread
+       └── RequestHandle.result()/iteration ◄── handle event + chunk queue ◄──────────────────────┘
+
+* **Caller threads** (any number). `submit()` validates the request, registers its
+  `RequestHandle` and puts a `_Submit` message on the inbox; `abort()` puts an `_Abort`;
+  `update_params()` stores `(params, version)` in a one-element mailbox (a newer update
+  replaces an older one not yet applied) and wakes the decode thread. None of them block.
+  Callers block only in `RequestHandle.result(timeout)` (a `threading.Event`) and in handle
+  iteration (a per-handle chunk queue polled with a timeout); both are released when the
+  request finishes *or* when the generator fails or stops, so a caller never hangs.
+
+* **Decode thread** (one; the only thread that touches the engine, the decode state, the
+  slot table and the admission queue, so none of these need a lock). One iteration:
+
+  1. drain the inbox (non-blocking while any slot is live; when idle, one blocking
+     `inbox.get(timeout=idle_poll_s)` so the thread sleeps instead of spinning);
+  2. apply a pending weight update (between two decode steps; in-flight requests are kept):
+     `keep_kv` swaps the params and continues on the existing cache; `recompute_kv` first
+     reads the in-flight step's tokens, then re-prefills every live sequence (prompt +
+     tokens so far) under the new weights and re-inserts it into its slot;
+  3. admit queued work into free slots (continuous batching): one `prefill` per request
+     (or per continuation) and a `bulk_insert` of its n samples into n free slots. Admission
+     is FIFO; a request waits until n slots (at most `max_concurrent_decodes`) are free and
+     the page pool can hold its prompt (`free_pages`/`pages_needed`); a prefill or insert
+     that raises `OutOfPagesError` leaves the request queued;
+  4. dispatch decode step k+1 (`engine.generate`, asynchronous under JAX), start its
+     device-to-host copy (`copy_to_host_async`), and only *then* read step k's results
+     (`to_host`): the host work of step k overlaps the device work of step k+1. Each
+     dispatched step carries a snapshot of the slot owners and the policy version, so a
+     token is credited to the sample that owned the slot when the step was dispatched and
+     tagged with the version of the weights that produced it. A slot whose sample finished
+     (stop token, max_new_tokens, sequence limit) is released at once and refilled in the
+     next iteration's admission. If `generate` raises `OutOfPagesError`, the decode thread
+     reads the in-flight step, then preempts the most recently admitted sequence: its slot
+     is released and it is re-queued at the head as a continuation (prompt + tokens so far,
+     remaining budget, same seed and sample index; the engine's random key depends only on
+     (seed, sample index, absolute position), so the continuation samples the same tokens
+     it would have sampled without preemption). Admission pauses until a step succeeds.
+     The decode thread runs prefills itself (interleaved mode): on one device prefill and
+     decode serialise on the device anyway; a separate prefill thread would only add a
+     hand-off of the KV prefix and GIL contention, and the single owner of the decode state
+     needs no locking.
+
+  Per step the decode thread sends ONE message to the outbox: the list of
+  `(sample, token, logprob, version, finish_reason)` it produced (prefill first tokens and
+  aborts use the same message shape).
+
+* **Stream thread** (one). Blocks on `outbox.get(timeout=stream_poll_s)`. Appends tokens to
+  each sample's output, checks stop strings on the detokenised tail (tokenizer work stays off
+  the decode thread), pushes `StreamChunk`s to streaming handles, and completes a request's
+  handle when its last sample finishes. A stop string finishes the sample immediately (its
+  tokens end with the token that completed the stop string) and sends a `_Release` message
+  back through the inbox so the decode thread frees the slot; tokens the decode thread
+  produced for that sample in the meantime (at most one or two steps) are dropped here.
+
+Why there is no deadlock: the inbox and the outbox are unbounded, so no put ever blocks; the
+decode thread never waits on the stream thread (it only drains the inbox without blocking
+while it has work, or waits on it with a timeout when idle); the stream thread waits only on
+the outbox, with a timeout; callers wait only on their own handle, which the stream thread (on
+completion) or `_fail`/`stop` (on error or shutdown) always releases. The only lock shared by
+threads (`_lock`: handle registry, param mailbox) is never held while blocking or while
+calling the engine.
+
+Errors: an exception in either thread calls `_fail(exc)`: the generator records it, sets the
+stop flag (both threads exit at their next check) and fails every outstanding handle, whose
+`result()`/iteration then raise `GeneratorError` chained to the original exception. A request
+that can never fit the KV cache (a lone sequence that cannot grow) fails alone with
+`OutOfPagesError`. `stop()` ends both threads (joins with a timeout) and fails the handles of
+unfinished requests with `GeneratorClosedError`.
+
+Overhead accounting (`stats()`): per decode iteration, `step_s` is the wall time between two
+dispatches, `device_wait_s` the time blocked in `to_host` (waiting for the device),
+`prefill_s` the time in prefill/insert; `host_s = step_s - device_wait_s - prefill_s` is the
+Python work of the iteration (bookkeeping, dispatch). `host_overhead_fraction` =
+sum(host_s) / sum(step_s).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+from jaxrl_async.rollout.engine_api import Engine, OutOfPagesError, SamplingParams
+
+FINISH_REASONS = ("stop", "length", "abort")
+KV_UPDATE_POLICIES = ("keep_kv", "recompute_kv")
+
+
+class GeneratorError(RuntimeError):
+    """A request could not be completed; `__cause__` is the original exception."""
+
+
+class GeneratorClosedError(GeneratorError):
+    """The generator was stopped before the request finished, or is not accepting requests."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Public result types
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StreamChunk:
+    """Tokens of one sample delivered by one decode step (or its finish without a token)."""
+
+    request_id: str
+    sample_index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish_reason: str | None  # set on the last chunk of the sample
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    """One completed sample. `logprobs[j]`/`versions[j]` belong to `completion_ids[j]`."""
+
+    sample_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # behaviour log-probs (engine_api: full-vocab, temperature-scaled)
+    versions: list[int]  # policy version whose weights produced each token
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str | None  # detokenised completion (None without a tokenizer)
+    submit_time: float  # time.perf_counter() clock
+    first_token_time: float | None
+    finish_time: float
+    num_preemptions: int = 0
+    num_recomputes: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.submit_time
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_time - self.submit_time
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    samples: list[SampleOutput]  # sorted by sample_index
+    metadata: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorStats:
+    version: int
+    steps: int
+    generated_tokens: int
+    prefills: int
+    prefill_tokens: int
+    weight_updates: int
+    preemptions: int
+    recomputed_sequences: int
+    finished_samples: int
+    live_slots: int
+    queued_requests: int
+    stream_backlog: int
+    busy_s: float  # sum of decode-iteration wall times (time with work on the device)
+    tokens_per_s: float  # generated_tokens / busy_s
+    slot_utilisation: float  # mean live slots / max_concurrent_decodes over steps
+    step_s: float  # mean wall time of one decode iteration
+    host_s_per_step: float  # mean Python time per iteration (excl. device wait and prefills)
+    device_wait_s_per_step: float
+    host_overhead_fraction: float  # sum(host_s) / sum(step_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------------------------
+def finish_reason_for(token: int, num_generated: int, max_new_tokens: int, stop_token_ids: Sequence[int],
+                      engine_done: bool) -> str | None:
+    """Finish reason after appending `token` (the `num_generated`-th new token), or None.
+
+    "stop" if the token is a stop token; "length" if the budget is used up
+    (num_generated >= max_new_tokens, the budget already clamped to the sequence limit) or the
+    engine marked the slot done for another reason (its own sequence limit).
+    """
+    if token in stop_token_ids:
+        return "stop"
+    if num_generated >= max_new_tokens or engine_done:
+        return "length"
+    return None
+
+
+def stop_string_hit(decode: Callable[[list[int]], str], ids: Sequence[int], stop_strings: Sequence[str],
+                    window: int) -> str | None:
+    """The stop string completed by the last token of `ids`, if any.
+
+    Decodes the last `window` tokens with and without the newest one; a stop string present in
+    the former and absent from the latter was completed by the newest token. `window` must
+    cover the longest stop string (in tokens) plus a few tokens of context for detokenisers
+    whose output depends on the previous token (byte fallback, leading spaces).
+    """
+    tail = list(ids[-window:])
+    after = decode(tail)
+    before = decode(tail[:-1]) if len(tail) > 1 else ""
+    for s in stop_strings:
+        if s in after and s not in before:
+            return s
+    return None
+
+
+def continuation_sampling(sampling: SamplingParams, max_new_tokens: int, remaining: int) -> SamplingParams:
+    """Sampling params of a continuation that has `remaining` of `max_new_tokens` left."""
+    del max_new_tokens
+    return dataclasses.replace(sampling, max_new_tokens=remaining, n=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Internal bookkeeping
+# ---------------------------------------------------------------------------------------------
+class _Sample:
+    """One sample of a request. Decode-side fields are owned by the decode thread; `view` by the stream thread."""
+
+    __slots__ = ("request", "index", "tokens", "logprobs", "versions", "slot", "finished", "admit_seq",
+                 "num_preemptions", "num_recomputes", "view")
+
+    def __init__(self, request: "_Request", index: int):
+        self.request = request
+        self.index = index
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.slot: int | None = None
+        self.finished = False
+        self.admit_seq = -1
+        self.num_preemptions = 0
+        self.num_recomputes = 0
+        self.view = _SampleView()
+
+
+class _SampleView:
+    """Stream-thread view of a sample: what is delivered to the caller."""
+
+    __slots__ = ("tokens", "logprobs", "versions", "finish_reason", "first_token_time", "finish_time")
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+        self.first_token_time: float | None = None
+        self.finish_time = 0.0
+
+
+class _Request:
+    __slots__ = ("id", "prompt", "sampling", "max_new", "metadata", "handle", "samples", "submit_time",
+                 "num_finished_decode", "num_finished_stream")
+
+    def __init__(self, request_id: str, prompt: list[int], sampling: SamplingParams, max_new: int, metadata: Any,
+                 handle: "RequestHandle"):
+        self.id = request_id
+        self.prompt = prompt
+        self.sampling = sampling
+        self.max_new = max_new  # sampling.max_new_tokens clamped to the engine's sequence limit
+        self.metadata = metadata
+        self.handle = handle
+        self.samples = [_Sample(self, i) for i in range(sampling.n)]
+        self.submit_time = time.perf_counter()
+        self.num_finished_decode = 0
+        self.num_finished_stream = 0
+
+
+@dataclasses.dataclass
+class _WorkItem:
+    """Queued prefill: a request's consecutive samples (same tokens) or one preempted continuation."""
+
+    request: _Request
+    tokens: list[int]
+    samples: list[_Sample]
+    sampling: SamplingParams
+
+
+@dataclasses.dataclass
+class _InFlight:
+    step: Any  # StepResult (device arrays)
+    owners: tuple  # slot -> _Sample | None at dispatch
+    version: int
+
+
+@dataclasses.dataclass
+class _Submit:
+    request: _Request
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass
+class _Release:
+    sample: _Sample
+
+
+@dataclasses.dataclass
+class _RequestFailed:
+    request: _Request
+    error: BaseException
+
+
+_WAKE = object()
+_END = object()
+
+
+# ---------------------------------------------------------------------------------------------
+# Handle
+# ---------------------------------------------------------------------------------------------
+class RequestHandle:
+    """Caller-side view of one request: `result()`, iteration over `StreamChunk`s, `abort()`."""
+
+    def __init__(self, generator: "Generator", request_id: str, stream: bool, poll_s: float):
+        self.request_id = request_id
+        self._generator = generator
+        self._event = threading.Event()
+        self._output: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._chunks: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
+        self._poll_s = poll_s
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Block until the request finishes; raises TimeoutError, or GeneratorError if it failed."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"request {self.request_id!r} not finished after {timeout} s")
+        if self._error is not None:
+            raise self._wrap_error()
+        assert self._output is not None
+        return self._output
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        """Yield the request's chunks in generation order (per sample); requires submit(stream=True)."""
+        if self._chunks is None:
+            raise RuntimeError(f"request {self.request_id!r} was submitted without stream=True")
+        while True:
+            try:
+                item = self._chunks.get(timeout=self._poll_s)
+            except queue.Empty:
+                continue  # _END is always enqueued on completion, failure or stop
+            if item is _END:
+                if self._error is not None:
+                    raise self._wrap_error()
+                return
+            yield item
+
+    def abort(self) -> None:
+        self._generator.abort(self.request_id)
+
+    # -- called by the generator's threads ------------------------------------------------
+    def _wrap_error(self) -> GeneratorError:
+        err = self._error
+        cls = GeneratorClosedError if isinstance(err, GeneratorClosedError) else GeneratorError
+        wrapped = cls(f"request {self.request_id!r} failed: {type(err).__name__}: {err}")
+        wrapped.__cause__ = err
+        return wrapped
+
+    def _push(self, chunk: StreamChunk) -> None:
+        if self._chunks is not None:
+            self._chunks.put(chunk)
+
+    def _complete(self, output: RequestOutput) -> None:
+        if self._event.is_set():
+            return
+        self._output = output
+        self._event.set()
+        if self._chunks is not None:
+            self._chunks.put(_END)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._event.is_set():
+            return
+        self._error = error
+        self._event.set()
+        if self._chunks is not None:
+            self._chunks.put(_END)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generator
+# ---------------------------------------------------------------------------------------------
+class Generator:
+    """Continuous-batching generator over an `Engine` (see the module docstring).
+
+    Args:
+      engine: the device-side engine.
+      params: initial weights (any pytree the engine accepts).
+      version: policy version of `params` (recorded on every token they produce).
+      tokenizer: object with `decode(ids, skip_special_tokens=...)`; needed for stop strings
+        and for `SampleOutput.text`.
+      kv_update_policy: "keep_kv" (continue on the old cache after `update_params`) or
+        "recompute_kv" (re-prefill in-flight sequences under the new weights).
+      max_prefills_per_step: admissions (prefills) between two decode steps; None = fill every
+        free slot at once (highest decode batch; larger values favour TTFT over inter-token latency).
+      stop_string_window: tokens of context decoded to detect a stop string (>= its length in tokens).
+      idle_poll_s / stream_poll_s: timeouts of the idle waits of the two threads.
+      join_timeout_s: how long `stop()` waits for each thread.
+    """
+
+    def __init__(self, engine: Engine, params: Any, version: int = 0, *, tokenizer: Any = None,
+                 kv_update_policy: str = "keep_kv", max_prefills_per_step: int | None = None,
+                 stop_string_window: int = 16, idle_poll_s: float = 0.01, stream_poll_s: float = 0.05,
+                 join_timeout_s: float = 30.0):
+        if kv_update_policy not in KV_UPDATE_POLICIES:
+            raise ValueError(f"Generator.kv_update_policy must be one of {KV_UPDATE_POLICIES}, got {kv_update_policy!r}")
+        if max_prefills_per_step is not None and max_prefills_per_step < 1:
+            raise ValueError(f"Generator.max_prefills_per_step must be >= 1 or None, got {max_prefills_per_step}")
+        if stop_string_window < 2:
+            raise ValueError(f"Generator.stop_string_window must be >= 2, got {stop_string_window}")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.kv_update_policy = kv_update_policy
+        self.max_prefills_per_step = max_prefills_per_step
+        self.stop_string_window = stop_string_window
+        self.idle_poll_s = idle_poll_s
+        self.stream_poll_s = stream_poll_s
+        self.join_timeout_s = join_timeout_s
+        self.num_slots = int(engine.max_concurrent_decodes)
+
+        # shared (guarded by _lock)
+        self._lock = threading.Lock()
+        self._handles: dict[str, RequestHandle] = {}
+        self._pending_params: tuple[Any, int, list[threading.Event]] | None = None
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._decode_exited = threading.Event()
+        self._error: BaseException | None = None
+        self._started = False
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+
+        # decode-thread state
+        self._params = params
+        self._version = int(version)
+        self._state: Any = None
+        self._slot_owner: list[_Sample | None] = [None] * self.num_slots
+        self._live = 0
+        self._queue: collections.deque[_WorkItem] = collections.deque()
+        self._requests: dict[str, _Request] = {}
+        self._inflight: _InFlight | None = None
+        self._admit_seq = itertools.count()
+        self._admission_paused = False
+
+        # stats (written by the decode thread; read racily by stats())
+        self._n_steps = self._n_tokens = self._n_prefills = self._n_prefill_tokens = 0
+        self._n_updates = self._n_preempt = self._n_recompute = self._n_finished = 0
+        self._live_sum = 0
+        self._t_busy = self._t_host = self._t_wait = 0.0
+        self._t_prefill_iter = self._t_wait_iter = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> "Generator":
+        with self._lock:
+            if self._started:
+                raise RuntimeError("Generator.start() called twice")
+            self._started = True
+            self._state = self.engine.init_decode_state()
+            self._threads = [threading.Thread(target=self._decode_main, name="generator-decode", daemon=True),
+                             threading.Thread(target=self._stream_main, name="generator-stream", daemon=True)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop both threads; unfinished requests fail with GeneratorClosedError."""
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        self._inbox.put(_WAKE)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(self.join_timeout_s)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        self._fail_all_handles(GeneratorClosedError("generator stopped"))
+        if alive:
+            raise RuntimeError(f"Generator.stop(): threads {alive} did not exit within {self.join_timeout_s} s")
+
+    def __enter__(self) -> "Generator":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def version(self) -> int:
+        """Version of the weights the decode thread currently uses."""
+        return self._version
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    # -- caller API -----------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None,
+               metadata: Any = None, *, stream: bool = False) -> RequestHandle:
+        """Queue a request of `sampling.n` samples; returns at once.
+
+        Raises ValueError for an empty prompt, a prompt longer than the engine's
+        `max_prefill_length` (or leaving no room in `max_sequence_length`), stop strings without
+        a tokenizer or a duplicate live request id; GeneratorError if the generator failed or stopped.
+        """
+        sampling = sampling if sampling is not None else SamplingParams()
+        sampling.validate()
+        prompt = [int(t) for t in prompt_ids]
+        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        max_prefill = int(self.engine.max_prefill_length)
+        max_seq = int(self.engine.max_sequence_length)
+        if not prompt:
+            raise ValueError(f"request {rid!r}: empty prompt")
+        if len(prompt) > max_prefill:
+            raise ValueError(f"request {rid!r}: prompt has {len(prompt)} tokens > engine max_prefill_length {max_prefill}")
+        if len(prompt) >= max_seq:
+            raise ValueError(f"request {rid!r}: prompt has {len(prompt)} tokens, no room for a new token "
+                             f"(engine max_sequence_length {max_seq})")
+        if sampling.stop_strings and self.tokenizer is None:
+            raise ValueError(f"request {rid!r}: stop_strings {sampling.stop_strings} need a tokenizer (Generator(tokenizer=...))")
+        handle = RequestHandle(self, rid, stream, self.stream_poll_s)
+        request = _Request(rid, prompt, sampling, min(sampling.max_new_tokens, max_seq - len(prompt)), metadata, handle)
+        with self._lock:
+            if self._error is not None:
+                raise GeneratorError(f"generator failed: {type(self._error).__name__}: {self._error}") from self._error
+            if self._closed:
+                raise GeneratorClosedError("generator is stopped")
+            if rid in self._handles:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            self._handles[rid] = handle
+        self._inbox.put(_Submit(request))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request's unfinished samples with finish_reason "abort" (tokens so far are kept)."""
+        self._inbox.put(_Abort(str(request_id)))
+
+    def update_params(self, params: Any, version: int, *, wait: bool = False, timeout: float | None = 60.0) -> None:
+        """Use `params` (policy `version`) from the next decode step on; in-flight requests continue.
+
+        A newer update replaces one that was not applied yet. With wait=True, block until the
+        decode thread has applied it (TimeoutError after `timeout`).
+        """
+        applied = threading.Event()
+        with self._lock:
+            if not self._started:  # no decode thread yet: apply directly
+                self._params, self._version = params, int(version)
+                self._n_updates += 1
+                applied.set()
+            else:  # a superseded update counts as applied when its successor is
+                waiters = self._pending_params[2] if self._pending_params is not None else []
+                self._pending_params = (params, int(version), waiters + [applied])
+        self._inbox.put(_WAKE)
+        if wait:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not applied.wait(0.05):
+                if self._error is not None:
+                    raise GeneratorError("generator failed before the weight update was applied") from self._error
+                if self._stop.is_set():
+                    raise GeneratorClosedError("generator stopped before the weight update was applied")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"weight update to version {version} not applied after {timeout} s")
+
+    def stats(self) -> GeneratorStats:
+        steps = max(self._n_steps, 1)
+        busy = self._t_busy
+        return GeneratorStats(
+            version=self._version, steps=self._n_steps, generated_tokens=self._n_tokens, prefills=self._n_prefills,
+            prefill_tokens=self._n_prefill_tokens, weight_updates=self._n_updates, preemptions=self._n_preempt,
+            recomputed_sequences=self._n_recompute, finished_samples=self._n_finished, live_slots=self._live,
+            queued_requests=len(self._queue), stream_backlog=self._outbox.qsize(), busy_s=busy,
+            tokens_per_s=self._n_tokens / busy if busy > 0 else 0.0,
+            slot_utilisation=self._live_sum / (steps * self.num_slots),
+            step_s=busy / steps, host_s_per_step=self._t_host / steps, device_wait_s_per_step=self._t_wait / steps,
+            host_overhead_fraction=self._t_host / busy if busy > 0 else 0.0)
+
+    # -- failure --------------------------------------------------------------------------
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+        self._stop.set()
+        self._inbox.put(_WAKE)
+        self._fail_all_handles(error)
+
+    def _fail_all_handles(self, error: BaseException) -> None:
+        with self._lock:
+            handles, self._handles = list(self._handles.values()), {}
+        for h in handles:
+            h._fail(error)
+
+    # =====================================================================================
+    # Decode thread
+    # =====================================================================================
+    def _decode_main(self) -> None:
+        try:
+            self._decode_loop()
+        except BaseException as e:  # noqa: BLE001 - propagated to every waiter
+            self._fail(e)
+        finally:
+            self._decode_exited.set()
+
+    def _decode_loop(self) -> None:
+        eng = self.engine
+        t_last = None
+        while not self._stop.is_set():
+            self._drain_inbox(block=not (self._live or self._queue or self._inflight))
+            if self._stop.is_set():
+                return
+            self._maybe_swap_params()
+            if not self._admission_paused or not self._live:  # paused after a preemption until a step succeeds
+                self._admit()
+            if not self._live:
+                if self._inflight is not None:
+                    self._flush()
+                t_last = None
+                continue
+            try:
+                self._state, step = eng.generate(self._params, self._state)
+            except OutOfPagesError as e:
+                self._on_out_of_pages(e)
+                t_last = None
+                continue
+            self._admission_paused = False
+            step.copy_to_host_async()
+            prev, self._inflight = self._inflight, _InFlight(step, tuple(self._slot_owner), self._version)
+            self._n_steps += 1
+            self._live_sum += self._live
+            if prev is not None:
+                self._process(prev)
+            # accounting: one iteration = dispatch-to-dispatch
+            now = time.perf_counter()
+            if t_last is not None:
+                dt = now - t_last
+                self._t_busy += dt
+                self._t_host += max(dt - self._t_wait_iter - self._t_prefill_iter, 0.0)
+                self._t_wait += self._t_wait_iter
+            self._t_wait_iter = self._t_prefill_iter = 0.0
+            t_last = now
+
+    # -- inbox ------------------------------------------------------------------------------
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=self.idle_poll_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle_message(msg)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle_message(self, msg: Any) -> None:
+        if isinstance(msg, _Submit):
+            req = msg.request
+            self._requests[req.id] = req
+            for lo in range(0, len(req.samples), self.num_slots):
+                chunk = req.samples[lo:lo + self.num_slots]
+                self._queue.append(_WorkItem(req, req.prompt, chunk,
+                                             continuation_sampling(req.sampling, req.max_new, req.max_new)))
+        elif isinstance(msg, _Abort):
+            self._abort(msg.request_id)
+        elif isinstance(msg, _Release):
+            s = msg.sample
+            if not s.finished:
+                self._finish(s)
+
+    def _abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None:
+            return  # already finished (or unknown): nothing to do
+        self._queue = collections.deque(w for w in self._queue if w.request is not req)
+        emits = []
+        for s in req.samples:
+            if not s.finished:
+                self._finish(s)
+                emits.append((s, None, 0.0, self._version, "abort"))
+        if emits:
+            self._outbox.put((time.perf_counter(), emits))
+
+    # -- slots ------------------------------------------------------------------------------
+    def _finish(self, s: _Sample) -> None:
+        """Mark a sample finished (decode view) and release its slot at once."""
+        s.finished = True
+        if s.slot is not None:
+            self._release_slot(s)
+        req = s.request
+        req.num_finished_decode += 1
+        self._n_finished += 1
+        if req.num_finished_decode == len(req.samples):
+            self._requests.pop(req.id, None)
+
+    def _release_slot(self, s: _Sample) -> None:
+        slot = s.slot
+        self._state = self.engine.release(self._state, slot)
+        self._slot_owner[slot] = None
+        s.slot = None
+        self._live -= 1
+
+    def _free_slots(self) -> list[int]:
+        return [i for i, o in enumerate(self._slot_owner) if o is None]
+
+    def _append(self, s: _Sample, token: int, logprob: float, version: int, engine_done: bool) -> str | None:
+        s.tokens.append(token)
+        s.logprobs.append(logprob)
+        s.versions.append(version)
+        self._n_tokens += 1
+        sp = s.request.sampling
+        return finish_reason_for(token, len(s.tokens), s.request.max_new, sp.stop_token_ids, engine_done)
+
+    # -- admission --------------------------------------------------------------------------
+    def _admit(self) -> None:
+        eng = self.engine
+        budget = self.max_prefills_per_step if self.max_prefills_per_step is not None else 1 << 30
+        while self._queue and budget > 0:
+            item = self._queue[0]
+            need = len(item.samples)
+            free = self._free_slots()
+            if len(free) < need:
+                return  # FIFO: wait for slots to free up
+            if eng.free_pages(self._state) < eng.pages_needed(len(item.tokens) + 1) * need:
+                if not self._live and self._inflight is None:
+                    self._queue.popleft()
+                    self._fail_request(item.request, OutOfPagesError(
+                        f"request {item.request.id!r}: {need} sequence(s) of {len(item.tokens)} tokens do not fit the "
+                        f"empty KV cache ({eng.free_pages(self._state)} free pages)"))
+                    continue
+                return
+            t0 = time.perf_counter()
+            try:
+                self._admit_item(item, free[:need])
+            except OutOfPagesError as e:
+                if not self._live and self._inflight is None:
+                    self._queue.popleft()
+                    self._fail_request(item.request, e)
+                    continue
+                return  # stays queued
+            finally:
+                self._t_prefill_iter += time.perf_counter() - t0
+            self._queue.popleft()
+            budget -= 1
+
+    def _admit_item(self, item: _WorkItem, slots: list[int]) -> None:
+        """Prefill `item` and insert its unfinished samples into `slots`; all-or-nothing."""
+        eng = self.engine
+        first = item.samples[0].index
+        prefix = eng.prefill(self._params, item.tokens, item.sampling, num_samples=len(item.samples), sample_offset=first)
+        self._n_prefills += 1
+        self._n_prefill_tokens += len(item.tokens)
+        toks = [int(t) for t in prefix.first_tokens]
+        lps = [float(x) for x in prefix.first_logprobs]
+        reasons = []
+        for k, s in enumerate(item.samples):
+            s.tokens.append(toks[k])  # tentatively, for the finish check; rolled back on failure
+            reasons.append(finish_reason_for(toks[k], len(s.tokens), s.request.max_new,
+                                             s.request.sampling.stop_token_ids, False))
+        to_insert = [(k, s) for k, (s, r) in enumerate(zip(item.samples, reasons)) if r is None]
+        inserted: list[int] = []
+        try:
+            if len(to_insert) == len(item.samples):
+                self._state = eng.bulk_insert(prefix, self._state, slots[:len(to_insert)])
+                inserted = slots[:len(to_insert)]
+            else:
+                for (k, _), slot in zip(to_insert, slots):
+                    self._state = eng.insert(prefix, self._state, slot, sample=k)
+                    inserted.append(slot)
+        except OutOfPagesError:
+            for slot in inserted:
+                self._state = eng.release(self._state, slot)
+            for s in item.samples:
+                s.tokens.pop()
+            raise
+        emits = []
+        version = self._version
+        for k, s in enumerate(item.samples):
+            s.tokens.pop()
+            reason = self._append(s, toks[k], lps[k], version, False)
+            emits.append((s, toks[k], lps[k], version, reason))
+        for (k, s), slot in zip(to_insert, inserted):
+            s.slot = slot
+            s.admit_seq = next(self._admit_seq)
+            self._slot_owner[slot] = s
+            self._live += 1
+        for k, s in enumerate(item.samples):
+            if reasons[k] is not None:
+                self._finish(s)
+        self._outbox.put((time.perf_counter(), emits))
+
+    def _fail_request(self, req: _Request, error: BaseException) -> None:
+        self._queue = collections.deque(w for w in self._queue if w.request is not req)
+        for s in req.samples:
+            if not s.finished:
+                self._finish(s)
+        self._outbox.put(_RequestFailed(req, error))
+
+    # -- decode step results ----------------------------------------------------------------
+    def _process(self, inflight: _InFlight) -> None:
+        t0 = time.perf_counter()
+        host = inflight.step.to_host()
+        self._t_wait_iter += time.perf_counter() - t0
+        valid = host.valid
+        tokens = host.tokens.tolist()
+        logprobs = host.logprobs.tolist()
+        done = host.done.tolist()
+        version = inflight.version
+        emits = []
+        for slot, owner in enumerate(inflight.owners):
+            if owner is None or not valid[slot] or owner.finished or owner.slot != slot:
+                continue
+            reason = self._append(owner, tokens[slot], logprobs[slot], version, bool(done[slot]))
+            emits.append((owner, tokens[slot], logprobs[slot], version, reason))
+            if reason is not None:
+                self._finish(owner)
+        if emits:
+            self._outbox.put((time.perf_counter(), emits))
+
+    def _flush(self) -> None:
+        """Read the in-flight step's results now (before preemption or re-prefill)."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._process(prev)
+
+    # -- weight update ----------------------------------------------------------------------
+    def _maybe_swap_params(self) -> None:
+        with self._lock:
+            pending, self._pending_params = self._pending_params, None
+        if pending is None:
+            return
+        params, version, waiters = pending
+        if self.kv_update_policy == "recompute_kv" and (self._live or self._inflight is not None):
+            self._flush()
+            self._params, self._version = params, version
+            self._recompute_live()
+        else:
+            self._params, self._version = params, version
+        self._n_updates += 1
+        for ev in waiters:
+            ev.set()
+
+    def _recompute_live(self) -> None:
+        """Re-prefill every live sequence under the current (new) weights, in its own slot."""
+        eng = self.engine
+        live = sorted((s for s in self._slot_owner if s is not None), key=lambda s: s.admit_seq)
+        emits = []
+        t0 = time.perf_counter()
+        for s in live:
+            req = s.request
+            tokens = req.prompt + s.tokens
+            if len(tokens) > eng.max_prefill_length:
+                continue  # cannot re-prefill: keeps its KV (documented gap: mixed-version KV)
+            sampling = continuation_sampling(req.sampling, req.max_new, req.max_new - len(s.tokens))
+            prefix = eng.prefill(self._params, tokens, sampling, num_samples=1, sample_offset=s.index)
+            self._n_prefills += 1
+            self._n_prefill_tokens += len(tokens)
+            self._n_recompute += 1
+            s.num_recomputes += 1
+            slot = s.slot
+            self._release_slot(s)
+            tok, lp = int(prefix.first_tokens[0]), float(prefix.first_logprobs[0])
+            reason = finish_reason_for(tok, len(s.tokens) + 1, req.max_new, req.sampling.stop_token_ids, False)
+            if reason is None:
+                try:
+                    self._state = eng.insert(prefix, self._state, slot, sample=0)
+                except OutOfPagesError:
+                    self._requeue_continuation(s)
+                    continue
+                s.slot = slot
+                self._slot_owner[slot] = s
+                self._live += 1
+            reason = self._append(s, tok, lp, self._version, False)
+            emits.append((s, tok, lp, self._version, reason))
+            if reason is not None:
+                self._finish(s)
+        self._t_prefill_iter += time.perf_counter() - t0
+        if emits:
+            self._outbox.put((time.perf_counter(), emits))
+
+    # -- preemption -------------------------------------------------------------------------
+    def _requeue_continuation(self, s: _Sample) -> None:
+        req = s.request
+        s.num_preemptions += 1
+        self._n_preempt += 1
+        sampling = continuation_sampling(req.sampling, req.max_new, req.max_new - len(s.tokens))
+        self._queue.appendleft(_WorkItem(req, req.prompt + s.tokens, [s], sampling))
+
+    def _on_out_of_pages(self, err: OutOfPagesError) -> None:
+        """`generate` could not grow some slots: free pages by preempting the newest sequence."""
+        live_before = self._live
+        self._flush()
+        self._admission_paused = True
+        if self._live < live_before or not self._live:
+            return  # finished sequences freed pages: retry first
+        victims = sorted((s for s in self._slot_owner if s is not None), key=lambda s: -s.admit_seq)
+        fits = [s for s in victims if len(s.request.prompt) + len(s.tokens) <= self.engine.max_prefill_length]
+        if self._live == 1 or not fits:
+            s = victims[0]
+            self._fail_request(s.request, OutOfPagesError(
+                f"request {s.request.id!r}: KV cache cannot hold sequence of {len(s.request.prompt) + len(s.tokens)} "
+                f"tokens alongside {self._live - 1} other live sequence(s) and it cannot be preempted "
+                f"(engine slots needing pages: {getattr(err, 'slots', '?')})"))
+            return
+        victim = fits[0]
+        self._release_slot(victim)
+        self._requeue_continuation(victim)
+
+    # =====================================================================================
+    # Stream thread
+    # =====================================================================================
+    def _stream_main(self) -> None:
+        try:
+            while True:
+                try:
+                    msg = self._outbox.get(timeout=self.stream_poll_s)
+                except queue.Empty:
+                    if self._error is not None or self._decode_exited.is_set():
+                        return
+                    continue
+                if self._error is not None:
+                    return
+                if isinstance(msg, _RequestFailed):
+                    self._deliver_failure(msg.request, msg.error)
+                else:
+                    self._deliver(*msg)
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+
+    def _decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _deliver(self, t: float, emits: list) -> None:
+        for s, token, logprob, version, reason in emits:
+            v = s.view
+            if v.finish_reason is not None:
+                continue  # finished here already (stop string); late tokens are dropped
+            req = s.request
+            if token is not None:
+                v.tokens.append(token)
+                v.logprobs.append(logprob)
+                v.versions.append(version)
+                if v.first_token_time is None:
+                    v.first_token_time = t
+                stops = req.sampling.stop_strings
+                if stops and reason != "stop" and stop_string_hit(self._decode_text, v.tokens, stops, self.stop_string_window):
+                    if reason is None:
+                        self._inbox.put(_Release(s))
+                    reason = "stop"
+            if req.handle._chunks is not None:
+                req.handle._push(StreamChunk(req.id, s.index, () if token is None else (token,),
+                                             () if token is None else (logprob,), () if token is None else (version,),
+                                             reason))
+            if reason is not None:
+                v.finish_reason = reason
+                v.finish_time = t
+                req.num_finished_stream += 1
+                if req.num_finished_stream == len(req.samples):
+                    self._complete(req)
+
+    def _complete(self, req: _Request) -> None:
+        samples = []
+        for s in req.samples:
+            v = s.view
+            text = None if self.tokenizer is None else self.tokenizer.decode(v.tokens, skip_special_tokens=True)
+            samples.append(SampleOutput(
+                sample_index=s.index, prompt_ids=req.prompt, completion_ids=v.tokens, logprobs=v.logprobs,
+                versions=v.versions, finish_reason=v.finish_reason, text=text, submit_time=req.submit_time,
+                first_token_time=v.first_token_time, finish_time=v.finish_time,
+                num_preemptions=s.num_preemptions, num_recomputes=s.num_recomputes))
+        with self._lock:
+            self._handles.pop(req.id, None)
+        req.handle._complete(RequestOutput(req.id, req.prompt, samples, req.metadata))
+
+    def _deliver_failure(self, req: _Request, error: BaseException) -> None:
+        with self._lock:
+            self._handles.pop(req.id, None)
+        req.handle._fail(error)

@@ -1,0 +1,342 @@
+"""Orchestrator tests on the deterministic mock engine (tests/rollout/mock_engine.py).
+
+Expected tokens come from `reference_tokens`, an independent re-implementation of the mock's
+decoding rule given the per-token versions, so every check can fail on a wrong token, a lost
+or duplicated token, a token credited to the wrong sample, or a wrong version tag.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from jaxrl_async.rollout.engine_api import OutOfPagesError, SamplingParams, StepResult
+from jaxrl_async.rollout.orchestrator import (
+    Generator, GeneratorClosedError, GeneratorError, finish_reason_for, stop_string_hit,
+)
+from mock_engine import MockEngine, MockParams, reference_tokens
+
+T = 20.0  # every wait in these tests is bounded
+SALTS = {0: 11, 1: 22, 2: 33}
+
+
+def ref(prompt, n_tokens, sampling, sample_index=0, version=0, policy="keep_kv"):
+    return reference_tokens(prompt, [version] * n_tokens, SALTS, policy, sampling, sample_index)
+
+
+def prompts(k, base=3):
+    return [[(7 * i + j) % 50 for j in range(base + i % 5)] for i in range(k)]
+
+
+class CharTokenizer:
+    """Token t decodes to the letter chr(97 + t % 26)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + int(t) % 26) for t in ids)
+
+
+# -- pure helpers ------------------------------------------------------------------------
+def test_finish_reason_for():
+    assert finish_reason_for(5, 1, 10, (5,), False) == "stop"
+    assert finish_reason_for(5, 10, 10, (5,), False) == "stop"  # stop token wins over length
+    assert finish_reason_for(4, 10, 10, (5,), False) == "length"
+    assert finish_reason_for(4, 3, 10, (5,), True) == "length"  # engine's own limit
+    assert finish_reason_for(4, 3, 10, (5,), False) is None
+
+
+def test_stop_string_hit_only_when_completed_by_last_token():
+    dec = CharTokenizer().decode
+    assert stop_string_hit(dec, [0, 1, 2], ["bc"], 8) == "bc"  # "abc": completed by 'c'
+    assert stop_string_hit(dec, [1, 2, 3], ["bc"], 8) is None  # "bcd": completed earlier
+    assert stop_string_hit(dec, [3], ["d"], 8) == "d"
+    assert stop_string_hit(dec, [9, 0, 1, 2], ["bc"], 2) == "bc"  # window 2 still sees "bc"
+
+
+# -- continuous batching -----------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_continuous_batching_all_complete_and_slots_reused(temperature):
+    eng = MockEngine(num_slots=4, step_latency_s=0.0005)
+    ps = prompts(13)
+    budgets = [3 + (11 * i) % 17 for i in range(len(ps))]
+    with Generator(eng, MockParams(SALTS[0])) as gen:
+        handles = [gen.submit(p, SamplingParams(temperature=temperature, seed=i, max_new_tokens=m))
+                   for i, (p, m) in enumerate(zip(ps, budgets))]
+        outs = [h.result(T) for h in handles]
+        stats = gen.stats()
+    for i, (p, m, o) in enumerate(zip(ps, budgets, outs)):
+        sp = SamplingParams(temperature=temperature, seed=i, max_new_tokens=m)
+        (s,) = o.samples
+        assert s.prompt_ids == p and s.finish_reason == "length"
+        assert s.completion_ids == ref(p, m, sp)
+        assert s.versions == [0] * m
+        assert s.first_token_time is not None and s.finish_time >= s.first_token_time >= s.submit_time
+    assert max(eng.live_per_step) <= 4
+    assert len(eng.inserted_slots) == 13 and set(eng.inserted_slots) == {0, 1, 2, 3}  # slots reused
+    assert eng.num_prefills == 13
+    assert stats.generated_tokens == sum(budgets) and stats.finished_samples == 13
+    assert 0 < stats.slot_utilisation <= 1 and 0 <= stats.host_overhead_fraction <= 1
+    assert stats.live_slots == 0 and stats.queued_requests == 0
+
+
+def test_decode_results_read_after_next_dispatch():
+    """Step k's to_host happens after step k+1 was dispatched (overlap), except for the last step."""
+    events = []
+
+    class Logged(MockEngine):
+        def generate(self, params, state):
+            state, step = super().generate(params, state)
+            k = self.num_steps
+            events.append(("gen", k))
+            host = step.to_host()
+
+            class R(StepResult):
+                def to_host(self_inner):
+                    events.append(("host", k))
+                    return host
+
+            return state, R(step.tokens, step.logprobs, step.valid, step.done)
+
+    eng = Logged(num_slots=2)
+    with Generator(eng, MockParams(SALTS[0])) as gen:
+        out = gen.submit([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=8)).result(T)
+    assert out.samples[0].completion_ids == ref([1, 2, 3], 8, SamplingParams(temperature=0, max_new_tokens=8))
+    for k in range(1, 7):  # 8 tokens: 1 from prefill, 7 decode steps
+        assert events.index(("host", k)) > events.index(("gen", k + 1))
+
+
+def test_streaming_chunks_in_order_and_match_result():
+    eng = MockEngine(num_slots=2, step_latency_s=0.0005)
+    sp = SamplingParams(temperature=0.5, seed=3, max_new_tokens=12, n=2)
+    with Generator(eng, MockParams(SALTS[0])) as gen:
+        h = gen.submit([4, 5, 6], sp, request_id="r", stream=True)
+        chunks = list(h)
+        out = h.result(T)
+    for i in range(2):
+        mine = [c for c in chunks if c.sample_index == i]
+        assert all(c.request_id == "r" for c in mine)
+        assert [t for c in mine for t in c.token_ids] == out.samples[i].completion_ids == ref([4, 5, 6], 12, sp, i)
+        assert [lp for c in mine for lp in c.logprobs] == out.samples[i].logprobs
+        assert [c.finish_reason for c in mine] == [None] * 11 + ["length"]
+
+    with Generator(MockEngine(), MockParams(0)) as gen:
+        plain = gen.submit([1], SamplingParams(max_new_tokens=2))
+        with pytest.raises(RuntimeError, match="stream=True"):
+            next(iter(plain))
+
+
+# -- n samples ---------------------------------------------------------------------------
+def test_n_samples_share_one_prefill():
+    eng = MockEngine(num_slots=4)
+    sp = SamplingParams(temperature=1.0, seed=9, max_new_tokens=6, n=3)
+    with Generator(eng, MockParams(SALTS[0])) as gen:
+        out = gen.submit([1, 2, 3, 4], sp).result(T)
+    assert eng.prefill_calls == [(4, 3, 0)]
+    assert [s.sample_index for s in out.samples] == [0, 1, 2]
+    for i, s in enumerate(out.samples):
+        assert s.completion_ids == ref([1, 2, 3, 4], 6, sp, i)
+    assert len({tuple(s.completion_ids) for s in out.samples}) == 3  # distinct random streams
+
+
+def test_n_larger_than_slots_is_split_into_consecutive_chunks():
+    eng = MockEngine(num_slots=4)
+    sp = SamplingParams(temperature=1.0, seed=1, max_new_tokens=5, n=6)
+    with Generator(eng, MockParams(SALTS[0])) as gen:
+        out = gen.submit([1, 2], sp).result(T)
+    assert eng.prefill_calls == [(2, 4, 0), (2, 2, 4)]
+    for i, s in enumerate(out.samples):
+        assert s.sample_index == i and s.completion_ids == ref([1, 2], 5, sp, i)
+
+
+# -- stop conditions ---------------------------------------------------------------------
+def test_stop_token_and_sequence_limit():
+    eng = MockEngine(num_slots=2, max_prefill_length=16, max_sequence_length=20)
+    greedy = SamplingParams(temperature=0, max_new_tokens=30)
+    full = ref([3, 1, 4], 17, greedy)
+    stop_tok = full[6]
+    first = full.index(stop_tok)
+    with Generator(eng, MockParams(SALTS[0])) as gen:
+        a = gen.submit([3, 1, 4], SamplingParams(temperature=0, max_new_tokens=30, stop_token_ids=(stop_tok,)))
+        b = gen.submit([3, 1, 4], greedy)  # clamped: 20 - 3 = 17 new tokens
+        c = gen.submit([3, 1, 4], SamplingParams(temperature=0, max_new_tokens=1))
+        a, b, c = (h.result(T).samples[0] for h in (a, b, c))
+    assert a.completion_ids == full[:first + 1] and a.finish_reason == "stop"
+    assert b.completion_ids == full and b.finish_reason == "length"
+    assert c.completion_ids == full[:1] and c.finish_reason == "length"
+
+
+def test_stop_strings_truncate_at_completing_token():
+    eng = MockEngine(num_slots=1, step_latency_s=0.0005)
+    sp0 = SamplingParams(temperature=0.7, seed=5, max_new_tokens=40)
+    full = ref([2, 7], 40, sp0)
+    text = CharTokenizer().decode(full)
+    stop = text[10:12]
+    end = next(j for j in range(1, 41) if stop in CharTokenizer().decode(full[:j]))
+    sp = SamplingParams(temperature=0.7, seed=5, max_new_tokens=40, stop_strings=(stop, "@@"))
+    with Generator(eng, MockParams(SALTS[0]), tokenizer=CharTokenizer()) as gen:
+        out = gen.submit([2, 7], sp).result(T)
+        other = gen.submit([2, 7], sp0).result(T)  # the released slot is reusable
+        assert gen.stats().live_slots == 0
+    s = out.samples[0]
+    assert s.completion_ids == full[:end] and s.finish_reason == "stop"
+    assert s.text.endswith(stop) and s.text == CharTokenizer().decode(full[:end])
+    assert other.samples[0].completion_ids == full
+    # the stream thread released the slot at once: a few lagging decode steps at most, not 40 - end
+    assert sum(eng.live_per_step) <= (end - 1) + 3 + 39
+    with pytest.raises(ValueError, match="tokenizer"):
+        Generator(eng, MockParams(0)).submit([1], sp)
+
+
+# -- abort -------------------------------------------------------------------------------
+def test_abort_running_and_queued_requests():
+    eng = MockEngine(num_slots=1, step_latency_s=0.002)
+    sp = SamplingParams(temperature=0, max_new_tokens=100)
+    with Generator(eng, MockParams(SALTS[0])) as gen:
+        running = gen.submit([1, 2, 3], sp, request_id="run", stream=True)
+        queued = gen.submit([4, 5], sp, request_id="queued")
+        it = iter(running)
+        for _ in range(5):
+            next(it)
+        queued.abort()
+        running.abort()
+        r, q = running.result(T).samples[0], queued.result(T).samples[0]
+        after = gen.submit([6], SamplingParams(temperature=0, max_new_tokens=4)).result(T)  # slot was freed
+    assert r.finish_reason == "abort" and 5 <= len(r.completion_ids) < 100
+    assert r.completion_ids == ref([1, 2, 3], len(r.completion_ids), sp)
+    assert q.finish_reason == "abort" and q.completion_ids == [] and q.first_token_time is None
+    assert after.samples[0].completion_ids == ref([6], 4, sp)
+    gen.abort("unknown-id")  # no effect, no error
+
+
+# -- weight swap -------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["keep_kv", "recompute_kv"])
+def test_weight_swap_mid_generation(policy):
+    other = {"keep_kv": "recompute_kv", "recompute_kv": "keep_kv"}[policy]
+    eng = MockEngine(num_slots=4, step_latency_s=0.002)
+    sp = [SamplingParams(temperature=t, seed=i, max_new_tokens=40) for i, t in enumerate([0, 0.9, 0, 0.9, 0, 0.9])]
+    ps = prompts(6)
+    with Generator(eng, MockParams(SALTS[0]), kv_update_policy=policy) as gen:
+        hs = [gen.submit(p, s, request_id=f"r{i}", stream=(i == 0)) for i, (p, s) in enumerate(zip(ps, sp))]
+        for _ in range(4):  # wait for some tokens of request 0
+            next(iter(hs[0]))
+        gen.update_params(MockParams(SALTS[1]), version=1, wait=True, timeout=T)
+        assert gen.version == 1
+        outs = [h.result(T) for h in hs]
+        late = gen.submit(ps[0], sp[0]).result(T).samples[0]  # admitted after the swap
+        stats = gen.stats()
+    swapped = 0
+    for p, s, o in zip(ps, sp, outs):
+        (smp,) = o.samples
+        v = smp.versions
+        assert len(smp.completion_ids) == 40 and smp.finish_reason == "length"  # nothing lost or duplicated
+        assert v == sorted(v) and set(v) <= {0, 1}
+        assert smp.completion_ids == reference_tokens(p, v, SALTS, policy, s)
+        j = v.index(1) if 1 in v else 0
+        if j > 0:  # interrupted mid-generation
+            swapped += 1
+            assert smp.completion_ids != reference_tokens(p, v, SALTS, other, s)  # test discriminates
+            assert smp.completion_ids[:j] == ref(p, 40, s)[:j]
+            assert smp.completion_ids[j:] != ref(p, 40, s)[j:]
+            if policy == "recompute_kv":
+                assert smp.num_recomputes == 1
+    assert swapped >= 4  # the 4 requests in slots at the swap were interrupted, not drained
+    assert late.versions == [1] * 40 and late.completion_ids == ref(ps[0], 40, sp[0], version=1)
+    assert stats.weight_updates == 1 and stats.version == 1
+    if policy == "recompute_kv":
+        assert stats.recomputed_sequences >= 4
+
+
+def test_update_params_before_start_and_superseded_update():
+    eng = MockEngine(num_slots=2)
+    gen = Generator(eng, MockParams(SALTS[0]))
+    gen.update_params(MockParams(SALTS[1]), version=1)
+    assert gen.version == 1
+    with gen:
+        gen.update_params(MockParams(SALTS[0]), version=0)
+        gen.update_params(MockParams(SALTS[2]), version=2, wait=True, timeout=T)
+        out = gen.submit([1, 2], SamplingParams(temperature=0, max_new_tokens=5)).result(T)
+    assert out.samples[0].versions == [2] * 5
+    assert out.samples[0].completion_ids == ref([1, 2], 5, SamplingParams(temperature=0), version=2)
+
+
+# -- paged cache pressure ----------------------------------------------------------------
+def test_preemption_on_out_of_pages_is_transparent():
+    # 4 slots, pages of 4 tokens, 14 pages: 4 sequences of up to 6 + 30 tokens (9 pages each) cannot all fit.
+    eng = MockEngine(num_slots=4, num_pages=14, page_size=4)
+    ps = [[i, i + 1, i + 2, i + 3, i + 4, i + 5] for i in range(6)]
+    sp = [SamplingParams(temperature=0.9, seed=i, max_new_tokens=30) for i in range(6)]
+    with Generator(eng, MockParams(SALTS[0])) as gen:
+        handles = [gen.submit(p, s) for p, s in zip(ps, sp)]
+        outs = [h.result(T).samples[0] for h in handles]
+        stats = gen.stats()
+    assert eng.out_of_pages_raised > 0 and stats.preemptions > 0
+    assert sum(o.num_preemptions for o in outs) == stats.preemptions
+    for p, s, o in zip(ps, sp, outs):
+        assert o.completion_ids == ref(p, 30, s) and o.finish_reason == "length"
+    assert any(length > 6 for length, _, _ in eng.prefill_calls)  # continuations were re-prefilled
+
+
+def test_sequence_that_cannot_fit_fails_alone():
+    eng = MockEngine(num_slots=2, num_pages=3, page_size=4)  # at most 12 tokens in the whole cache
+    with Generator(eng, MockParams(SALTS[0])) as gen:
+        big = gen.submit([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=40))
+        with pytest.raises(GeneratorError) as ei:
+            big.result(T)
+        assert isinstance(ei.value.__cause__, OutOfPagesError)
+        ok = gen.submit([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=5)).result(T)
+    assert ok.samples[0].completion_ids == ref([1, 2, 3], 5, SamplingParams(temperature=0))
+
+
+# -- failures ----------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["step", "prefill"])
+def test_engine_exception_propagates_to_every_waiter(where):
+    kw = {"fail_on_step": 6} if where == "step" else {"fail_on_prefill": 3}
+    eng = MockEngine(num_slots=2, step_latency_s=0.001, **kw)
+    gen = Generator(eng, MockParams(SALTS[0])).start()
+    hs = [gen.submit([1, i], SamplingParams(temperature=0, max_new_tokens=50), stream=(i == 0)) for i in range(4)]
+    t0 = time.monotonic()
+    with pytest.raises(GeneratorError) as ei:
+        list(hs[0])
+    assert "injected" in str(ei.value.__cause__)
+    for h in hs[1:]:
+        with pytest.raises(GeneratorError, match="injected"):
+            h.result(T)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(GeneratorError, match="injected"):
+        gen.submit([1], SamplingParams())
+    gen.stop()
+    assert not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("generator-"))
+
+
+def test_stop_fails_unfinished_requests_without_hanging():
+    eng = MockEngine(num_slots=1, step_latency_s=0.002)
+    gen = Generator(eng, MockParams(SALTS[0])).start()
+    h = gen.submit([1], SamplingParams(temperature=0, max_new_tokens=10_000))
+    h2 = gen.submit([2], SamplingParams(temperature=0, max_new_tokens=10))
+    time.sleep(0.02)
+    gen.stop()
+    for x in (h, h2):
+        with pytest.raises(GeneratorClosedError):
+            x.result(T)
+    with pytest.raises(GeneratorClosedError):
+        gen.submit([1])
+    with pytest.raises(TimeoutError):
+        Generator(eng, MockParams(0)).submit([1]).result(0.01)
+
+
+def test_submit_validation():
+    gen = Generator(MockEngine(max_prefill_length=8, max_sequence_length=8), MockParams(0))
+    with pytest.raises(ValueError, match="empty prompt"):
+        gen.submit([])
+    with pytest.raises(ValueError, match="max_prefill_length 8"):
+        gen.submit(list(range(9)), request_id="long")
+    with pytest.raises(ValueError, match="no room"):
+        gen.submit(list(range(8)))
+    with pytest.raises(ValueError, match="top_p"):
+        gen.submit([1], SamplingParams(top_p=0))
+    gen.submit([1], request_id="a")
+    with pytest.raises(ValueError, match="already in flight"):
+        gen.submit([1], request_id="a")
+    with pytest.raises(ValueError, match="kv_update_policy"):
+        Generator(MockEngine(), MockParams(0), kv_update_policy="drain")
