@@ -231,3 +231,59 @@ def reference_tokens(prompt: Sequence[int], versions: Sequence[int], salts: dict
             digest = mix(digest, out[-1], salt)
         out.append(next_token(salt, digest, len(prompt) + j, sampling, sample_index, vocab))
     return out
+
+
+class GatedEngine(Engine):
+    """Delegates to `inner`, but decode step number `gate_step` waits for `gate` (set by the test).
+
+    Lets a test act (e.g. `update_params`) at a known point of generation on a real engine.
+    """
+
+    def __init__(self, inner: Engine, gate_step: int, timeout_s: float = 30.0):
+        self.inner = inner
+        self.gate_step = gate_step
+        self.gate = threading.Event()
+        self.reached = threading.Event()
+        self.timeout_s = timeout_s
+        self.num_steps = 0
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.inner.max_concurrent_decodes
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.inner.max_prefill_length
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.inner.max_sequence_length
+
+    def init_decode_state(self) -> Any:
+        return self.inner.init_decode_state()
+
+    def prefill(self, params, tokens, sampling, num_samples=1, sample_offset=0):
+        return self.inner.prefill(params, tokens, sampling, num_samples=num_samples, sample_offset=sample_offset)
+
+    def insert(self, prefix, state, slot, sample=0):
+        return self.inner.insert(prefix, state, slot, sample=sample)
+
+    def bulk_insert(self, prefix, state, slots):
+        return self.inner.bulk_insert(prefix, state, slots)
+
+    def generate(self, params, state):
+        self.num_steps += 1
+        if self.num_steps == self.gate_step:
+            self.reached.set()
+            if not self.gate.wait(self.timeout_s):
+                raise TimeoutError("GatedEngine: gate never opened")
+        return self.inner.generate(params, state)
+
+    def release(self, state, slot):
+        return self.inner.release(state, slot)
+
+    def free_pages(self, state) -> int:
+        return self.inner.free_pages(state)
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return self.inner.pages_needed(num_tokens)
