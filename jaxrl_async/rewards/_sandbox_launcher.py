@@ -1,0 +1,308 @@
+"""Privileged launcher of the code sandbox (stdlib only; run as ``python -I -S _sandbox_launcher.py CFG``).
+
+This file is executed in a fresh interpreter by :mod:`jaxrl_async.rewards.sandbox`; it is never imported
+by the package.  It reads a JSON config (written 0600 by the parent), builds the isolation, runs the
+untrusted program and reports how it ended as one JSON line on ``status_fd`` (a pipe only the parent
+reads; it is close-on-exec, so the untrusted program never holds it and cannot forge a status).
+
+Process tree in ``namespaces`` mode::
+
+    parent (RL process) ── outer launcher (host namespaces, root)
+                              └─ inner launcher: PID 1 of new PID/mount/net/IPC/UTS namespaces (root)
+                                    └─ user program (sandbox uid, rlimits, no_new_privs)
+                                          └─ anything it forks (all die when PID 1 exits)
+
+* outer: ``unshare(2)`` then ``fork``; waits for the inner launcher and mirrors its exit status.
+* inner (PID 1): makes every mount private and recursively read-only + nosuid (``mount_setattr``),
+  mounts a fresh ``/proc`` and a size-capped private tmpfs on ``/tmp`` holding the work dir
+  ``/tmp/work``; forks the user program; enforces the wall-clock deadline (``SIGALRM`` → ``kill(-1)``);
+  reaps everything; writes the status; exits.  When PID 1 exits the kernel SIGKILLs every process
+  left in the namespace (the fork-bomb / daemon containment), and the tmpfs disappears with the
+  mount namespace.
+* user program: rlimits (CPU, AS, FSIZE, NPROC, NOFILE, CORE=0), ``PR_SET_NO_NEW_PRIVS``, no
+  supplementary groups, real/effective/saved uid+gid switched to an unprivileged sandbox uid, clean
+  environment, ``execve``.
+
+``plain`` mode (no namespaces available and the caller allowed it): no unshare and no inner launcher;
+the user program runs in its own process group in a parent-made work dir, with the same rlimits and
+uid switch (when root); the wall deadline kills the process group.
+"""
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import os
+import resource
+import signal
+import socket
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+
+AT_FDCWD = -100
+AT_RECURSIVE = 0x8000
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+SYS_MOUNT_SETATTR = 442  # same number on x86_64 and aarch64 (new unified syscall table)
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NO_NEW_PRIVS = 38
+
+WORKDIR_IN_NS = "/tmp/work"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), f"unshare(0x{flags:x})")
+
+
+def _mount(src: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(_libc.mount(src.encode(), target.encode(), fstype.encode() if fstype else None,
+                       ctypes.c_ulong(flags), data.encode() if data else None),
+           f"mount({src!r}, {target!r}, {fstype!r})")
+
+
+def _prctl(option: int, arg: int) -> None:
+    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0),
+                       ctypes.c_ulong(0), ctypes.c_ulong(0)), f"prctl({option})")
+
+
+def _make_root_readonly() -> None:
+    """Every mount of this (private) mount namespace → read-only + nosuid, recursively."""
+    attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
+    ret = _libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), b"/",
+                        ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+    if ret == 0:
+        return
+    # Kernels < 5.12: remount each mount point read-only one by one (bind-remount keeps other flags).
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for point in sorted(set(points), key=len):
+        try:
+            _mount("none", point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
+        except OSError:
+            if point == "/":
+                raise
+
+
+def _write_status(fd: int, status: dict) -> None:
+    try:
+        os.write(fd, (json.dumps(status) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _status_from_wait(wstatus: int, rusage) -> dict:
+    out = {"cpu_time_s": rusage.ru_utime + rusage.ru_stime, "max_rss_kib": rusage.ru_maxrss}
+    if os.WIFSIGNALED(wstatus):
+        out.update(kind="signaled", signal=os.WTERMSIG(wstatus))
+    else:
+        out.update(kind="exited", code=os.WEXITSTATUS(wstatus))
+    return out
+
+
+def _exec_user_program(cfg: dict, workdir: str, status_fd: int) -> None:
+    """Child side: limits, privilege drop, exec.  Never returns."""
+    try:
+        os.setpgid(0, 0)
+        for name, (soft, hard) in cfg["rlimits"].items():
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+        os.chdir(workdir)
+        os.umask(0o077)
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        if cfg.get("uid") is not None:
+            os.setgroups([])
+            os.setresgid(cfg["gid"], cfg["gid"], cfg["gid"])
+            os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+        os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+    except BaseException as exc:  # noqa: BLE001 - report any setup failure to the parent
+        _write_status(status_fd, {"kind": "setup_error", "error": f"exec stage: {exc!r}"})
+    finally:
+        os._exit(127)
+
+
+def _write_files(workdir: str, files: dict, uid, gid) -> None:
+    for rel, b64 in files.items():
+        path = os.path.join(workdir, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(b64))
+        if uid is not None:
+            os.chown(path, uid, gid)
+
+
+def _supervise(pid: int, cfg: dict, status_fd: int, kill_all) -> None:
+    """Wait for ``pid`` (reaping every other child too), enforcing the wall deadline.  Exits."""
+    timed_out = []
+
+    def on_alarm(signum, frame):
+        timed_out.append(True)
+        kill_all()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(cfg["wall_timeout_s"], 0.001))
+    while True:
+        try:
+            got, wstatus, rusage = os.wait4(-1, 0)
+        except ChildProcessError:
+            _write_status(status_fd, {"kind": "setup_error", "error": "user program vanished"})
+            os._exit(125)
+        except InterruptedError:
+            continue
+        if got == pid:
+            break
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    status = _status_from_wait(wstatus, rusage)
+    status["timed_out"] = bool(timed_out)
+    kill_all()  # stragglers (plain mode: the process group; namespace mode: everything but PID 1)
+    _write_status(status_fd, status)
+    os._exit(0)
+
+
+def _inner_pid1(cfg: dict, status_fd: int) -> None:
+    try:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # outer launcher killed → PID 1 dies → namespace dies
+        _mount("none", "/", None, MS_REC | MS_PRIVATE)
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        _make_root_readonly()
+        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+               f"size={cfg['tmpfs_bytes']},mode=1777,nr_inodes=4096")
+        uid, gid = cfg.get("uid"), cfg.get("gid")
+        os.mkdir(WORKDIR_IN_NS, 0o700)
+        if uid is not None:
+            os.chown(WORKDIR_IN_NS, uid, gid)
+        _write_files(WORKDIR_IN_NS, cfg["files"], uid, gid)
+        try:
+            socket.sethostname("sandbox")
+        except OSError:
+            pass
+    except BaseException as exc:  # noqa: BLE001
+        _write_status(status_fd, {"kind": "setup_error", "error": f"namespace setup: {exc!r}"})
+        os._exit(125)
+    pid = os.fork()
+    if pid == 0:
+        _exec_user_program(cfg, WORKDIR_IN_NS, status_fd)
+
+    def kill_all():
+        try:
+            os.kill(-1, signal.SIGKILL)  # from PID 1: every process of the namespace except itself
+        except ProcessLookupError:
+            pass
+
+    _supervise(pid, cfg, status_fd, kill_all)
+
+
+def _outer_namespaces(cfg: dict, status_fd: int) -> None:
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    if cfg["unshare_net"]:
+        flags |= CLONE_NEWNET
+    try:
+        _unshare(flags)
+    except OSError as exc:
+        _write_status(status_fd, {"kind": "setup_error", "error": f"{exc}"})
+        os._exit(125)
+    pid = os.fork()
+    if pid == 0:
+        _inner_pid1(cfg, status_fd)
+        os._exit(125)
+    # Backup deadline: if the inner launcher itself wedges, kill it (its death kills the namespace).
+    signal.signal(signal.SIGALRM, lambda s, f: os.kill(pid, signal.SIGKILL))
+    signal.setitimer(signal.ITIMER_REAL, cfg["wall_timeout_s"] + 2.0)
+    while True:
+        try:
+            _, wstatus = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(wstatus) or os.WEXITSTATUS(wstatus) != 0:
+        _write_status(status_fd, {"kind": "setup_error", "error": f"inner launcher ended with wait status {wstatus}"})
+    os._exit(0)
+
+
+def _outer_plain(cfg: dict, status_fd: int) -> None:
+    uid, gid = cfg.get("uid"), cfg.get("gid")
+    _write_files(cfg["workdir"], cfg["files"], uid, gid)
+    pid = os.fork()
+    if pid == 0:
+        _exec_user_program(cfg, cfg["workdir"], status_fd)
+
+    def kill_all():
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    _supervise(pid, cfg, status_fd, kill_all)
+
+
+def _probe() -> None:
+    """Print which isolation works here: {"root": bool, "namespaces": bool, "net": bool, "error": str}."""
+    result = {"root": os.geteuid() == 0, "namespaces": False, "net": False, "error": ""}
+    for net in (True, False):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWNET if net else 0)
+                _unshare(flags)
+                _mount("none", "/", None, MS_REC | MS_PRIVATE)
+                _make_root_readonly()
+                _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=65536")
+                os.write(w, b"ok")
+            except BaseException as exc:  # noqa: BLE001
+                os.write(w, repr(exc).encode()[:500])
+            os._exit(0)
+        os.close(w)
+        msg = os.read(r, 1000).decode(errors="replace")
+        os.close(r)
+        os.waitpid(pid, 0)
+        if msg == "ok":
+            result.update(namespaces=True, net=net)
+            break
+        result["error"] = msg
+    print(json.dumps(result))
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--probe"]:
+        _probe()
+        return
+    with open(sys.argv[1]) as f:
+        cfg = json.load(f)
+    status_fd = cfg["status_fd"]
+    os.set_inheritable(status_fd, False)  # never reaches the user program (close-on-exec)
+    if cfg["mode"] == "namespaces":
+        _outer_namespaces(cfg, status_fd)
+    else:
+        _outer_plain(cfg, status_fd)
+
+
+if __name__ == "__main__":
+    main()
