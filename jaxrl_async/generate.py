@@ -1,0 +1,256 @@
+"""`python -m jaxrl_async.generate`: batch generation with the paged engine and the orchestrator.
+
+    python -m jaxrl_async.generate --model DIR --input prompts.jsonl --output out.jsonl \\
+        [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--n N] [--seed S] \\
+        [--max-concurrent B] [--dtype float32|bfloat16] [--chat] [--truncate-prompts] \\
+        [--stop STR ...] [--ignore-eos] [--max-prompt-length L] [--page-size P] [--num-pages N]
+
+Input rows: {"prompt": "..."} (tokenised with the model directory's tokenizer; with --chat the
+prompt becomes one user message rendered by the tokenizer's chat template, when it has one) or
+{"prompt_ids": [...]}. Output rows, in input order, one per sample:
+{"row": i, ["sample_index": k,] "completion_ids": [...], "text": "...", "logprobs": [...],
+"finish_reason": "stop" | "length"} (`sample_index` only with --n > 1; `text` is null when the
+model directory has no tokenizer). `logprobs` are the behaviour log-probs of the engine
+(log-softmax of the temperature-scaled logits over the full vocabulary; raw logits when greedy).
+
+Stopping: the model's EOS ids (config `eos_token_id`, plus the tokenizer's) unless --ignore-eos,
+and the --stop strings (the completion ends with the token that completed the string).
+Seeds: row i uses seed S + i, so rows are reproducible and independent of batching.
+Prompt length limit: --max-prompt-length (default: the longest prompt of the file, capped at the
+model's max_position_embeddings - 1). A longer prompt is an error naming its row, or with
+--truncate-prompts keeps its last L tokens (the end of a prompt, where the question and the
+generation prompt are) and the number of truncated prompts is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any, Callable, Iterable
+
+PROMPT_FIELDS = ("prompt", "prompt_ids")
+
+
+class BadRowError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class PromptRow:
+    row: int
+    prompt_ids: list[int]
+    truncated_from: int | None = None  # original length when truncated
+
+
+def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    """Token ids of a text prompt: the chat template's rendering of one user message when `chat`
+    (and the tokenizer has a template), else the plain encoding with the tokenizer's special tokens."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
+def parse_row(obj: Any, row: int, encode: Callable[[str, int], list[int]], vocab_size: int) -> list[int]:
+    """Prompt ids of one input row; BadRowError naming the row and the problem."""
+    if not isinstance(obj, dict):
+        raise BadRowError(f"row {row}: expected a JSON object, got {type(obj).__name__}")
+    present = [f for f in PROMPT_FIELDS if f in obj]
+    if len(present) != 1:
+        raise BadRowError(f"row {row}: needs exactly one of the fields {PROMPT_FIELDS}, got {sorted(obj)}")
+    if present[0] == "prompt":
+        if not isinstance(obj["prompt"], str):
+            raise BadRowError(f"row {row}: field 'prompt' must be a string")
+        ids = encode(obj["prompt"], row)
+    else:
+        ids = obj["prompt_ids"]
+        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+            raise BadRowError(f"row {row}: field 'prompt_ids' must be a list of integers")
+        bad = [x for x in ids if not 0 <= x < vocab_size]
+        if bad:
+            raise BadRowError(f"row {row}: prompt_ids {bad[:5]} out of the model's vocabulary [0, {vocab_size})")
+    if not ids:
+        raise BadRowError(f"row {row}: empty prompt")
+    return list(ids)
+
+
+def apply_length_limit(rows: list[PromptRow], max_len: int, truncate: bool) -> tuple[list[PromptRow], list[str]]:
+    """Truncate (keep the last `max_len` tokens) or report rows longer than `max_len`."""
+    errors = []
+    for r in rows:
+        n = len(r.prompt_ids)
+        if n > max_len:
+            if truncate:
+                r.truncated_from, r.prompt_ids = n, r.prompt_ids[-max_len:]
+            else:
+                errors.append(f"row {r.row}: prompt has {n} tokens > max prompt length {max_len} "
+                              f"(pass --truncate-prompts to keep the last {max_len} tokens)")
+    return rows, errors
+
+
+def read_rows(lines: Iterable[str], encode: Callable[[str, int], list[int]], vocab_size: int
+              ) -> tuple[list[PromptRow], list[str]]:
+    rows, errors = [], []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BadRowError(f"row {i}: invalid JSON ({e.msg})") from None
+            rows.append(PromptRow(i, parse_row(obj, i, encode, vocab_size)))
+        except BadRowError as e:
+            errors.append(str(e))
+    return rows, errors
+
+
+def output_rows(row: int, samples: list, n: int) -> list[dict]:
+    out = []
+    for s in samples:
+        d: dict[str, Any] = {"row": row}
+        if n > 1:
+            d["sample_index"] = s.sample_index
+        d.update(completion_ids=s.completion_ids, text=s.text, logprobs=s.logprobs, finish_reason=s.finish_reason)
+        out.append(d)
+    return out
+
+
+def stop_token_ids(cfg: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids = set()
+    eos = cfg.eos_token_id
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(int(i) for i in ids))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m jaxrl_async.generate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    ap.add_argument("--input", required=True, help="input JSONL ({'prompt': str} or {'prompt_ids': [int]} rows)")
+    ap.add_argument("--output", required=True, help="output JSONL")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0 = no top-k truncation")
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt (one prefill shared by the n samples)")
+    ap.add_argument("--seed", type=int, default=0, help="row i uses seed + i")
+    ap.add_argument("--max-concurrent", type=int, default=32, help="decode slots (static decode batch)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute/param/KV dtype")
+    ap.add_argument("--chat", action="store_true", help="render text prompts with the tokenizer's chat template")
+    ap.add_argument("--truncate-prompts", action="store_true", help="keep the last --max-prompt-length tokens")
+    ap.add_argument("--stop", nargs="+", default=[], metavar="STR", help="stop strings")
+    ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token(s)")
+    ap.add_argument("--max-prompt-length", type=int, default=None, help="longest prompt (largest prefill bucket)")
+    ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from device memory)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    for name, lo in (("max_new_tokens", 1), ("n", 1), ("max_concurrent", 1), ("page_size", 1)):
+        if getattr(args, name) < lo:
+            ap.error(f"--{name.replace('_', '-')} must be >= {lo}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        ap.error("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    if args.max_prompt_length is not None and args.max_prompt_length < 1:
+        ap.error("--max-prompt-length must be >= 1")
+    if not 0 <= args.seed < 2 ** 32:
+        ap.error("--seed must be in [0, 2**32)")
+
+    from tqdm import tqdm
+
+    from jaxrl_async.models import ModelConfig
+    from jaxrl_async.rollout.engine_api import SamplingParams
+
+    cfg = ModelConfig.from_hf(args.model, dtype=args.dtype, param_dtype=args.dtype)
+    tokenizer, tok_error = None, None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except Exception as e:  # noqa: BLE001 - only an error if a row or option needs it
+        tok_error = e
+    if tokenizer is None and args.stop:
+        print(f"error: --stop needs a tokenizer in {args.model} ({tok_error})", file=sys.stderr)
+        return 2
+    if args.chat and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        print(f"warning: --chat: the tokenizer in {args.model} has no chat template; prompts are encoded as plain text",
+              file=sys.stderr)
+
+    def encode(text: str, row: int) -> list[int]:
+        if tokenizer is None:
+            raise BadRowError(f"row {row}: text prompts need a tokenizer in {args.model} ({tok_error})")
+        return encode_prompt(tokenizer, text, args.chat)
+
+    with open(args.input) as fh:
+        rows, errors = read_rows(fh, encode, cfg.vocab_size)
+    model_max = cfg.max_position_embeddings - 1
+    max_prompt = args.max_prompt_length or min(max((len(r.prompt_ids) for r in rows), default=1), model_max)
+    max_prompt = min(max_prompt, model_max)
+    rows, len_errors = apply_length_limit(rows, max_prompt, args.truncate_prompts)
+    errors += len_errors
+    if errors:
+        for e in errors:
+            print(f"error: {args.input}: {e}", file=sys.stderr)
+        print(f"{len(errors)} bad row(s), nothing generated", file=sys.stderr)
+        return 2
+    if not rows:
+        print(f"error: {args.input}: no prompts", file=sys.stderr)
+        return 2
+    n_trunc = sum(r.truncated_from is not None for r in rows)
+    if n_trunc:
+        print(f"truncated {n_trunc} prompt(s) to their last {max_prompt} tokens", file=sys.stderr)
+
+    from jaxrl_async.models import load_hf
+    from jaxrl_async.rollout.engine import PagedEngine
+    from jaxrl_async.rollout.orchestrator import Generator
+
+    cfg, params = load_hf(args.model, cfg=cfg)
+    engine = PagedEngine(cfg, max_concurrent_decodes=args.max_concurrent,
+                         max_sequence_length=min(max_prompt + args.max_new_tokens, cfg.max_position_embeddings),
+                         max_prefill_length=max_prompt, page_size=args.page_size, num_pages=args.num_pages)
+    params = engine.place_params(params)
+    stops = () if args.ignore_eos else stop_token_ids(cfg, tokenizer)
+
+    def sampling(row: int) -> SamplingParams:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
+                              stop_strings=tuple(args.stop), seed=(args.seed + row) % 2 ** 32, n=args.n)
+
+    t0 = time.perf_counter()
+    total = len(rows) * args.n
+    with Generator(engine, params, tokenizer=tokenizer) as gen:
+        handles = [gen.submit(r.prompt_ids, sampling(r.row), request_id=str(r.row)) for r in rows]
+        with tqdm(total=total, desc="generate", unit="sample", file=sys.stderr, disable=None) as bar:
+            shown = 0
+            while gen.error is None and not all(h.done() for h in handles):
+                time.sleep(0.05)
+                now = min(gen.stats().finished_samples, total)
+                bar.update(now - shown)
+                shown = now
+            bar.update(total - shown)
+        outputs = [h.result(timeout=None) for h in handles]  # raises GeneratorError on failure
+        stats = gen.stats()
+    elapsed = time.perf_counter() - t0
+    with open(args.output, "w") as fh:
+        for r, out in zip(rows, outputs):
+            for d in output_rows(r.row, out.samples, args.n):
+                fh.write(json.dumps(d) + "\n")
+    n_tok = sum(len(s.completion_ids) for o in outputs for s in o.samples)
+    print(f"generated {total} sample(s), {n_tok} tokens in {elapsed:.1f} s ({n_tok / elapsed:.1f} tok/s incl. "
+          f"compilation; decode {stats.tokens_per_s:.1f} tok/s, slot utilisation {stats.slot_utilisation:.2f}) "
+          f"-> {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

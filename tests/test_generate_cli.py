@@ -1,0 +1,126 @@
+"""`python -m jaxrl_async.generate` on a tiny random Qwen3 with a local WordLevel tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl_async import generate
+
+WORDS = "the a cat dog sat ran on under mat log red blue big small one two three and then".split()
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0, 1, 2, 3 (the tiny config: pad 0, bos 1, eos 2)
+CHAT_TEMPLATE = ("{% for m in messages %}<bos> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}then{% endif %}")
+
+
+def make_tokenizer(out_dir: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from jaxrl_async.testing import make_tiny_hf_model
+
+    d = str(tmp_path_factory.mktemp("tiny"))
+    make_tiny_hf_model(d, "qwen3", vocab_size=64)  # 64 >= 24 tokenizer entries
+    make_tokenizer(d)
+    return d
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def torch_greedy(model_dir, prompt_ids, n_new, stop_ids=(2,)):
+    import torch
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = list(prompt_ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(n_new):
+            t = int(torch.argmax(m(torch.tensor([ids])).logits[0, -1]))
+            out.append(t)
+            ids.append(t)
+            if t in stop_ids:
+                break
+    return out
+
+
+def test_encode_prompt_plain_and_chat(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    assert generate.encode_prompt(tok, "the cat sat", chat=False) == [ids["the"], ids["cat"], ids["sat"]]
+    assert generate.encode_prompt(tok, "the cat", chat=True) == [ids["<bos>"], ids["the"], ids["cat"], ids["then"]]
+
+
+def test_generate_cli_rows_order_n_samples_and_truncation(model_dir, tmp_path, capsys):
+    rows = [{"prompt": "the cat sat on the mat"},
+            {"prompt_ids": [5, 6, 7]},
+            {"prompt": "a big red dog ran under the small blue log and then sat"},  # 13 tokens > 8: truncated
+            {"prompt_ids": [9]},
+            {"prompt": "one two three"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = str(tmp_path / "out.jsonl")
+    rc = generate.main(["--model", model_dir, "--input", inp, "--output", out, "--max-new-tokens", "6",
+                        "--temperature", "0", "--n", "2", "--max-concurrent", "3", "--max-prompt-length", "8",
+                        "--truncate-prompts", "--page-size", "4"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "truncated 1 prompt(s) to their last 8 tokens" in err
+    res = read_jsonl(out)
+    assert [(r["row"], r["sample_index"]) for r in res] == [(i, k) for i in range(5) for k in range(2)]
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    prompts = [[vocab[w] for w in "the cat sat on the mat".split()], [5, 6, 7],
+               [vocab[w] for w in "a big red dog ran under the small blue log and then sat".split()][-8:], [9],
+               [vocab[w] for w in "one two three".split()]]
+    for r in res:
+        expect = torch_greedy(model_dir, prompts[r["row"]], 6)
+        assert r["completion_ids"] == expect, r  # greedy: both samples equal transformers' greedy
+        assert len(r["logprobs"]) == len(expect) and all(lp <= 0 for lp in r["logprobs"])
+        assert r["finish_reason"] == ("stop" if expect[-1] == 2 else "length")
+        assert isinstance(r["text"], str)
+
+
+def test_generate_cli_bad_rows_are_named(model_dir, tmp_path, capsys):
+    inp = write_jsonl(tmp_path / "bad.jsonl", [
+        {"prompt_ids": [1, 2]}, "{not json", {"text": "x"}, {"prompt_ids": [1, 999]},
+        {"prompt": "the cat sat on the mat and then ran"}, {"prompt_ids": []}])
+    rc = generate.main(["--model", model_dir, "--input", inp, "--output", str(tmp_path / "o.jsonl"),
+                        "--max-prompt-length", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "row 1: invalid JSON" in err
+    assert "row 2: needs exactly one of the fields" in err
+    assert "row 3: prompt_ids [999] out of the model's vocabulary [0, 64)" in err
+    assert "row 4: prompt has 9 tokens > max prompt length 4 (pass --truncate-prompts" in err
+    assert "row 5: empty prompt" in err
+    assert "row 0" not in err and "5 bad row(s)" in err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_generate_cli_module_entry_point_help():
+    r = subprocess.run([sys.executable, "-m", "jaxrl_async.generate", "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "--truncate-prompts" in r.stdout and "--max-concurrent" in r.stdout
