@@ -1,0 +1,584 @@
+"""Rollout workflows: how an episode is run against the generator, grouped and fed to the trainer.
+
+Writing your own workflow
+=========================
+
+Subclass :class:`RolloutWorkflow` in one file and implement ONE method, ``run_episode``. It runs a
+single episode for one data item and returns a :class:`Trajectory` (or None to reject the item's
+group). It runs in a worker thread, so it may block; ``ctx.generate`` submits to the shared
+generator and waits (with the configured timeout), ``ctx.reward`` runs a function in the reward
+thread pool (off the generator's decode thread). Example, a two-turn "answer, then double-check"
+episode::
+
+    # my_project/check_twice.py
+    from jaxrl_async.rollout.workflow import EpisodeContext, RolloutWorkflow, Trajectory
+
+    class CheckTwice(RolloutWorkflow):
+        def __init__(self, tokenizer, reward_fn):
+            self.tok, self.reward_fn = tokenizer, reward_fn
+
+        def run_episode(self, item, ctx: EpisodeContext) -> Trajectory | None:
+            first = ctx.generate(item.prompt_ids)[0]                 # one SampleOutput
+            follow_up = self.tok.encode("\\nAre you sure? Answer again.\\n")
+            second = ctx.generate(item.prompt_ids + first.completion_ids + follow_up)[0]
+            text = self.tok.decode(second.completion_ids, skip_special_tokens=True)
+            reward = ctx.reward(self.reward_fn, item.prompt, text, item.answer)
+            return Trajectory.from_turns(item.prompt_ids, [first, (follow_up, False), second], reward)
+
+and select it with ``rollout.workflow=my_project.check_twice:CheckTwice`` (the loop passes the
+tokenizer and the reward function when the constructor takes them). Group sampling (n episodes per
+prompt, run concurrently) comes for free from :meth:`RolloutWorkflow.run_group`; override
+``run_group`` only to batch the n samples into one request, as :class:`RLVRWorkflow` does (one
+prefill shared by the n samples).
+
+Failure handling: an episode that raises, times out or returns None rejects its group with a
+reason (``error:<Type>``, ``timeout``, ``episode_none``); the :class:`RolloutDispatcher` counts it,
+gives the group's staleness budget back and keeps going. Only a broken generator or too many
+consecutive failures are fatal (``RolloutDispatcher.fatal_error``).
+
+Token conventions of a :class:`Trajectory` (all arrays of length T = prompt + completion):
+``logprobs[t] = log π_behav(tokens[t] | tokens[:t])`` for generated tokens and 0 elsewhere,
+``versions[t]`` = policy version that generated ``tokens[t]`` and −1 elsewhere, ``loss_mask[t] = 1``
+on generated tokens that are trained on. The one-position shift to next-token prediction
+(AReaL's roll of the loss mask) is the trainer's job.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import concurrent.futures as cf
+import dataclasses
+import hashlib
+import itertools
+import logging
+import math
+import threading
+import time
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from jaxrl_async.rollout.engine_api import SamplingParams
+from jaxrl_async.rollout.staleness import StalenessManager, StalenessViolation, Ticket
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generator protocol (implemented by rollout.orchestrator.Generator)
+# ---------------------------------------------------------------------------------------------
+class _Handle(Protocol):
+    def result(self, timeout: float | None = None) -> Any: ...
+
+    def abort(self) -> None: ...
+
+
+class GeneratorLike(Protocol):
+    """What workflows need from the generator: ``submit`` → handle with ``result(timeout)``/``abort()``.
+
+    ``result()`` returns an object with ``samples``: a list of objects with ``prompt_ids``,
+    ``completion_ids``, ``logprobs``, ``versions``, ``finish_reason`` and optionally ``text``
+    (``orchestrator.RequestOutput`` / ``SampleOutput``).
+    """
+
+    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
+               request_id: str | None = None, metadata: Any = None) -> _Handle: ...
+
+
+class EpisodeTimeout(TimeoutError):
+    """A generation request of an episode did not finish within the group timeout."""
+
+
+class GroupRejected(Exception):
+    """Raised inside a group run to reject the group with ``reason``."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed from integers (stable across processes; distinct inputs ⇒ independent seeds)."""
+    h = hashlib.blake2b(b",".join(str(int(p)).encode() for p in parts), digest_size=8)
+    return int.from_bytes(h.digest(), "little") & 0x7FFFFFFF
+
+
+def item_field(item: Any, name: str, default: Any = None) -> Any:
+    """``item.name`` for records/dataclasses, ``item[name]`` for mappings."""
+    if isinstance(item, Mapping):
+        return item.get(name, default)
+    return getattr(item, name, default)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trajectories
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Trajectory:
+    """One episode, token-aligned (see the module docstring for the conventions).
+
+    Attributes:
+      tokens: int32 [T], prompt then everything after it (completions, tool outputs, ...).
+      loss_mask: int32 [T], 1 on generated tokens that are trained on (0 on the first prompt_len).
+      logprobs: float32 [T], behaviour log-probs of generated tokens, 0 elsewhere.
+      versions: int32 [T], generating policy version, −1 on tokens the policy did not generate.
+      reward: scalar episode reward.
+      prompt_len: length of the initial prompt.
+      metadata: free-form (``finish_reason``, ``sample_index``, timings, ...).
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    reward: float
+    prompt_len: int
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.tokens = np.asarray(self.tokens, dtype=np.int32).reshape(-1)
+        self.loss_mask = np.asarray(self.loss_mask, dtype=np.int32).reshape(-1)
+        self.logprobs = np.asarray(self.logprobs, dtype=np.float32).reshape(-1)
+        self.versions = np.asarray(self.versions, dtype=np.int32).reshape(-1)
+        T = self.tokens.shape[0]
+        for name in ("loss_mask", "logprobs", "versions"):
+            if getattr(self, name).shape[0] != T:
+                raise ValueError(f"Trajectory.{name} has length {getattr(self, name).shape[0]}, tokens has {T}")
+        if not 0 < self.prompt_len <= T:
+            raise ValueError(f"Trajectory.prompt_len must be in [1, {T}], got {self.prompt_len}")
+        if not np.isin(self.loss_mask, (0, 1)).all():
+            raise ValueError("Trajectory.loss_mask must be 0/1")
+        if self.loss_mask[: self.prompt_len].any():
+            raise ValueError("Trajectory.loss_mask must be 0 on the prompt")
+        if (self.versions[: self.prompt_len] != -1).any():
+            raise ValueError("Trajectory.versions must be -1 on the prompt")
+        if (self.versions[self.loss_mask == 1] < 0).any():
+            raise ValueError("Trajectory.versions must be >= 0 on trained (loss_mask = 1) tokens")
+        self.reward = float(self.reward)
+        if not math.isfinite(self.reward):
+            raise ValueError(f"Trajectory.reward must be finite, got {self.reward}")
+
+    @classmethod
+    def from_completion(cls, prompt_ids: Sequence[int], completion_ids: Sequence[int], logprobs: Sequence[float],
+                        versions: Sequence[int], reward: float, finish_reason: str, **metadata: Any) -> "Trajectory":
+        """Single-turn episode: prompt (mask 0, version −1, logprob 0) + completion (mask 1)."""
+        P, C = len(prompt_ids), len(completion_ids)
+        if len(logprobs) != C or len(versions) != C:
+            raise ValueError(f"completion has {C} tokens but {len(logprobs)} logprobs and {len(versions)} versions")
+        return cls(tokens=np.concatenate([np.asarray(prompt_ids, np.int32), np.asarray(completion_ids, np.int32)]),
+                   loss_mask=np.concatenate([np.zeros(P, np.int32), np.ones(C, np.int32)]),
+                   logprobs=np.concatenate([np.zeros(P, np.float32), np.asarray(logprobs, np.float32)]),
+                   versions=np.concatenate([np.full(P, -1, np.int32), np.asarray(versions, np.int32)]),
+                   reward=reward, prompt_len=P, metadata={"finish_reason": finish_reason, **metadata})
+
+    @classmethod
+    def from_turns(cls, prompt_ids: Sequence[int], turns: Sequence[Any], reward: float, **metadata: Any) -> "Trajectory":
+        """Multi-turn episode: ``turns`` are generator samples (trained) or ``(token_ids, trained=False)``
+        pairs for inserted text (tool outputs, user turns). Each sample's ``prompt_ids`` must extend the
+        tokens so far (token-in, token-out: no re-tokenisation drift)."""
+        tokens, mask, lps, vers = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
+        finish = None
+        for i, turn in enumerate(turns):
+            if isinstance(turn, tuple):
+                ids, trained = turn
+                if trained:
+                    raise ValueError(f"turn {i}: inserted tokens cannot be trained (no behaviour log-probs)")
+                tokens += list(ids); mask += [0] * len(ids); lps += [0.0] * len(ids); vers += [-1] * len(ids)
+                continue
+            if list(turn.prompt_ids) != tokens:
+                raise ValueError(f"turn {i}: the sample's prompt_ids do not equal the tokens so far "
+                                 f"({len(turn.prompt_ids)} vs {len(tokens)} tokens)")
+            c = list(turn.completion_ids)
+            tokens += c; mask += [1] * len(c); lps += list(turn.logprobs); vers += list(turn.versions)
+            finish = turn.finish_reason
+        return cls(tokens=np.asarray(tokens), loss_mask=np.asarray(mask), logprobs=np.asarray(lps),
+                   versions=np.asarray(vers), reward=reward, prompt_len=len(prompt_ids),
+                   metadata={"finish_reason": finish, "num_turns": len(turns), **metadata})
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        return self.tokens[: self.prompt_len]
+
+    @property
+    def completion_ids(self) -> np.ndarray:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def head_version(self) -> int | None:
+        """Version of the first generated token (None if nothing was generated)."""
+        gen = np.flatnonzero(self.versions >= 0)
+        return int(self.versions[gen[0]]) if gen.size else None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.metadata.get("finish_reason")
+
+
+@dataclasses.dataclass
+class TrajectoryGroup:
+    """The n trajectories of one prompt (a GRPO group), in sample order."""
+
+    item: Any
+    trajectories: list[Trajectory]
+    group_id: int = -1
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.asarray([t.reward for t in self.trajectories], np.float32)
+
+    @property
+    def head_version(self) -> int | None:
+        """min over samples of the first generated token's version (the group's head version)."""
+        heads = [h for h in (t.head_version for t in self.trajectories) if h is not None]
+        return min(heads) if heads else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Episode context
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class EpisodeContext:
+    """Everything an episode needs: the generator, default sampling, pools, seeds and limits."""
+
+    generator: GeneratorLike
+    sampling: SamplingParams
+    reward_executor: cf.Executor
+    episode_executor: cf.Executor | None = None
+    group_id: int = 0
+    sample_index: int = 0
+    timeout_s: float | None = None  # per generate call
+    reward_timeout_s: float | None = None
+    deadline: float | None = None  # time.monotonic() by which the group must finish
+    tokenizer: Any = None
+    _requests: Iterator[int] = dataclasses.field(default_factory=itertools.count, repr=False)
+
+    def for_sample(self, index: int) -> "EpisodeContext":
+        """Context of sample ``index`` of the group: own seed, n = 1."""
+        return dataclasses.replace(self, sample_index=index, _requests=itertools.count(),
+                                   sampling=dataclasses.replace(self.sampling, n=1,
+                                                                seed=derive_seed(self.sampling.seed, index)))
+
+    def _remaining(self) -> float | None:
+        t = self.timeout_s
+        if self.deadline is not None:
+            left = max(self.deadline - time.monotonic(), 0.0)
+            t = left if t is None else min(t, left)
+        return t
+
+    def generate(self, prompt_ids: Sequence[int], n: int | None = None, **overrides: Any) -> list[Any]:
+        """Submit one request (``n`` samples, sampling fields overridden by ``overrides``) and wait.
+
+        Returns the samples (``orchestrator.SampleOutput``) in sample order. On timeout the request
+        is aborted and EpisodeTimeout raised.
+        """
+        sampling = dataclasses.replace(self.sampling, n=n or self.sampling.n, **overrides)
+        rid = f"g{self.group_id}-s{self.sample_index}-r{next(self._requests)}"
+        handle = self.generator.submit(list(prompt_ids), sampling, request_id=rid)
+        timeout = self._remaining()
+        try:
+            out = handle.result(timeout)
+        except TimeoutError:
+            handle.abort()
+            raise EpisodeTimeout(f"request {rid} not finished within {timeout:.1f} s") from None
+        return list(out.samples)
+
+    def reward(self, fn: Callable[..., float], *args: Any, **kwargs: Any) -> float:
+        """Run ``fn(*args, **kwargs)`` in the reward thread pool and wait for it."""
+        return self.reward_executor.submit(fn, *args, **kwargs).result(self.reward_timeout_s)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise ValueError("EpisodeContext.decode needs a tokenizer")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workflows
+# ---------------------------------------------------------------------------------------------
+class RolloutWorkflow(abc.ABC):
+    """Base class of all workflows: implement :meth:`run_episode` (see the module docstring)."""
+
+    @abc.abstractmethod
+    def run_episode(self, item: Any, ctx: EpisodeContext) -> Trajectory | None:
+        """Run one episode for ``item``; return its Trajectory, or None to reject the group."""
+
+    def run_group(self, item: Any, ctx: EpisodeContext, n: int) -> list[Trajectory | None]:
+        """n episodes of ``item``, run concurrently on ``ctx.episode_executor`` (sample i gets
+        ``ctx.for_sample(i)``: its own seed). All episodes are waited for (none outlives its group);
+        then the first exception, if any, propagates."""
+        if n == 1 or ctx.episode_executor is None:
+            return [self.run_episode(item, ctx.for_sample(i)) for i in range(n)]
+        futures = [ctx.episode_executor.submit(self.run_episode, item, ctx.for_sample(i)) for i in range(n)]
+        cf.wait(futures)
+        return [f.result() for f in futures]
+
+
+class RLVRWorkflow(RolloutWorkflow):
+    """Single-turn RL with verifiable rewards: prompt → completion → ``reward_fn``.
+
+    The n samples of a group are one generator request (one prefill shared by n slots). Rewards
+    ``reward_fn(prompt, completion, answer, **metadata)`` (the ``rewards`` package signature) run in
+    the reward thread pool, all n samples concurrently.
+
+    Args:
+      reward_fn: the reward function (wrap untrusted ones in ``rewards.SafeReward``/``PooledReward``).
+      tokenizer: decodes completions when the generator has no tokenizer (``SampleOutput.text`` is None).
+    """
+
+    def __init__(self, reward_fn: Callable[..., float], tokenizer: Any = None):
+        self.reward_fn = reward_fn
+        self.tokenizer = tokenizer
+
+    def run_episode(self, item: Any, ctx: EpisodeContext) -> Trajectory | None:
+        return self.run_group(item, ctx, 1)[0]
+
+    def run_group(self, item: Any, ctx: EpisodeContext, n: int) -> list[Trajectory | None]:
+        prompt_ids = item_field(item, "prompt_ids")
+        if not prompt_ids:
+            raise ValueError(f"data item {item_field(item, 'id')!r} has no prompt_ids")
+        samples = ctx.generate(prompt_ids, n=n)
+        texts = [self._text(s, ctx) for s in samples]
+        prompt, answer = item_field(item, "prompt", ""), item_field(item, "answer")
+        meta = {k: v for k, v in (item_field(item, "metadata") or {}).items()
+                if k not in ("prompt", "completion", "answer")}
+        t0 = time.monotonic()
+        futures = [ctx.reward_executor.submit(self.reward_fn, prompt, text, answer, **meta) for text in texts]
+        rewards = [f.result(ctx.reward_timeout_s) for f in futures]
+        reward_s = time.monotonic() - t0
+        out = []
+        for s, text, r in zip(samples, texts, rewards):
+            out.append(Trajectory.from_completion(
+                s.prompt_ids, s.completion_ids, s.logprobs, s.versions, r, s.finish_reason,
+                sample_index=s.sample_index, item_id=item_field(item, "id"), completion_text=text,
+                latency_s=getattr(s, "latency_s", None), num_preemptions=getattr(s, "num_preemptions", 0),
+                reward_s=reward_s))
+        return out
+
+    def _text(self, sample: Any, ctx: EpisodeContext) -> str:
+        text = getattr(sample, "text", None)
+        if text is not None:
+            return text
+        tok = self.tokenizer if self.tokenizer is not None else ctx.tokenizer
+        if tok is None:
+            raise ValueError("RLVRWorkflow needs a tokenizer (generator without tokenizer returns no text)")
+        return tok.decode(list(sample.completion_ids), skip_special_tokens=True)
+
+
+class GroupSampler:
+    """Runs one group (n samples of one item) and validates it into a :class:`TrajectoryGroup`.
+
+    Raises :class:`GroupRejected` with reason ``episode_none`` (a sample returned None and
+    ``allow_partial`` is False, or all did), ``invalid_trajectory``, ``wrong_group_size``,
+    ``timeout`` or ``error:<ExceptionType>``, and ``filtered`` when ``should_accept(group)`` is False.
+    """
+
+    def __init__(self, workflow: RolloutWorkflow, n_samples: int, *, allow_partial: bool = False,
+                 should_accept: Callable[[TrajectoryGroup], bool] | None = None):
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        self.workflow, self.n_samples = workflow, n_samples
+        self.allow_partial, self.should_accept = allow_partial, should_accept
+
+    def run(self, item: Any, ctx: EpisodeContext) -> TrajectoryGroup:
+        try:
+            results = self.workflow.run_group(item, ctx, self.n_samples)
+        except GroupRejected:
+            raise
+        except (EpisodeTimeout, cf.TimeoutError) as e:
+            raise GroupRejected("timeout", str(e)) from e
+        except Exception as e:  # noqa: BLE001 - a workflow must never kill the loop
+            raise GroupRejected(f"error:{type(e).__name__}", str(e)) from e
+        if len(results) != self.n_samples:
+            raise GroupRejected("wrong_group_size", f"run_group returned {len(results)} results, expected {self.n_samples}")
+        bad = [type(r).__name__ for r in results if r is not None and not isinstance(r, Trajectory)]
+        if bad:
+            raise GroupRejected("invalid_trajectory", f"workflow returned {bad[0]} instead of Trajectory/None")
+        kept = [r for r in results if r is not None]
+        if not kept or (len(kept) < len(results) and not self.allow_partial):
+            raise GroupRejected("episode_none", f"{len(results) - len(kept)} of {len(results)} episodes returned None")
+        group = TrajectoryGroup(item, kept, ctx.group_id, {"dropped_episodes": len(results) - len(kept)})
+        if self.should_accept is not None and not self.should_accept(group):
+            raise GroupRejected("filtered")
+        return group
+
+
+# ---------------------------------------------------------------------------------------------
+# Producer: admission → data → group run → accept / reject
+# ---------------------------------------------------------------------------------------------
+class RolloutDispatcher:
+    """The producer side of the asynchronous loop (AReaL's ``BatchTaskDispatcher``).
+
+    A commit thread repeatedly takes a ticket from the :class:`StalenessManager` (blocking while
+    capacity ≤ 0), draws the next data item and runs its group on a worker pool; the group is then
+    accepted (with its head version) or rejected with a reason. Every admitted group therefore ends
+    accepted or rejected — none is lost.
+
+    Fatal conditions (``fatal_error``, the trainer checks it while waiting for a batch): a
+    ``StalenessViolation`` (broken version protocol), a generator error reported by
+    ``generator.error``, or ``max_consecutive_failures`` failed groups in a row.
+
+    Args:
+      workflow / generator / staleness: the parts.
+      data: iterator of items (e.g. ``data.PromptIterator``); exhaustion stops admission.
+      n_samples: samples per prompt (group size).
+      sampling: default SamplingParams (``n`` and ``seed`` are set per group).
+      should_accept: optional group filter (dynamic sampling); rejected groups count as ``filtered``.
+      seed: base seed; group g samples with ``derive_seed(seed, g)``.
+      group_timeout_s: wall-clock cap per group (its requests are aborted, reason ``timeout``).
+      max_workers: concurrent groups (default: staleness.max_concurrent).
+      reward_workers: reward thread-pool size.
+    """
+
+    def __init__(self, workflow: RolloutWorkflow, generator: GeneratorLike, staleness: StalenessManager,
+                 data: Iterator[Any], *, n_samples: int, sampling: SamplingParams = SamplingParams(),
+                 should_accept: Callable[[TrajectoryGroup], bool] | None = None, allow_partial_groups: bool = False,
+                 seed: int = 0, group_timeout_s: float | None = None, reward_timeout_s: float | None = None,
+                 max_workers: int | None = None, reward_workers: int = 4, max_consecutive_failures: int = 100,
+                 tokenizer: Any = None, poll_s: float = 0.05):
+        self.sampler = GroupSampler(workflow, n_samples, allow_partial=allow_partial_groups, should_accept=should_accept)
+        self.generator, self.staleness, self.data = generator, staleness, data
+        self.sampling, self.seed = sampling, seed
+        self.group_timeout_s, self.reward_timeout_s = group_timeout_s, reward_timeout_s
+        self.max_consecutive_failures, self.tokenizer, self.poll_s = max_consecutive_failures, tokenizer, poll_s
+        workers = max_workers or staleness.max_concurrent
+        self._groups = cf.ThreadPoolExecutor(workers, thread_name_prefix="rollout-group")
+        self._episodes = cf.ThreadPoolExecutor(workers * n_samples, thread_name_prefix="rollout-episode")
+        self._rewards = cf.ThreadPoolExecutor(reward_workers, thread_name_prefix="reward")
+        self._stop = threading.Event()
+        self._resume = threading.Event()
+        self._resume.set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._fatal: BaseException | None = None
+        self._consecutive_failures = 0
+        self._failures: collections.Counter[str] = collections.Counter()
+        self.recent_errors: collections.deque[str] = collections.deque(maxlen=20)
+        self.data_exhausted = False
+        self._inflight: set[cf.Future] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> "RolloutDispatcher":
+        if self._thread is not None:
+            raise RuntimeError("RolloutDispatcher.start() called twice")
+        self._thread = threading.Thread(target=self._commit_loop, name="rollout-dispatcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def pause(self) -> None:
+        """Stop *starting* groups (in-flight groups continue)."""
+        self._resume.clear()
+
+    def resume(self) -> None:
+        self._resume.set()
+
+    def stop(self, timeout: float = 30.0, cancel_pending: bool = True) -> None:
+        """Stop admitting; wait up to ``timeout`` for in-flight groups (their tickets are settled)."""
+        self._stop.set()
+        self._resume.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            pending = list(self._inflight)
+        cf.wait(pending, timeout=timeout)
+        self._groups.shutdown(wait=False, cancel_futures=cancel_pending)
+        self._episodes.shutdown(wait=False, cancel_futures=cancel_pending)
+        self._rewards.shutdown(wait=False, cancel_futures=cancel_pending)
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        gen_err = getattr(self.generator, "error", None)
+        return self._fatal if self._fatal is not None else gen_err
+
+    def failure_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._failures)
+
+    # -- threads ----------------------------------------------------------------------------
+    def _commit_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._resume.wait(self.poll_s):
+                    continue
+                ticket = self.staleness.acquire(timeout=self.poll_s)
+                if ticket is None:
+                    if self.staleness.closed:
+                        return
+                    continue
+                if self._stop.is_set():
+                    self.staleness.reject(ticket, "shutdown")
+                    return
+                try:
+                    item = next(self.data)
+                except StopIteration:
+                    self.staleness.reject(ticket, "data_exhausted")
+                    self.data_exhausted = True
+                    return
+                fut = self._groups.submit(self._run_group, ticket, item)
+                with self._lock:
+                    self._inflight.add(fut)
+                fut.add_done_callback(self._discard)
+        except BaseException as e:  # noqa: BLE001
+            self._set_fatal(e, "dispatcher thread crashed")
+
+    def _discard(self, fut: cf.Future) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
+
+    def _context(self, ticket: Ticket) -> EpisodeContext:
+        deadline = None if self.group_timeout_s is None else time.monotonic() + self.group_timeout_s
+        return EpisodeContext(
+            generator=self.generator, sampling=dataclasses.replace(self.sampling, seed=derive_seed(self.seed, ticket.id)),
+            reward_executor=self._rewards, episode_executor=self._episodes, group_id=ticket.id,
+            timeout_s=self.group_timeout_s, reward_timeout_s=self.reward_timeout_s, deadline=deadline,
+            tokenizer=self.tokenizer)
+
+    def _run_group(self, ticket: Ticket, item: Any) -> None:
+        try:
+            group = self.sampler.run(item, self._context(ticket))
+        except GroupRejected as r:
+            self.staleness.reject(ticket, r.reason)
+            self._record_failure(r)
+            return
+        except BaseException as e:  # noqa: BLE001 - never lose a ticket
+            self.staleness.reject(ticket, f"error:{type(e).__name__}")
+            self._record_failure(GroupRejected(f"error:{type(e).__name__}", str(e)))
+            return
+        try:
+            self.staleness.accept(ticket, group, group.head_version)
+        except StalenessViolation as e:
+            self.staleness.reject(ticket, "staleness_violation")
+            self._set_fatal(e, "version protocol broken")
+            return
+        with self._lock:
+            self._consecutive_failures = 0
+
+    def _record_failure(self, r: GroupRejected) -> None:
+        if r.reason == "filtered":
+            return  # a policy decision, not a failure
+        msg = f"group rejected ({r.reason}): {r.detail}"[:500]
+        with self._lock:
+            self._failures[r.reason] += 1
+            self.recent_errors.append(msg)
+            self._consecutive_failures += 1
+            too_many = self._consecutive_failures >= self.max_consecutive_failures
+        log.warning(msg)
+        if too_many:
+            self._set_fatal(RuntimeError(f"{self.max_consecutive_failures} consecutive failed groups; last: {msg}"),
+                            "too many consecutive failures")
+
+    def _set_fatal(self, error: BaseException, what: str) -> None:
+        with self._lock:
+            if self._fatal is None:
+                self._fatal = error
+        log.error("rollout dispatcher: %s: %s: %s", what, type(error).__name__, error)
+        self._stop.set()
