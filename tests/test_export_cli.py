@@ -1,0 +1,96 @@
+"""`python -m jaxrl_async.export`: checkpoint of a sharded run -> Hugging Face directory whose logits
+match ours in transformers (fp32), bf16 export, tokenizer copy, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
+from jaxrl_async.export import export_checkpoint, main
+from jaxrl_async.models import apply, load_hf
+from jaxrl_async.sharding import make_mesh, model_shardings
+from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
+
+TOKENS = np.array([[1, 17, 42, 99, 3, 250, 7, 64], [1, 5, 5, 200, 31, 8, 2, 0]], np.int32)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run dir with checkpoints at steps 1 and 2 of a tiny untied Qwen3, saved on an fsdp=4 x tensor=2 mesh."""
+    root = tmp_path_factory.mktemp("export")
+    hf_dir = make_tiny_hf_model(str(root / "hf"), "qwen3_untied", seed=3)
+    tok_dir = make_tiny_tokenizer(str(root / "tok"))
+    mesh = make_mesh({"fsdp": 4, "tensor": 2})
+    cfg, params = load_hf(hf_dir, shardings=lambda c: model_shardings(c, mesh, "trainer"))
+    step2 = jax.tree.map(lambda x: x * 1.01 + 0.001, params)  # a "trained" step with different values
+    run_dir = str(root / "run")
+    with Checkpointer(run_dir, CheckpointConfig(keep_last=3), model_config=cfg, tokenizer_dir=tok_dir) as ck:
+        ck.save({"params": params}, TrainMeta(step=1, policy_version=1))
+        ck.save({"params": step2}, TrainMeta(step=2, policy_version=2))
+    return run_dir, cfg, {1: params, 2: step2}, tok_dir
+
+
+def _hf_logits(out_dir, dtype="float32"):
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS, dtype=torch.long)).logits.float().numpy()
+
+
+def test_cli_export_matches_our_logits_in_transformers(run, tmp_path):
+    run_dir, cfg, params, tok_dir = run
+    out = str(tmp_path / "hf_out")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "jaxrl_async.export", "--run-dir", run_dir, "--out", out],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"exported step 2 of {run_dir}" in proc.stdout and "tokenizer" in proc.stdout
+    for f in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert os.path.isfile(os.path.join(out, f)), f
+    gen = json.load(open(os.path.join(out, "generation_config.json")))
+    assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (1, 2, 0)
+    ours = np.asarray(jax.jit(apply, static_argnums=1)(params[2], cfg, TOKENS))
+    theirs = _hf_logits(out)
+    err = float(np.max(np.abs(ours - theirs)))
+    print(f"max |logit diff| exported step 2 vs ours (fp32): {err:.2e}")
+    assert err <= 1e-5
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("hi")["input_ids"] == transformers.AutoTokenizer.from_pretrained(tok_dir)("hi")["input_ids"]
+
+
+def test_export_older_step_and_bf16(run, tmp_path):
+    run_dir, cfg, params, _ = run
+    out = str(tmp_path / "bf16")
+    res = export_checkpoint(run_dir, out, step=1, dtype="bfloat16")
+    assert res.step == 1 and res.weight_files == ("model.safetensors",) and res.tokenizer_copied
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    header_len = int.from_bytes(open(os.path.join(out, "model.safetensors"), "rb").read(8), "little")
+    header = json.loads(open(os.path.join(out, "model.safetensors"), "rb").read(8 + header_len)[8:])
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    # bf16 weights of step 1: same greedy argmax as our fp32 step-1 logits on almost every position.
+    ours = np.asarray(apply(params[1], cfg, TOKENS))
+    theirs = _hf_logits(out, "bfloat16")
+    assert np.max(np.abs(ours - theirs)) < 0.1 * np.max(np.abs(ours))
+    assert np.mean(ours.argmax(-1) == theirs.argmax(-1)) >= 0.9
+
+
+def test_export_errors(run, tmp_path, capsys):
+    run_dir, _, _, _ = run
+    assert main(["--run-dir", run_dir, "--step", "7", "--out", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert "no committed checkpoint at step 7" in err and "committed: [1, 2]" in err
+    assert main(["--run-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "y")]) == 1
+    assert "no checkpoints/ directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--run-dir", run_dir, "--out", str(tmp_path / "z"), "--dtype", "int8"])
