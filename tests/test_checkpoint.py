@@ -185,8 +185,10 @@ def test_save_restore_round_trip_keep_last_and_manifest(tmp_path, mesh4):
                                   jax.random.key_data(jax.random.key(30)))
     _assert_trajs_equal(r.trajectories, _trajs(30))
     # Older step, host restore (no target): same values, numpy-compatible leaves on the CPU device.
-    r20 = ck.restore(20, items=["params"], restore_trajectories=False)
+    r20 = ck.restore(20, targets={"params": HOST}, items=["params"], restore_trajectories=False)
     _assert_tree_equal(r20.arrays["params"], states[20][0])
+    assert {d for x in jax.tree.leaves(r20.arrays["params"]) for d in x.sharding.device_set} == {
+        jax.local_devices(backend="cpu")[0]}
     assert r20.trajectories is None and set(r20.arrays) == {"params"}
     with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint at step 10"):
         ck.restore(10)

@@ -575,7 +575,8 @@ class Checkpointer:
             raise CheckpointCorruptError(f"{path}: checkpoint step {step} has unreadable metadata "
                                          f"({_first_line(e)})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CheckpointCorruptError(f"{path}: not {FORMAT} metadata (format={getattr(meta, 'get', lambda k: None)('format')!r})")
+            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise CheckpointCorruptError(f"{path}: not {FORMAT} metadata (format={found!r})")
         if meta.get("format_version") != FORMAT_VERSION:
             raise CheckpointIncompatibleError(f"{path}: format_version {meta.get('format_version')!r}, "
                                               f"this code reads {FORMAT_VERSION}")
