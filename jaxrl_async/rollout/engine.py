@@ -1,0 +1,511 @@
+"""`PagedEngine`: the device side of the generator (JetStream-style continuous batching).
+
+Implements `engine_api.Engine` on the model's pure `forward` with two custom `attend`
+functions (no forked layer code): `kv_cache.prefill_attend` (one padded prompt, keeps every
+layer's k/v) and `kv_cache.paged_decode_attend` (one token per slot over the paged pool).
+
+Compiled functions (params are arguments, so a weight swap never retraces; after `warmup`
+nothing recompiles, whatever the prompts, slots or sampling parameters):
+
+  prefill      once per prompt-length bucket  (tokens padded to [1, bucket])
+  sample_first once per power-of-two number of samples of one prefill
+  insert       once per bucket                 (writes the prompt k/v into the slot's pages)
+  generate     once                            (static decode batch S = max_concurrent_decodes)
+  release      once
+
+Decode state (`DecodeState`) = device arrays (`arrays`, a dict pytree) + host bookkeeping
+(`host`: page allocator and a mirror of each slot's position/count, used to allocate pages
+before a step). Per-slot sampling parameters live in the device arrays (temperature,
+top_k, top_p, seed, sample index, stop ids padded to `max_stop_tokens` with -1,
+max_new_tokens), so mixing requests never recompiles. States are linear: the functions
+donate the device arrays, always continue with the returned state.
+
+Token bookkeeping of slot s: `pos[s]` is the absolute position of its last sampled token
+(`last_token[s]`), whose k/v is not yet in the cache. A generate step feeds last_token at
+pos, writes its k/v at pos, samples the token at pos + 1 with the request key
+fold_in(fold_in(PRNGKey(seed), sample_index), pos + 1) and marks the slot done when the token
+is a stop id, when `num_generated` reaches max_new_tokens, or when the sequence reaches
+max_sequence_length tokens. Done slots keep their pages (and produce valid=False) until
+`release`.
+
+Paging: before each step the host gives every live slot whose next write position starts a
+new page one page; if the pool is short it first refreshes the `done` flags from the device
+(finished slots need nothing) and then raises `OutOfPagesError` *without changing the
+state*, with `.slots` = the slots that could not grow (and `.pages_needed`, `.pages_free`):
+the orchestrator preempts (releases and later re-prefills) a slot and retries. The n samples
+of one prefill share its full prompt pages (reference counted, see `kv_cache`).
+
+Sharding: params on `model_shardings(cfg, mesh, "generator")` (`place_params`), the pool
+kv-heads over `tensor` where divisible, the decode batch over `data` where divisible. The
+pool's pages are replicated over `data` (GENERATOR_RULES maps `cache_pages` to no axis), so
+`data` splits the decode compute, not the cache memory; per-replica page ranges (a
+shard_map over `data`) are the step that would split it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxrl_async.models.config import ModelConfig
+from jaxrl_async.models.transformer import Params, forward, logits_from_hidden
+from jaxrl_async.rollout import kv_cache, sampling
+from jaxrl_async.rollout.engine_api import Engine, Prefix, SamplingParams, StepResult
+from jaxrl_async.sharding.mesh import make_mesh
+from jaxrl_async.sharding.rules import logical_to_spec, model_shardings
+
+_SLOT_INTS = ("pos", "last_token", "num_generated", "max_new", "top_k", "sample_index", "done")
+
+
+# ---------------------------------------------------------------------------------------
+# State containers
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PrefixKV:
+    """Prompt k/v of one prefill, [L, bucket, K, E] each (positions >= length are padding)."""
+
+    k: jax.Array
+    v: jax.Array
+    bucket: int
+    prefix_id: int
+
+
+@dataclasses.dataclass
+class PagedPrefix(Prefix):
+    """`Prefix` plus `first_done[k]`: sample k is already finished after its first token
+    (stop id, max_new_tokens == 1 or max_sequence_length reached)."""
+
+    first_done: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class HostSlots:
+    """Host mirror of the slots (what page allocation needs) and the page allocator."""
+
+    alloc: kv_cache.PageAllocator
+    live: np.ndarray  # [S] bool: inserted, not released
+    done: np.ndarray  # [S] bool: known finished (max_new / length on host, stop ids after a refresh)
+    pos: np.ndarray  # [S] int: position of the last sampled token
+    num_generated: np.ndarray  # [S] int
+    max_new: np.ndarray  # [S] int
+    num_pages: np.ndarray  # [S] int: pages held
+
+    @classmethod
+    def empty(cls, num_pages: int, num_slots: int) -> "HostSlots":
+        z = lambda dt: np.zeros(num_slots, dt)  # noqa: E731
+        return cls(kv_cache.PageAllocator(num_pages, num_slots), z(bool), z(bool), z(np.int64), z(np.int64),
+                   z(np.int64), z(np.int64))
+
+
+@dataclasses.dataclass
+class DecodeState:
+    arrays: dict[str, jax.Array]
+    host: HostSlots
+
+
+# ---------------------------------------------------------------------------------------
+# Pure device functions
+# ---------------------------------------------------------------------------------------
+def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: ModelConfig):
+    """Run one prompt padded to [1, T]; returns (k [L, T, K, E], v, logits at length - 1 [V])."""
+    T = tokens.shape[1]
+    positions = jnp.arange(T, dtype=jnp.int32)[None]
+    valid = positions < length
+    buf = jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
+    attend = kv_cache.prefill_attend(valid, cfg.head_dim ** -0.5)
+    hidden, (k, v) = forward(params, cfg, tokens, positions, attend, (buf, buf))
+    last = jax.lax.dynamic_index_in_dim(hidden[0], length - 1, axis=0, keepdims=True)
+    return k, v, logits_from_hidden(params, last)[0]
+
+
+def sample_first_fn(logits: jax.Array, temperature, top_k, top_p, seed, sample_index, position):
+    """First tokens of n samples of one prompt: `sampling.sample` on logits broadcast to [n, V]."""
+    n = sample_index.shape[0]
+    full = lambda x, dt: jnp.full((n,), x, dt)  # noqa: E731
+    return sampling.sample(jnp.broadcast_to(logits, (n, logits.shape[-1])), full(temperature, jnp.float32),
+                           full(top_k, jnp.int32), full(top_p, jnp.float32), full(seed, jnp.uint32),
+                           sample_index, full(position, jnp.int32))
+
+
+def insert_fn(arrays, k, v, dest_pages, page_row, slot, ints, floats, seed, stop_row, *, page_size: int):
+    """Write the prompt k/v to `dest_pages` and set slot `slot`'s row (ints in _SLOT_INTS order)."""
+    out = dict(arrays)
+    out["k_pool"] = kv_cache.write_prefix(arrays["k_pool"], k, dest_pages, page_size)
+    out["v_pool"] = kv_cache.write_prefix(arrays["v_pool"], v, dest_pages, page_size)
+    out["page_table"] = arrays["page_table"].at[slot].set(page_row)
+    for i, name in enumerate(_SLOT_INTS):
+        val = ints[i] if name != "done" else ints[i] != 0
+        out[name] = arrays[name].at[slot].set(val.astype(arrays[name].dtype))
+    out["temperature"] = arrays["temperature"].at[slot].set(floats[0])
+    out["top_p"] = arrays["top_p"].at[slot].set(floats[1])
+    out["seed"] = arrays["seed"].at[slot].set(seed)
+    out["stop_ids"] = arrays["stop_ids"].at[slot].set(stop_row)
+    out["live"] = arrays["live"].at[slot].set(True)
+    return out
+
+
+def release_fn(arrays, slot):
+    out = dict(arrays)
+    out["live"] = arrays["live"].at[slot].set(False)
+    out["done"] = arrays["done"].at[slot].set(False)
+    out["page_table"] = arrays["page_table"].at[slot].set(arrays["k_pool"].shape[1])
+    return out
+
+
+def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int):
+    """One token for every slot. new_pages [S]: page to map at index pos // page_size (-1: none).
+
+    Returns (arrays, (tokens, logprobs, valid, done)); see the module doc for the bookkeeping.
+    """
+    S, maxp = arrays["page_table"].shape
+    null = arrays["k_pool"].shape[1]
+    rows = jnp.arange(S)
+    pos = arrays["pos"]
+    active = arrays["live"] & ~arrays["done"]
+    j = jnp.minimum(pos // page_size, maxp - 1)
+    pt = arrays["page_table"]
+    pt = pt.at[rows, j].set(jnp.where(new_pages >= 0, new_pages, pt[rows, j]))
+    write_pages = jnp.where(active, pt[rows, j], null)
+    attend = kv_cache.paged_decode_attend(pt, pos, write_pages, page_size, cfg.head_dim ** -0.5)
+    hidden, (k_pool, v_pool) = forward(params, cfg, arrays["last_token"][:, None], pos[:, None], attend,
+                                       (arrays["k_pool"], arrays["v_pool"]))
+    logits = logits_from_hidden(params, hidden[:, 0])
+    tokens, logprobs = sampling.sample(logits, arrays["temperature"], arrays["top_k"], arrays["top_p"],
+                                       arrays["seed"], arrays["sample_index"], pos + 1)
+    num_generated = arrays["num_generated"] + active.astype(jnp.int32)
+    new_pos = jnp.where(active, pos + 1, pos)
+    finished = (sampling.is_stop(tokens, arrays["stop_ids"]) | (num_generated >= arrays["max_new"])
+                | (new_pos + 1 >= max_seq))
+    done = arrays["done"] | (active & finished)
+    out = dict(arrays, k_pool=k_pool, v_pool=v_pool, page_table=pt, pos=new_pos, num_generated=num_generated,
+               last_token=jnp.where(active, tokens, arrays["last_token"]), done=done)
+    step = (jnp.where(active, tokens, 0), jnp.where(active, logprobs, 0.0), active, active & finished)
+    return out, step
+
+
+# ---------------------------------------------------------------------------------------
+# Engine
+# ---------------------------------------------------------------------------------------
+def default_buckets(max_prefill_length: int, min_bucket: int = 16) -> tuple[int, ...]:
+    """Powers of two from min_bucket below max_prefill_length, then max_prefill_length itself."""
+    out, b = [], min_bucket
+    while b < max_prefill_length:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_prefill_length,)
+
+
+class PagedEngine(Engine):
+    """Paged-KV continuous-batching engine (see the module doc).
+
+    Args:
+      cfg: model config (its `dtype` is the compute and KV-cache dtype).
+      mesh: generator mesh (axes among `data`, `tensor`); None = first device.
+      max_concurrent_decodes: S, the static decode batch.
+      max_sequence_length: longest prompt + generation of one slot.
+      max_prefill_length: longest prompt (default max_sequence_length - 1).
+      prefill_buckets: padded prompt lengths (default powers of two from 16, then max_prefill_length).
+      page_size: tokens per KV page.
+      num_pages: pool size; None = `kv_cache.auto_num_pages` from device memory.
+      cache_memory_fraction: share of the free device memory given to the pool when auto-sizing.
+      max_stop_tokens: width of the per-slot stop-id array.
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh | None = None, *, max_concurrent_decodes: int,
+                 max_sequence_length: int, max_prefill_length: int | None = None,
+                 prefill_buckets: Sequence[int] | None = None, page_size: int = 16, num_pages: int | None = None,
+                 cache_memory_fraction: float = 0.9, max_stop_tokens: int = 8):
+        if max_concurrent_decodes < 1:
+            raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
+        if max_sequence_length < 2:
+            raise ValueError(f"max_sequence_length must be >= 2, got {max_sequence_length}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if max_stop_tokens < 1:
+            raise ValueError(f"max_stop_tokens must be >= 1, got {max_stop_tokens}")
+        if prefill_buckets is not None:
+            buckets = tuple(sorted(set(int(b) for b in prefill_buckets)))
+            if not buckets or buckets[0] < 1:
+                raise ValueError(f"prefill_buckets must be positive ints, got {prefill_buckets}")
+            if max_prefill_length is not None and buckets[-1] != max_prefill_length:
+                raise ValueError(f"largest prefill bucket {buckets[-1]} != max_prefill_length {max_prefill_length}")
+        else:
+            mpl = max_prefill_length if max_prefill_length is not None else max_sequence_length - 1
+            buckets = default_buckets(mpl)
+        if buckets[-1] >= max_sequence_length:
+            raise ValueError(f"max_prefill_length {buckets[-1]} must be < max_sequence_length {max_sequence_length}")
+        self.cfg = cfg
+        self.mesh = mesh if mesh is not None else make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
+        self._S = int(max_concurrent_decodes)
+        self._max_seq = int(max_sequence_length)
+        self.buckets = buckets
+        self.page_size = int(page_size)
+        self.max_stop_tokens = int(max_stop_tokens)
+        self.max_pages_per_seq = kv_cache.pages_for(self._max_seq, self.page_size)
+        self.param_shardings = model_shardings(cfg, self.mesh, "generator")
+        spec_kw = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                       page_size=self.page_size, max_pages_per_seq=self.max_pages_per_seq, dtype=cfg.dtype)
+        if num_pages is None:
+            self.sizing = kv_cache.auto_num_pages(spec_kw, cfg, self.mesh, self.param_shardings, max_slots=self._S,
+                                                  max_prefill=buckets[-1], max_seq=self._max_seq,
+                                                  fraction=cache_memory_fraction)
+            num_pages = self.sizing.num_pages
+        else:
+            self.sizing = kv_cache.SizingReport(int(num_pages), "explicit", 0, 0, 0, 0, 0)
+        self.cache_spec = kv_cache.KVCacheSpec(num_pages=int(num_pages), **spec_kw)
+        self._prefix_ids = itertools.count()
+        self._build_shardings()
+        self._build_functions()
+
+    # -- shardings and compiled functions -------------------------------------------------
+    def _named(self, axes, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, logical_to_spec(axes, shape, "generator", self.mesh))
+
+    def _build_shardings(self) -> None:
+        S, ms = self._S, self.max_stop_tokens
+        self.pool_sharding = kv_cache.pool_sharding(self.cache_spec, self.mesh)
+        self.slot_sharding = self._named(("batch",), (S,))
+        row2 = self._named(("batch", None), (S, ms))
+        pt = self._named(("batch", None), (S, self.max_pages_per_seq))
+        self.state_shardings = {
+            "k_pool": self.pool_sharding, "v_pool": self.pool_sharding, "page_table": pt, "stop_ids": row2,
+            **{n: self.slot_sharding for n in _SLOT_INTS + ("live", "temperature", "top_p", "seed")},
+        }
+        self.replicated = NamedSharding(self.mesh, P())
+
+    def _build_functions(self) -> None:
+        cfg, ss = self.cfg, self.state_shardings
+        kv_sh = self._named(("layers", "length", "cache_kv_heads", "head_dim"),
+                            (cfg.num_layers, self.buckets[-1], cfg.num_kv_heads, cfg.head_dim))
+        self._prefill = jax.jit(functools.partial(prefill_fn, cfg=cfg), out_shardings=(kv_sh, kv_sh, self.replicated))
+        self._sample_first = jax.jit(sample_first_fn)
+        self._insert = jax.jit(functools.partial(insert_fn, page_size=self.page_size), donate_argnums=0,
+                               out_shardings=ss)
+        self._release = jax.jit(release_fn, donate_argnums=0, out_shardings=ss)
+        step_out = (ss, (self.slot_sharding,) * 4)
+        self._step = jax.jit(functools.partial(decode_step_fn, cfg=cfg, page_size=self.page_size,
+                                               max_seq=self._max_seq), donate_argnums=1, out_shardings=step_out)
+        self._init = jax.jit(self._init_arrays, out_shardings=ss)
+        self._no_new_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
+
+    def compile_counts(self) -> dict[str, int]:
+        """Number of compiled variants of each jitted function (for no-recompilation checks)."""
+        fns = {"init": self._init, "prefill": self._prefill, "sample_first": self._sample_first, "insert": self._insert,
+               "generate": self._step, "release": self._release}
+        return {k: f._cache_size() for k, f in fns.items()}
+
+    def place_params(self, params: Params) -> Params:
+        """Put params on the engine's generator shardings (call once per weight set)."""
+        return jax.device_put(params, self.param_shardings)
+
+    # -- Engine properties ------------------------------------------------------------------
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._S
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.buckets[-1]
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self._max_seq
+
+    @property
+    def num_pages(self) -> int:
+        return self.cache_spec.num_pages
+
+    def free_pages(self, state: DecodeState) -> int:
+        return state.host.alloc.num_free
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return kv_cache.pages_for(num_tokens, self.page_size)
+
+    # -- state ----------------------------------------------------------------------------
+    def _init_arrays(self) -> dict[str, jax.Array]:
+        S, ms, maxp, null = self._S, self.max_stop_tokens, self.max_pages_per_seq, self.cache_spec.null_page
+        z = lambda dt: jnp.zeros((S,), dt)  # noqa: E731
+        pool = jnp.zeros(self.cache_spec.pool_shape, self.cache_spec.dtype)
+        return {"k_pool": pool, "v_pool": pool, "page_table": jnp.full((S, maxp), null, jnp.int32),
+                "stop_ids": jnp.full((S, ms), -1, jnp.int32), "pos": z(jnp.int32), "last_token": z(jnp.int32),
+                "num_generated": z(jnp.int32), "max_new": z(jnp.int32), "top_k": z(jnp.int32),
+                "sample_index": z(jnp.int32), "done": z(bool), "live": z(bool), "temperature": z(jnp.float32),
+                "top_p": jnp.ones((S,), jnp.float32), "seed": z(jnp.uint32)}
+
+    def init_decode_state(self) -> DecodeState:
+        return DecodeState(self._init(), HostSlots.empty(self.cache_spec.num_pages, self._S))
+
+    # -- prefill --------------------------------------------------------------------------
+    def _validate_sampling(self, sp: SamplingParams) -> None:
+        sp.validate()
+        if len(sp.stop_token_ids) > self.max_stop_tokens:
+            raise ValueError(f"SamplingParams.stop_token_ids has {len(sp.stop_token_ids)} ids, more than "
+                             f"max_stop_tokens={self.max_stop_tokens} of this engine")
+        if not 0 <= sp.seed < sampling.MAX_SEED:
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**32), got {sp.seed}")
+
+    def bucket_for(self, length: int) -> int:
+        for b in self.buckets:
+            if length <= b:
+                return b
+        raise ValueError(f"prompt of {length} tokens is longer than max_prefill_length={self.max_prefill_length}")
+
+    def prefill(self, params: Params, tokens: Sequence[int] | np.ndarray, sampling: SamplingParams,
+                num_samples: int = 1, sample_offset: int = 0) -> PagedPrefix:
+        self._validate_sampling(sampling)
+        toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        n_tok = int(toks.shape[0])
+        if n_tok < 1:
+            raise ValueError("prefill: empty prompt")
+        if num_samples < 1 or sample_offset < 0:
+            raise ValueError(f"prefill: num_samples={num_samples} must be >= 1 and sample_offset={sample_offset} >= 0")
+        if np.any(toks < 0) or np.any(toks >= self.cfg.vocab_size):
+            raise ValueError(f"prefill: token ids must be in [0, {self.cfg.vocab_size})")
+        bucket = self.bucket_for(n_tok)
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, :n_tok] = toks
+        k, v, logits = self._prefill(params, padded, np.int32(n_tok))
+        nb = 1 << (num_samples - 1).bit_length()
+        idx = np.arange(sample_offset, sample_offset + nb, dtype=np.int32)
+        first, lps = self._sample_first(logits, np.float32(sampling.temperature), np.int32(sampling.top_k),
+                                        np.float32(sampling.top_p), np.uint32(sampling.seed), idx, np.int32(n_tok))
+        first = np.asarray(first)[:num_samples]
+        lps = np.asarray(lps)[:num_samples]
+        first_done = (np.isin(first, np.asarray(sampling.stop_token_ids, np.int64))
+                      | (sampling.max_new_tokens <= 1) | (n_tok + 1 >= self._max_seq))
+        return PagedPrefix(kv=PrefixKV(k, v, bucket, next(self._prefix_ids)), length=n_tok, first_tokens=first,
+                           first_logprobs=lps, sampling=sampling,
+                           sample_indices=tuple(range(sample_offset, sample_offset + num_samples)),
+                           first_done=first_done)
+
+    # -- insert ---------------------------------------------------------------------------
+    def insert(self, prefix: Prefix, state: DecodeState, slot: int, sample: int = 0) -> DecodeState:
+        return self._insert_samples(prefix, state, [(int(slot), int(sample))])
+
+    def bulk_insert(self, prefix: Prefix, state: DecodeState, slots: Sequence[int]) -> DecodeState:
+        """All-or-nothing insert of samples 0..len(slots)-1; they share the full prompt pages."""
+        return self._insert_samples(prefix, state, [(int(s), k) for k, s in enumerate(slots)])
+
+    def _insert_samples(self, prefix: Prefix, state: DecodeState, items: list[tuple[int, int]]) -> DecodeState:
+        kv: PrefixKV = prefix.kv
+        host, alloc = state.host, state.host.alloc
+        n = len(prefix.first_tokens)
+        slots = [s for s, _ in items]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"insert: duplicate slots {slots}")
+        for s, k in items:
+            if not 0 <= s < self._S:
+                raise ValueError(f"insert: slot {s} out of range [0, {self._S})")
+            if host.live[s]:
+                raise ValueError(f"insert: slot {s} is in use (release it first)")
+            if not 0 <= k < n:
+                raise ValueError(f"insert: sample {k} out of range, the prefix has {n} samples")
+        P_len, ps = prefix.length, self.page_size
+        full, has_tail = P_len // ps, P_len % ps > 0
+        shared = alloc.prefix_pages.get(kv.prefix_id) if full > 0 else ()
+        need = (full if shared is None else 0) + len(items) * int(has_tail)
+        if need > alloc.num_free:
+            alloc.allocate(need, slots)  # raises OutOfPagesError, nothing changed
+        write_full = shared is None
+        if write_full:
+            shared = tuple(alloc.allocate(full, slots))
+            alloc.register_prefix(kv.prefix_id, shared)
+        sp = prefix.sampling
+        stop_row = np.full(self.max_stop_tokens, -1, np.int32)
+        stop_row[:len(sp.stop_token_ids)] = sp.stop_token_ids
+        floats = np.asarray([sp.temperature, sp.top_p], np.float32)
+        first_done = getattr(prefix, "first_done", None)
+        arrays = state.arrays
+        t = np.arange(kv.bucket)
+        for i, (s, k) in enumerate(items):
+            if i > 0 or not write_full:
+                alloc.share(shared)
+            pages = list(shared) + (alloc.allocate(1, [s]) if has_tail else [])
+            alloc.slot_pages[s] = pages
+            page_of_t = np.asarray(pages + [self.cache_spec.null_page], np.int32)[np.minimum(t // ps, len(pages))]
+            lo = 0 if (i == 0 and write_full) else full * ps
+            dest = np.where((t >= lo) & (t < P_len), page_of_t, self.cache_spec.null_page).astype(np.int32)
+            page_row = np.full(self.max_pages_per_seq, self.cache_spec.null_page, np.int32)
+            page_row[:len(pages)] = pages
+            tok = int(prefix.first_tokens[k])
+            done = bool(first_done[k]) if first_done is not None else (
+                tok in sp.stop_token_ids or sp.max_new_tokens <= 1 or P_len + 1 >= self._max_seq)
+            ints = np.asarray([P_len, tok, 1, sp.max_new_tokens, sp.top_k, prefix.sample_indices[k], int(done)],
+                              np.int32)
+            arrays = self._insert(arrays, kv.k, kv.v, dest, page_row, np.int32(s), ints, floats,
+                                  np.uint32(sp.seed), stop_row)
+            host.live[s], host.done[s], host.pos[s] = True, done, P_len
+            host.num_generated[s], host.max_new[s], host.num_pages[s] = 1, sp.max_new_tokens, len(pages)
+        return DecodeState(arrays, host)
+
+    # -- generate -------------------------------------------------------------------------
+    def _grow(self, state: DecodeState) -> jax.Array:
+        """Map a new page for every active slot whose next write starts one; raise before changing anything."""
+        h = state.host
+        need = h.live & ~h.done & (h.pos // self.page_size >= h.num_pages)
+        if not need.any():
+            return self._no_new_pages
+        if need.sum() > h.alloc.num_free:
+            h.done |= np.asarray(state.arrays["done"]) & h.live  # stop ids are only known on the device
+            need &= ~h.done
+        slots = np.flatnonzero(need)
+        pages = h.alloc.allocate(len(slots), slots.tolist())
+        new_pages = np.full(self._S, -1, np.int32)
+        for s, p in zip(slots, pages):
+            h.alloc.slot_pages[s].append(p)
+            new_pages[s] = p
+        h.num_pages[slots] += 1
+        return jax.device_put(new_pages, self.slot_sharding)
+
+    def generate(self, params: Params, state: DecodeState) -> tuple[DecodeState, StepResult]:
+        new_pages = self._grow(state)
+        arrays, (tokens, logprobs, valid, done) = self._step(params, state.arrays, new_pages)
+        h = state.host
+        act = h.live & ~h.done
+        h.pos[act] += 1
+        h.num_generated[act] += 1
+        h.done |= act & ((h.num_generated >= h.max_new) | (h.pos + 1 >= self._max_seq))
+        return DecodeState(arrays, h), StepResult(tokens, logprobs, valid, done)
+
+    # -- release --------------------------------------------------------------------------
+    def release(self, state: DecodeState, slot: int) -> DecodeState:
+        """Free `slot` and its pages (a free slot is left as is)."""
+        h = state.host
+        if not 0 <= slot < self._S:
+            raise ValueError(f"release: slot {slot} out of range [0, {self._S})")
+        if not h.live[slot]:
+            return state
+        h.alloc.release_slot(slot)
+        h.live[slot], h.done[slot], h.num_pages[slot], h.pos[slot] = False, False, 0, 0
+        return DecodeState(self._release(state.arrays, np.int32(slot)), h)
+
+    # -- warm-up --------------------------------------------------------------------------
+    def warmup(self, params: Params, max_samples: int | None = None) -> None:
+        """Compile every bucket's prefill/insert, sample_first up to `max_samples` (default
+        max_concurrent_decodes) and generate/release, on a scratch state."""
+        max_samples = max_samples or self._S
+        state = self.init_decode_state()
+        sp = SamplingParams(temperature=1.0, max_new_tokens=2)
+        for b in self.buckets:
+            prefix = self.prefill(params, np.ones(b, np.int32), sp)
+            state = self.insert(prefix, state, 0)
+            state = self.release(state, 0)
+        n = 1
+        while True:
+            self.prefill(params, [1], sp, num_samples=n)
+            if n >= max_samples:
+                break
+            n *= 2
+        prefix = self.prefill(params, [1], sp)
+        state = self.insert(prefix, state, 0)
+        state, step = self.generate(params, state)
+        jax.block_until_ready(step.tokens)
+        self.release(state, 0)
+

@@ -1,0 +1,331 @@
+"""Paged KV cache: pool layout, host-side page allocator, paged attention, automatic sizing.
+
+Layout
+------
+One pool per k and v, ``[L, P, page_size, K, E]`` (L layers, P pages, K kv heads, E head
+dim) in the compute dtype, kv heads sharded over ``tensor`` where divisible (logical axes
+``layers, cache_pages, cache_page, cache_kv_heads, head_dim``). Each decode slot s owns a row
+of the page table ``[S, max_pages_per_seq]``: token at absolute position t of slot s lives
+at ``pool[:, page_table[s, t // page_size], t % page_size]``. Pages are allocated on demand as
+a sequence grows and returned on release, so a slot only holds ceil(len / page_size) pages
+instead of a max-length reservation.
+
+The page id ``P`` (one past the end) is the *null page*: writes to it are dropped
+(`mode="drop"`) and reads are clamped (their scores are masked), so free or finished slots and
+prompt padding never touch live pages.
+
+Sharing: the n samples of one prefill share the prompt's *full* pages (reference counted);
+the partially filled last prompt page is copied per sample (copy on write at insert), since
+each sample appends its own tokens to it. Decode never writes below the prompt length, so a
+shared page is immutable while referenced.
+
+Decode attention (`paged_decode_attend`) gathers each slot's pages into a contiguous
+``[S, max_pages * page_size, K, E]`` view per layer and applies a length mask. That is exact
+and portable (CPU, tests); on accelerators a ragged paged-attention kernel reading the pages
+in place (as in JetStream/sglang-jax) is the fast path and can replace this function without
+changing the cache layout.
+
+Automatic sizing (`auto_num_pages`)
+-----------------------------------
+Per device: budget = fraction * (limit - max(in_use, param_bytes)) - workspace, where
+``limit``/``in_use`` come from ``device.memory_stats()`` ("bytes_limit"/"bytes_in_use", the
+minimum over the generator mesh's devices), ``param_bytes`` is the per-device size of the
+parameters under the generator shardings and ``workspace`` an estimate of the transient
+prefill/decode buffers. Backends without memory stats (CPU) use the host fallback
+limit = min(available host RAM / 4 / num_devices, 1 GiB). The page count is clamped to
+[max_pages_per_seq, S * max_pages_per_seq] (more pages than a full per-slot reservation can
+never be used; fewer than one full sequence is an error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrl_async.models.config import ModelConfig
+from jaxrl_async.models.transformer import grouped_attention
+from jaxrl_async.rollout.engine_api import OutOfPagesError
+from jaxrl_async.sharding.rules import logical_to_spec
+
+POOL_AXES = ("layers", "cache_pages", "cache_page", "cache_kv_heads", "head_dim")
+CPU_FALLBACK_CAP_BYTES = 1 << 30
+CPU_FALLBACK_RAM_FRACTION = 0.25
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """ceil(num_tokens / page_size)."""
+    return -(-int(num_tokens) // page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """Static shape of the paged pool."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    max_pages_per_seq: int
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for f in ("num_layers", "num_kv_heads", "head_dim", "page_size", "num_pages", "max_pages_per_seq"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"KVCacheSpec.{f} must be a positive int, got {v!r}")
+
+    @property
+    def pool_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def null_page(self) -> int:
+        return self.num_pages
+
+    def page_bytes(self, kv_head_shards: int = 1) -> int:
+        """Bytes of one page (k and v, all layers) on one device: 2 * L * page * K/shards * E * itemsize."""
+        k_local = self.num_kv_heads // kv_head_shards
+        return 2 * self.num_layers * self.page_size * k_local * self.head_dim * jnp.dtype(self.dtype).itemsize
+
+
+def pool_sharding(spec: KVCacheSpec, mesh: Mesh, rules: Any = "generator") -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(POOL_AXES, spec.pool_shape, rules, mesh))
+
+
+def kv_head_shards(spec_or_heads: KVCacheSpec | int, mesh: Mesh, rules: Any = "generator") -> int:
+    """How many ways the kv-head axis of the pool is split on `mesh`."""
+    heads = spec_or_heads.num_kv_heads if isinstance(spec_or_heads, KVCacheSpec) else int(spec_or_heads)
+    ps = logical_to_spec(("cache_kv_heads",), (heads,), rules, mesh)[0]
+    if ps is None:
+        return 1
+    names = (ps,) if isinstance(ps, str) else tuple(ps)
+    return math.prod(mesh.shape[n] for n in names)
+
+
+# ---------------------------------------------------------------------------------------
+# Automatic sizing
+# ---------------------------------------------------------------------------------------
+def device_memory(devices: Sequence[jax.Device]) -> tuple[int, int, str]:
+    """(bytes_limit, bytes_in_use, source) for the most constrained device of `devices`.
+
+    Uses `device.memory_stats()`; where unavailable (CPU) falls back to
+    min(available host RAM * 0.25 / len(devices), 1 GiB) with in_use = 0.
+    """
+    limits, used = [], []
+    for d in devices:
+        stats = None
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+            stats = None
+        if not stats or "bytes_limit" not in stats:
+            break
+        limits.append(int(stats["bytes_limit"]))
+        used.append(int(stats.get("bytes_in_use", 0)))
+    else:
+        if limits:
+            i = int(np.argmin(np.asarray(limits) - np.asarray(used)))
+            return limits[i], used[i], "memory_stats"
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = 8 << 30
+    limit = min(int(avail * CPU_FALLBACK_RAM_FRACTION / max(1, len(devices))), CPU_FALLBACK_CAP_BYTES)
+    return limit, 0, "host_fallback"
+
+
+def param_bytes_per_device(cfg: ModelConfig, shardings: Any) -> int:
+    """Bytes of the parameters held by one device under `shardings` (tree of NamedSharding)."""
+    from jaxrl_async.models.transformer import param_shapes
+
+    shapes = jax.tree.leaves(param_shapes(cfg))
+    shards = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    total = 0
+    for sd, sh in zip(shapes, shards):
+        total += math.prod(sh.shard_shape(sd.shape)) * jnp.dtype(sd.dtype).itemsize
+    return total
+
+
+def workspace_bytes(cfg: ModelConfig, max_slots: int, max_prefill: int, max_seq: int, kv_shards: int = 1) -> int:
+    """Transient memory of the largest step (x2 safety): max of prefill and decode estimates.
+
+    prefill: kv buffer 2*L*T*K*E*b + f32 scores H*T*T*4 + activations T*(D+F)*4*4
+    decode:  gathered pages 2*S*N*K*E*b + f32 scores S*H*N*4 + logits S*V*4*3 (N = max_seq)
+    """
+    b = jnp.dtype(cfg.dtype).itemsize
+    L, H, K, E = cfg.num_layers, cfg.num_heads, max(1, cfg.num_kv_heads // kv_shards), cfg.head_dim
+    T, S, N = max_prefill, max_slots, max_seq
+    pre = 2 * L * T * K * E * b + H * T * T * 4 + T * (cfg.hidden_size + cfg.intermediate_size) * 16 + cfg.vocab_size * 16
+    dec = 2 * S * N * K * E * b + S * H * N * 4 + S * cfg.vocab_size * 12 + S * (cfg.hidden_size + cfg.intermediate_size) * 16
+    return 2 * max(pre, dec)
+
+
+@dataclasses.dataclass(frozen=True)
+class SizingReport:
+    num_pages: int
+    source: str  # "memory_stats" | "host_fallback" | "explicit"
+    bytes_limit: int
+    bytes_in_use: int
+    param_bytes: int
+    workspace_bytes: int
+    page_bytes: int
+
+
+def auto_num_pages(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardings: Any, *, max_slots: int,
+                   max_prefill: int, max_seq: int, fraction: float) -> SizingReport:
+    """Number of pages that fit the generator mesh (formula in the module doc)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"cache_memory_fraction must be in (0, 1], got {fraction}")
+    probe = KVCacheSpec(num_pages=1, **spec_wo_pages)
+    shards = kv_head_shards(probe, mesh)
+    page_b = probe.page_bytes(shards)
+    limit, in_use, source = device_memory(list(mesh.devices.flat))
+    pbytes = param_bytes_per_device(cfg, param_shardings)
+    ws = workspace_bytes(cfg, max_slots, max_prefill, max_seq, shards)
+    budget = fraction * (limit - max(in_use, pbytes)) - ws
+    n = int(budget // page_b) if budget > 0 else 0
+    need_one = probe.max_pages_per_seq
+    if n < need_one:
+        raise MemoryError(
+            f"KV cache: {max(budget, 0) / 2**20:.1f} MiB left per device (limit {limit / 2**20:.0f} MiB from {source}, "
+            f"params {pbytes / 2**20:.1f} MiB, workspace {ws / 2**20:.1f} MiB, fraction {fraction}) hold {n} pages of "
+            f"{page_b} B, fewer than the {need_one} pages of one max_sequence_length={max_seq} sequence")
+    n = min(n, max_slots * probe.max_pages_per_seq)
+    return SizingReport(n, source, limit, in_use, pbytes, ws, page_b)
+
+
+# ---------------------------------------------------------------------------------------
+# Host-side page allocator
+# ---------------------------------------------------------------------------------------
+class PageAllocator:
+    """Free list + reference counts of the pool's pages, per-slot page lists, shared prefixes.
+
+    Pages are ints in [0, num_pages). `slot_pages[s]` lists slot s's pages in sequence order.
+    A page referenced by k slots has refcount k and returns to the free list when it drops
+    to 0. `prefix_pages[pid]` remembers the full prompt pages of a live prefill so later
+    samples of it can share them; the entry disappears when its pages are freed.
+    """
+
+    def __init__(self, num_pages: int, num_slots: int):
+        self.num_pages = int(num_pages)
+        self.refcount = np.zeros(num_pages, np.int32)
+        self._free = list(range(num_pages - 1, -1, -1))  # stack: pops low ids first
+        self.slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
+        self.prefix_pages: dict[int, tuple[int, ...]] = {}
+        self._page_prefix: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int, slots: Sequence[int] = ()) -> list[int]:
+        """n fresh pages with refcount 1; OutOfPagesError (nothing changed) if fewer are free."""
+        if n > len(self._free):
+            err = OutOfPagesError(f"KV cache: {n} pages needed, {len(self._free)} free of {self.num_pages}")
+            err.slots = tuple(slots)
+            err.pages_needed = n
+            err.pages_free = len(self._free)
+            raise err
+        out = [self._free.pop() for _ in range(n)]
+        self.refcount[out] = 1
+        return out
+
+    def share(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"PageAllocator.share: page {p} is free")
+            self.refcount[p] += 1
+
+    def release_pages(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"PageAllocator.release_pages: page {p} is already free")
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self._free.append(p)
+                pid = self._page_prefix.pop(p, None)
+                if pid is not None:
+                    self.prefix_pages.pop(pid, None)
+
+    def register_prefix(self, prefix_id: int, pages: Sequence[int]) -> None:
+        self.prefix_pages[prefix_id] = tuple(pages)
+        for p in pages:
+            self._page_prefix[p] = prefix_id
+
+    def release_slot(self, slot: int) -> None:
+        self.release_pages(self.slot_pages[slot])
+        self.slot_pages[slot] = []
+
+    def check(self) -> None:
+        """Invariant: every page is either free (refcount 0) or referenced exactly refcount times."""
+        counts = np.zeros(self.num_pages, np.int32)
+        for pages in self.slot_pages:
+            for p in pages:
+                counts[p] += 1
+        if not np.array_equal(counts, self.refcount):
+            raise AssertionError(f"PageAllocator: refcounts {self.refcount} != slot references {counts}")
+        free = sorted(self._free)
+        if free != sorted(np.flatnonzero(counts == 0).tolist()) or len(set(free)) != len(free):
+            raise AssertionError("PageAllocator: free list does not match unreferenced pages")
+
+
+# ---------------------------------------------------------------------------------------
+# Pure device functions
+# ---------------------------------------------------------------------------------------
+def write_prefix(pool: jax.Array, kv: jax.Array, dest_pages: jax.Array, page_size: int) -> jax.Array:
+    """pool[:, dest_pages[t], t % page_size] = kv[:, t] for every t (null-page writes dropped).
+
+    pool [L, P, page, K, E], kv [L, T, K, E], dest_pages [T] int32.
+    """
+    offsets = jnp.arange(kv.shape[1], dtype=jnp.int32) % page_size
+    return pool.at[:, dest_pages, offsets].set(kv.astype(pool.dtype), mode="drop")
+
+
+def paged_decode_attend(page_table: jax.Array, positions: jax.Array, write_pages: jax.Array, page_size: int,
+                        scale: float):
+    """`attend` for one decode token per slot over the paged pool carried as `state`.
+
+    state = (k_pool, v_pool) [L, P, page, K, E]; q [S, 1, H, E], k/v [S, 1, K, E].
+    Writes k/v at (write_pages[s], positions[s] % page) of layer `layer_idx` (null page =
+    dropped), then attends over the slot's pages gathered to [S, N, K, E], N = pages *
+    page, with mask j <= positions[s].
+    """
+    S, maxp = page_table.shape
+    N = maxp * page_size
+    mask = (jnp.arange(N)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, N]
+    offsets = positions % page_size
+
+    def attend(q, k, v, layer_idx, state):
+        k_pool, v_pool = state
+        k_pool = k_pool.at[layer_idx, write_pages, offsets].set(k[:, 0].astype(k_pool.dtype), mode="drop")
+        v_pool = v_pool.at[layer_idx, write_pages, offsets].set(v[:, 0].astype(v_pool.dtype), mode="drop")
+        kg = k_pool.at[layer_idx, page_table].get(mode="clip").reshape(S, N, *k_pool.shape[3:])
+        vg = v_pool.at[layer_idx, page_table].get(mode="clip").reshape(S, N, *v_pool.shape[3:])
+        out = grouped_attention(q, kg.astype(q.dtype), vg.astype(q.dtype), mask, scale)
+        return out, (k_pool, v_pool)
+
+    return attend
+
+
+def prefill_attend(valid: jax.Array, scale: float):
+    """`attend` for one padded prompt [1, T]: causal attention, k/v of every layer stored in
+    `state` = (k_buf, v_buf) [L, T, K, E]. valid [1, T] bool marks real tokens."""
+    T = valid.shape[-1]
+    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    mask = causal[None] & valid[:, None, :]
+
+    def attend(q, k, v, layer_idx, state):
+        k_buf, v_buf = state
+        k_buf = jax.lax.dynamic_update_index_in_dim(k_buf, k[0].astype(k_buf.dtype), layer_idx, 0)
+        v_buf = jax.lax.dynamic_update_index_in_dim(v_buf, v[0].astype(v_buf.dtype), layer_idx, 0)
+        return grouped_attention(q, k, v, mask, scale), (k_buf, v_buf)
+
+    return attend

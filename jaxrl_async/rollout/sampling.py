@@ -1,0 +1,114 @@
+"""Token sampling with exact behaviour log-probs (pure, jittable, per-row parameters).
+
+Every row b of a batch of logits [B, V] carries its own sampling parameters (temperature
+T_b, top_k_b, top_p_b) and its own random stream, so mixing requests in one decode batch
+never changes any row's result and never recompiles (parameters are arrays, not statics).
+
+Definitions, for one row with float32 logits l in R^V:
+
+* scaled logits   z = l / T          (T > 0);   z = l   (T == 0, greedy)
+* behaviour log-prob of the returned token x:  log_softmax(z)[x]  over the FULL vocabulary,
+  before any top-k / top-p truncation: the quantity the trainer recomputes with
+  `transformer.sequence_logprobs(..., temperature=T)` (T = 1 for greedy rows).
+* truncation (HF / vLLM order): sort z descending, p = softmax(z_sorted);
+    top-k keeps ranks r < k (k = 0: all);
+    top-p keeps ranks r whose exclusive cumulative mass of the *top-k-renormalised*
+    distribution is < top_p (rank 0 always kept; top_p >= 1: all).
+  The kept set is a prefix of the sorted order; with theta = the smallest kept z, the
+  sampling support is {v : z_v >= theta} (tokens tied with theta are all kept).
+* sampling: x = argmax_v (z_v + g_v) over the support, g_v ~ Gumbel(0, 1) i.i.d. drawn from
+  key = fold_in(fold_in(PRNGKey(seed), sample_index), position)   (`request_key`),
+  i.e. a draw from softmax(z) restricted to and renormalised on the support. Greedy rows
+  return argmax(l) (first index on ties, like torch.argmax).
+
+The sort needed by truncation runs only when some row of the batch uses it (`lax.cond`),
+and a row without truncation gets the same token either way (its support is the full
+vocabulary in both branches), so results are independent of the batch composition.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MAX_SEED = 2**32  # seeds are uint32: PRNGKey(s) for 0 <= s < 2**32
+
+
+def request_key(seed: jax.Array, sample_index: jax.Array, position: jax.Array) -> jax.Array:
+    """Raw PRNG key of the token at absolute `position` of sample `sample_index` of a request.
+
+    fold_in(fold_in(PRNGKey(seed), sample_index), position); scalars (vmap for batches).
+    """
+    key = jax.random.PRNGKey(jnp.asarray(seed, jnp.uint32))
+    return jax.random.fold_in(jax.random.fold_in(key, sample_index), position)
+
+
+def scale_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """z = logits / T per row (T > 0), logits unchanged where T == 0. logits [B, V], T [B]."""
+    t = temperature[:, None].astype(jnp.float32)
+    return jnp.where(t > 0, logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0), logits.astype(jnp.float32))
+
+
+def behaviour_logprobs(logits: jax.Array, temperature: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log_softmax(scale_logits(logits, T))[b, tokens[b]] over the full vocabulary, [B] float32."""
+    z = scale_logits(logits, temperature)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    return jnp.take_along_axis(z, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0] - lse
+
+
+def truncation_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """theta [B]: the smallest scaled logit kept by top-k then top-p (see module doc).
+
+    z [B, V] scaled logits, top_k [B] int (0 = off), top_p [B] float (>= 1 = off).
+    """
+    V = z.shape[-1]
+    z_sorted = -jnp.sort(-z, axis=-1)  # descending
+    rank = jnp.arange(V)[None, :]
+    keep_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    p = jax.nn.softmax(z_sorted, axis=-1)
+    p_k = jnp.where(keep_k, p, 0.0)
+    p_k = p_k / jnp.sum(p_k, axis=-1, keepdims=True)
+    exclusive = jnp.cumsum(p_k, axis=-1) - p_k
+    keep_p = (top_p[:, None] >= 1.0) | (exclusive < top_p[:, None])
+    keep = keep_k & keep_p
+    keep = keep.at[:, 0].set(True)
+    n_keep = jnp.sum(keep, axis=-1)  # the kept set is a prefix of the sorted order
+    return jnp.take_along_axis(z_sorted, (n_keep - 1)[:, None], axis=-1)[:, 0]
+
+
+def needs_truncation(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[B] bool: the row samples (T > 0) with top-k or top-p active."""
+    return (temperature > 0) & ((top_k > 0) | (top_p < 1.0))
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seed: jax.Array,
+           sample_index: jax.Array, position: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row; returns (tokens [B] int32, behaviour log-probs [B] float32).
+
+    logits [B, V] (any float dtype, used in float32); temperature [B] float (0 = greedy);
+    top_k [B] int (0 = off); top_p [B] float in (0, 1]; seed [B] uint32; sample_index [B]
+    int; position [B] int = absolute position of the token being sampled.
+    """
+    logits = logits.astype(jnp.float32)
+    temperature = temperature.astype(jnp.float32)
+    top_k = top_k.astype(jnp.int32)
+    top_p = top_p.astype(jnp.float32)
+    z = scale_logits(logits, temperature)
+    trunc = needs_truncation(temperature, top_k, top_p)
+    theta = jax.lax.cond(
+        jnp.any(trunc),
+        lambda: jnp.where(trunc, truncation_threshold(z, top_k, top_p), -jnp.inf),
+        lambda: jnp.full(z.shape[:1], -jnp.inf, jnp.float32),
+    )
+    keys = jax.vmap(request_key)(seed, sample_index, position)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[-1:], jnp.float32))(keys)
+    masked = jnp.where(z >= theta[:, None], z, -jnp.inf)
+    sampled = jnp.argmax(masked + gumbel, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1)
+    tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    return tokens, behaviour_logprobs(logits, temperature, tokens)
+
+
+def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """[B] bool: tokens[b] is one of stop_ids[b, :] (padded with -1)."""
+    return jnp.any((tokens[:, None] == stop_ids) & (stop_ids >= 0), axis=-1)

@@ -1,0 +1,124 @@
+"""kv_cache.py: page allocator, paged writes/attention vs contiguous attention, automatic sizing."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_async.models import ModelConfig
+from jaxrl_async.models.transformer import grouped_attention
+from jaxrl_async.rollout import kv_cache
+from jaxrl_async.rollout.engine_api import OutOfPagesError
+from jaxrl_async.sharding import make_mesh, model_shardings
+
+
+def test_pages_for():
+    assert [kv_cache.pages_for(n, 8) for n in (0, 1, 8, 9, 16, 17)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_allocator_refcounts_sharing_and_prefix_registry():
+    a = kv_cache.PageAllocator(6, num_slots=3)
+    shared = a.allocate(2, [0])
+    a.register_prefix(11, shared)
+    a.slot_pages[0] = shared + a.allocate(1, [0])
+    a.share(shared)
+    a.slot_pages[1] = shared + a.allocate(1, [1])
+    a.check()
+    assert a.num_free == 2 and list(a.refcount[shared]) == [2, 2]
+    with pytest.raises(OutOfPagesError) as info:
+        a.allocate(3, [2])
+    assert info.value.slots == (2,) and info.value.pages_needed == 3 and info.value.pages_free == 2
+    assert a.num_free == 2  # nothing changed
+    a.release_slot(0)
+    assert a.num_free == 3 and 11 in a.prefix_pages  # shared pages still held by slot 1
+    a.release_slot(1)
+    assert a.num_free == 6 and not a.prefix_pages
+    a.check()
+    with pytest.raises(RuntimeError):
+        a.release_pages([0])
+
+
+def _contiguous_attention(q, k, v, length):
+    mask = (jnp.arange(k.shape[1])[None, :] < length[:, None])[:, None, :]
+    return grouped_attention(q, k, v, mask, 0.3)
+
+
+def test_paged_decode_matches_contiguous_attention():
+    """Write a prompt through write_prefix into scattered pages, then one decode token via
+    paged_decode_attend: the output equals attention over the contiguous sequence."""
+    rng = np.random.default_rng(0)
+    L, P, page, K, H, E = 2, 9, 4, 2, 4, 8
+    lens = [6, 9]  # tokens already in the cache per slot; the decode token is at position len
+    page_table = np.array([[7, 2, 4, P], [0, 5, 8, P]], np.int32)  # P = null page
+    pool_k = jnp.asarray(rng.normal(size=(L, P, page, K, E)), jnp.float32)  # stale garbage
+    pool_v = jnp.asarray(rng.normal(size=(L, P, page, K, E)), jnp.float32)
+    full_k = rng.normal(size=(2, 12, K, E)).astype(np.float32)
+    full_v = rng.normal(size=(2, 12, K, E)).astype(np.float32)
+    for s, n in enumerate(lens):
+        dest = np.where(np.arange(12) < n, page_table[s][np.arange(12) // page], P).astype(np.int32)
+        kv_k = np.broadcast_to(full_k[s], (L, 12, K, E))
+        kv_v = np.broadcast_to(full_v[s], (L, 12, K, E))
+        pool_k = kv_cache.write_prefix(pool_k, jnp.asarray(kv_k), jnp.asarray(dest), page)
+        pool_v = kv_cache.write_prefix(pool_v, jnp.asarray(kv_v), jnp.asarray(dest), page)
+    pos = np.array(lens, np.int32)
+    write_pages = page_table[np.arange(2), pos // page]
+    q = jnp.asarray(rng.normal(size=(2, 1, H, E)), jnp.float32)
+    new_k = jnp.asarray(full_k[np.arange(2), pos][:, None])
+    new_v = jnp.asarray(full_v[np.arange(2), pos][:, None])
+    attend = kv_cache.paged_decode_attend(jnp.asarray(page_table), jnp.asarray(pos), jnp.asarray(write_pages), page, 0.3)
+    out, (pk, pv) = attend(q, new_k, new_v, 1, (pool_k, pool_v))
+    ref = _contiguous_attention(q, jnp.asarray(full_k), jnp.asarray(full_v), jnp.asarray(pos + 1))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+    # the new token landed at (page_table[s, pos // page], pos % page) of layer 1 only
+    for s in range(2):
+        np.testing.assert_array_equal(np.asarray(pk[1, write_pages[s], pos[s] % page]), full_k[s, pos[s]])
+    np.testing.assert_array_equal(np.asarray(pk[0]), np.asarray(pool_k[0]))
+    # a null write page drops the write
+    null = jnp.asarray([P, P], jnp.int32)
+    _, (pk2, _) = kv_cache.paged_decode_attend(jnp.asarray(page_table), jnp.asarray(pos), null, page, 0.3)(
+        q, new_k, new_v, 1, (pool_k, pool_v))
+    np.testing.assert_array_equal(np.asarray(pk2), np.asarray(pool_k))
+
+
+def _cfg(**kw):
+    base = dict(model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                num_kv_heads=2, head_dim=16)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _sizing(cfg, mesh, monkeypatch, limit, in_use, fraction=0.5, slots=8, max_seq=256):
+    monkeypatch.setattr(kv_cache, "device_memory", lambda devices: (limit, in_use, "memory_stats"))
+    spec = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=16,
+                max_pages_per_seq=kv_cache.pages_for(max_seq, 16), dtype=cfg.dtype)
+    return kv_cache.auto_num_pages(spec, cfg, mesh, model_shardings(cfg, mesh, "generator"), max_slots=slots,
+                                   max_prefill=128, max_seq=max_seq, fraction=fraction)
+
+
+def test_auto_sizing_formula(monkeypatch):
+    cfg = _cfg()
+    mesh = make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
+    limit, in_use = 8 << 20, 1 << 20
+    r = _sizing(cfg, mesh, monkeypatch, limit, in_use)
+    page_bytes = 2 * 4 * 16 * 2 * 16 * 4  # k+v, layers, page, kv heads, head dim, fp32
+    assert r.page_bytes == page_bytes
+    assert r.param_bytes == cfg.num_params() * 4
+    budget = 0.5 * (limit - max(in_use, r.param_bytes)) - r.workspace_bytes
+    assert r.num_pages == min(int(budget // page_bytes), 8 * 16)
+    # tensor parallelism halves the per-device page (kv heads split) and the params
+    mesh2 = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
+    r2 = _sizing(cfg, mesh2, monkeypatch, limit, in_use)
+    assert r2.page_bytes == page_bytes // 2 and r2.param_bytes < r.param_bytes and r2.num_pages > r.num_pages
+
+
+def test_auto_sizing_clamps_and_errors(monkeypatch):
+    cfg = _cfg()
+    mesh = make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
+    assert _sizing(cfg, mesh, monkeypatch, 1 << 40, 0).num_pages == 8 * 16  # never more than a full reservation
+    with pytest.raises(MemoryError, match="max_sequence_length=256"):
+        _sizing(cfg, mesh, monkeypatch, 2 << 20, 0)
+
+
+def test_host_fallback_is_capped():
+    limit, in_use, source = kv_cache.device_memory(jax.devices("cpu")[:2])
+    assert source == "host_fallback" and in_use == 0
+    assert 0 < limit <= kv_cache.CPU_FALLBACK_CAP_BYTES
