@@ -35,8 +35,10 @@ Threads and queues
   3. admit queued work into free slots (continuous batching): one `prefill` per request
      (or per continuation) and a `bulk_insert` of its n samples into n free slots. Admission
      is FIFO; a request waits until n slots (at most `max_concurrent_decodes`) are free and
-     the page pool can hold its prompt (`free_pages`/`pages_needed`); a prefill or insert
-     that raises `OutOfPagesError` leaves the request queued;
+     the page pool can hold at least one copy of its prompt (`free_pages`/`pages_needed`;
+     the engine may share prompt pages between samples); an insert that raises
+     `OutOfPagesError` leaves the request queued with its prefill kept for the retry (dropped
+     if the weights change). A request that does not fit the *empty* cache fails alone;
   4. dispatch decode step k+1 (`engine.generate`, asynchronous under JAX), start its
      device-to-host copy (`copy_to_host_async`), and only *then* read step k's results
      (`to_host`): the host work of step k overlaps the device work of step k+1. Each
@@ -290,6 +292,8 @@ class _WorkItem:
     tokens: list[int]
     samples: list[_Sample]
     sampling: SamplingParams
+    prefix: Any = None  # kept when the insert ran out of pages, reused while the version is unchanged
+    prefix_version: int = -1
 
 
 @dataclasses.dataclass
@@ -739,23 +743,20 @@ class Generator:
             free = self._free_slots()
             if len(free) < need:
                 return  # FIFO: wait for slots to free up
-            if eng.free_pages(self._state) < eng.pages_needed(len(item.tokens) + 1) * need:
-                if not self._live and self._inflight is None:
-                    self._queue.popleft()
-                    self._fail_request(item.request, OutOfPagesError(
-                        f"request {item.request.id!r}: {need} sequence(s) of {len(item.tokens)} tokens do not fit the "
-                        f"empty KV cache ({eng.free_pages(self._state)} free pages)"))
-                    continue
-                return
+            idle = not self._live and self._inflight is None
+            if not idle and eng.free_pages(self._state) < eng.pages_needed(len(item.tokens) + 1):
+                return  # not even one sequence fits now: wait for finishing sequences to free pages
             t0 = time.perf_counter()
             try:
                 self._admit_item(item, free[:need])
             except OutOfPagesError as e:
-                if not self._live and self._inflight is None:
+                if idle:  # cannot fit even into the empty cache
                     self._queue.popleft()
-                    self._fail_request(item.request, e)
+                    self._fail_request(item.request, OutOfPagesError(
+                        f"request {item.request.id!r}: {need} sequence(s) of {len(item.tokens)} tokens do not fit the "
+                        f"empty KV cache: {e}"))
                     continue
-                return  # stays queued
+                return  # stays queued (its prefill is kept)
             finally:
                 self._t_prefill_iter += time.perf_counter() - t0
             self._queue.popleft()
@@ -765,9 +766,14 @@ class Generator:
         """Prefill `item` and insert its unfinished samples into `slots`; all-or-nothing."""
         eng = self.engine
         first = item.samples[0].index
-        prefix = eng.prefill(self._params, item.tokens, item.sampling, num_samples=len(item.samples), sample_offset=first)
-        self._n_prefills += 1
-        self._n_prefill_tokens += len(item.tokens)
+        if item.prefix is not None and item.prefix_version == self._version:
+            prefix = item.prefix
+        else:
+            prefix = eng.prefill(self._params, item.tokens, item.sampling, num_samples=len(item.samples),
+                                 sample_offset=first)
+            self._n_prefills += 1
+            self._n_prefill_tokens += len(item.tokens)
+        item.prefix, item.prefix_version = None, -1
         toks = [int(t) for t in prefix.first_tokens]
         lps = [float(x) for x in prefix.first_logprobs]
         reasons = []
@@ -778,7 +784,7 @@ class Generator:
         to_insert = [(k, s) for k, (s, r) in enumerate(zip(item.samples, reasons)) if r is None]
         inserted: list[int] = []
         try:
-            if len(to_insert) == len(item.samples):
+            if len(to_insert) == len(item.samples):  # bulk_insert is all-or-nothing (PagedEngine, MockEngine)
                 self._state = eng.bulk_insert(prefix, self._state, slots[:len(to_insert)])
                 inserted = slots[:len(to_insert)]
             else:
@@ -790,6 +796,7 @@ class Generator:
                 self._state = eng.release(self._state, slot)
             for s in item.samples:
                 s.tokens.pop()
+            item.prefix, item.prefix_version = prefix, self._version
             raise
         emits = []
         version = self._version
