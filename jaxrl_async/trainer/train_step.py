@@ -1,0 +1,410 @@
+"""Sharded, micro-batched train step on the trainer mesh (fsdp x tensor).
+
+One optimizer step per minibatch (AReaL `ppo_update`):
+
+    g = sum_k grad L_k(theta),   L_k = sum_{tokens of micro-batch k} m_t l_t / N
+
+where N is the GLOBAL normaliser of the minibatch (the number of loss tokens over all its
+micro-batches and data-parallel shards for the token-mean aggregation, computed on the host),
+so sum_k L_k is exactly the full-minibatch loss and g its gradient: accumulation over k
+micro-batches equals the full-batch gradient, whatever the split. The micro-batches are the
+leading axis of a packed minibatch `[n_micro, rows, row_len]`; one jitted step runs them under
+`lax.scan` (fp32 gradient accumulator sharded like the parameters), then applies one optax
+update (clip_by_global_norm + AdamW, `optimizer.py`).
+
+* Parameters and optimizer state are fp32 master copies sharded by
+  `model_shardings(cfg, mesh, "trainer")`; the compute dtype is `ModelConfig.dtype` (bf16 casts
+  happen inside the model). Micro-batch rows are sharded over the batch axes (data, fsdp), so the
+  gradient is reduced over data-parallel shards by GSPMD: the global normaliser makes that sum
+  the global token mean (as AReaL's loss scale local_weight / all-reduced total_weight).
+* The state is donated: the step updates parameters and Adam moments in place.
+* Non-finite guard, without host sync: if the loss or the gradient global norm is not finite,
+  `params' = where(ok, new, old)` and likewise for the optimizer state, the step counter only
+  advances on applied updates and `n_skipped` counts the others; `metrics["skipped"]` is 1.
+* Proximal log-probs: `compute_logprobs` (jitted forward, no grad) with the current weights
+  before any update of the batch ("recompute", AReaL's default), or the log-linear
+  approximation from per-token versions inside the loss ("loglinear", no extra forward), or the
+  values carried by the trajectories ("given").
+* Shapes are bucketed by packing; the step compiles once per (row_len, n_micro) bucket, never
+  per content (`Trainer.n_compilations` counts traces).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxrl_async.models.config import ModelConfig
+from jaxrl_async.models.transformer import Params, sequence_logprobs
+from jaxrl_async.sharding import activation_sharding, make_mesh, model_shardings
+from jaxrl_async.trainer.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
+from jaxrl_async.trainer.packing import (
+    DEVICE_FIELDS, PackedBatch, PackedMinibatch, PackingConfig, PackingError, Trajectory, pack, split_minibatches,
+)
+
+__all__ = ["TrainerConfig", "TrainState", "Trainer", "LossFn", "accumulate_gradients", "batch_sharding"]
+
+# loss_fn(logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, *, seq_ids, num_seqs,
+#         normaliser, entropy) -> (loss scalar, stats dict of scalars); arrays are [rows, row_len].
+LossFn = Callable[..., tuple[jax.Array, Mapping[str, jax.Array]]]
+# normaliser_fn(n_loss_tokens, n_loss_seqs) -> float: the global denominator of the minibatch loss.
+NormaliserFn = Callable[[int, int], float]
+
+PROXIMAL_MODES = ("recompute", "loglinear", "given")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """Train-step configuration.
+
+    ppo_n_minibatches: optimizer steps per batch (token-balanced split of the trajectories).
+    proximal: "recompute" (forward with the current weights before the batch's first update),
+        "loglinear" (log pi_prox ~ log pi_behav + alpha (log pi_theta - log pi_behav) from the
+        per-token versions, no extra forward) or "given" (trajectories carry proximal_logprobs).
+    temperature: log-probs of logits / temperature (must match the generator's sampling temperature).
+    logprob_chunk: positions per chunk of the vocabulary projection in `sequence_logprobs`.
+    """
+
+    optimizer: OptimizerConfig = OptimizerConfig()
+    packing: PackingConfig = PackingConfig()
+    ppo_n_minibatches: int = 1
+    proximal: str = "recompute"
+    temperature: float = 1.0
+    logprob_chunk: int = 2048
+
+    def __post_init__(self):
+        if self.ppo_n_minibatches < 1:
+            raise ValueError(f"TrainerConfig.ppo_n_minibatches: must be >= 1, got {self.ppo_n_minibatches}")
+        if self.proximal not in PROXIMAL_MODES:
+            raise ValueError(f"TrainerConfig.proximal: must be one of {PROXIMAL_MODES}, got {self.proximal!r}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"TrainerConfig.temperature: must be a positive finite float, got {self.temperature}")
+        if self.logprob_chunk < 1:
+            raise ValueError(f"TrainerConfig.logprob_chunk: must be >= 1, got {self.logprob_chunk}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """params: fp32 master weights; step: applied optimizer updates; n_skipped: non-finite steps skipped."""
+
+    params: Params
+    opt_state: Any
+    step: jax.Array
+    n_skipped: jax.Array
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[n_micro, rows, row_len] arrays: rows over the trainer's batch axes (data, fsdp)."""
+    return activation_sharding(mesh, "trainer", None, "batch", "length")
+
+
+def _batch_axis_size(mesh: Mesh) -> int:
+    spec = batch_sharding(mesh).spec[1]
+    axes = () if spec is None else ((spec,) if isinstance(spec, str) else tuple(spec))
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def micro_batch_loss(params: Params, mb: PackedBatch, normaliser: jax.Array, policy_version: jax.Array, *,
+                     model_cfg: ModelConfig, loss_fn: LossFn, num_seqs: int, proximal: str, temperature: float,
+                     chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Loss of one micro-batch [rows, row_len], already divided by the GLOBAL normaliser."""
+    lp, ent = sequence_logprobs(params, model_cfg, mb.tokens, mb.segment_ids, mb.positions, temperature, chunk)
+    if proximal == "loglinear":
+        from jaxrl_async.rl.advantages import loglinear_proximal_logprobs
+
+        prox = loglinear_proximal_logprobs(mb.behaviour_logprobs, jax.lax.stop_gradient(lp), mb.versions,
+                                           policy_version)
+        prox = jnp.where(mb.loss_mask > 0, prox, 0.0)
+    else:
+        prox = mb.proximal_logprobs
+    loss, stats = loss_fn(lp, prox, mb.behaviour_logprobs, mb.advantages, mb.loss_mask, seq_ids=mb.seq_ids,
+                          num_seqs=num_seqs, normaliser=normaliser, entropy=ent)
+    return loss, dict(stats)
+
+
+def _combine_stats(stats: Mapping[str, jax.Array], weights: jax.Array) -> dict[str, jax.Array]:
+    """Per-micro-batch stats [n_micro] -> minibatch values (`jaxrl_async.rl.losses` convention).
+
+    `X_sum`, `n_tokens`, `n_seqs`, `loss` add up; `X_max` combine by max; a mean `X` with an
+    `X_sum` partner is recomputed as X_sum / max(n_tokens, 1) (exact, as `combine_stats`). Any
+    other key (custom loss functions) is averaged with the micro-batches' loss-token counts as
+    weights; empty (padding) micro-batches never contribute.
+    """
+    valid = weights > 0
+    out: dict[str, jax.Array] = {}
+    for k, v in stats.items():
+        v = jnp.asarray(v, jnp.float32)
+        if k.endswith("_max"):
+            out[k] = jnp.max(jnp.where(valid, v, -jnp.inf))
+        elif k.endswith("_sum") or k in ("n_tokens", "n_seqs", "loss"):
+            out[k] = jnp.sum(jnp.where(valid, v, 0.0))
+    n_tokens = out.get("n_tokens", weights.sum())
+    for k, v in stats.items():
+        if k in out:
+            continue
+        if k + "_sum" in out:
+            out[k] = out[k + "_sum"] / jnp.maximum(n_tokens, 1.0)
+        else:
+            v = jnp.asarray(v, jnp.float32)
+            out[k] = jnp.sum(jnp.where(valid, v, 0.0) * weights) / jnp.maximum(weights.sum(), 1.0)
+    return out
+
+
+def accumulate_gradients(params: Params, batch: PackedBatch, normaliser: jax.Array, policy_version: jax.Array,
+                         *, grad_shardings: Any = None, **loss_kw) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
+    """(sum_k grad L_k, sum_k L_k, combined stats) over the leading micro-batch axis (lax.scan).
+
+    `loss_kw` are the keyword arguments of `micro_batch_loss`. The accumulator is fp32 and, when
+    `grad_shardings` is given, constrained to the parameter shardings at every micro-batch.
+    """
+    grad_fn = jax.value_and_grad(functools.partial(micro_batch_loss, **loss_kw), has_aux=True)
+
+    def constrain(g):
+        return g if grad_shardings is None else jax.lax.with_sharding_constraint(g, grad_shardings)
+
+    def body(carry, mb):
+        g_acc, loss_acc = carry
+        (loss, stats), g = grad_fn(params, mb, normaliser, policy_version)
+        g_acc = constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g))
+        return (g_acc, loss_acc + loss), (stats, mb.loss_mask.sum())
+
+    zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    (grads, loss), (stats, weights) = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), batch)
+    return grads, loss, _combine_stats(stats, weights)
+
+
+def _where_tree(ok: jax.Array, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+class Trainer:
+    """Owns the jitted step, the mesh and shardings. Stateless w.r.t. the TrainState (passed in/out).
+
+    Typical use (one RL step, version v of the policy):
+
+        trainer = Trainer(model_cfg, TrainerConfig(...), mesh=make_mesh({"fsdp": 4, "tensor": 2}),
+                          loss_fn=functools.partial(policy_loss, cfg=loss_cfg),
+                          normaliser_fn=None)  # None: implied by loss_cfg.aggregation
+        state = trainer.init_state(params)
+        state, metrics = trainer.train_batch(state, trajectories, policy_version=v)
+
+    `loss_fn` / `normaliser_fn` default to `jaxrl_async.rl.losses.policy_loss` with `loss_cfg`
+    and the normaliser that `loss_cfg`'s aggregation implies (see `default_normaliser_fn`).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig = TrainerConfig(), mesh: Mesh | None = None, *,
+                 loss_fn: LossFn | None = None, loss_cfg: Any = None, normaliser_fn: NormaliserFn | None = None):
+        if model_cfg.param_dtype != "float32":
+            model_cfg = model_cfg.replace(param_dtype="float32")  # fp32 master weights
+        self.model_cfg = model_cfg
+        if mesh is None:
+            mesh = make_mesh({"fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+        self.mesh = mesh
+        dp = _batch_axis_size(mesh)
+        pk = cfg.packing
+        if pk.row_multiple % dp:
+            pk = dataclasses.replace(pk, row_multiple=pk.row_multiple * dp // math.gcd(pk.row_multiple, dp))
+        self.cfg = dataclasses.replace(cfg, packing=pk)
+        if loss_fn is None:
+            from jaxrl_async.rl.losses import PolicyLossConfig, policy_loss
+
+            loss_cfg = PolicyLossConfig() if loss_cfg is None else loss_cfg
+            loss_fn = functools.partial(policy_loss, cfg=loss_cfg)
+        self.loss_fn = loss_fn
+        self.loss_cfg = loss_cfg
+        self.normaliser_fn = normaliser_fn or default_normaliser_fn(loss_cfg)
+        self.tx = make_optimizer(self.cfg.optimizer)
+        self.lr_schedule = learning_rate_schedule(self.cfg.optimizer)
+        self.param_shardings = model_shardings(model_cfg, mesh, "trainer")
+        self.batch_sharding = batch_sharding(mesh)
+        self.replicated = NamedSharding(mesh, P())
+        self.state_shardings = self._state_shardings()
+        self._traces = {"step": 0, "logprobs": 0}
+        self._jit_steps: dict[int, Any] = {}  # one jitted step per static num_seqs (i.e. per row_len bucket)
+        self._jit_logprobs = jax.jit(self._logprobs_impl, in_shardings=(self.param_shardings, self.batch_sharding),
+                                     out_shardings=(self.batch_sharding, self.batch_sharding))
+        self._jit_grads = jax.jit(self._grads_impl, static_argnames=("num_seqs",))
+
+    # -- state ---------------------------------------------------------------------------
+    def _state_shardings(self) -> TrainState:
+        abstract = jax.eval_shape(self.tx.init, jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), _param_structs(self.model_cfg)))
+        opt_sh = optax.tree_utils.tree_map_params(
+            self.tx, lambda _, sh: sh, abstract, self.param_shardings,
+            transform_non_params=lambda _: self.replicated)
+        return TrainState(params=self.param_shardings, opt_state=opt_sh, step=self.replicated,
+                          n_skipped=self.replicated)
+
+    def init_state(self, params: Params) -> TrainState:
+        """fp32 copy of `params` placed on the trainer shardings, fresh AdamW state."""
+        params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+        params = jax.device_put(params, self.param_shardings)
+
+        def init(p):
+            return TrainState(params=p, opt_state=self.tx.init(p), step=jnp.zeros((), jnp.int32),
+                              n_skipped=jnp.zeros((), jnp.int32))
+
+        return jax.jit(init, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings)(params)
+
+    # -- batches -------------------------------------------------------------------------
+    def pack(self, trajectories: Sequence[Trajectory], indices: Sequence[int] | None = None) -> PackedMinibatch:
+        return pack(trajectories, self.cfg.packing, indices)
+
+    def put_batch(self, packed: PackedMinibatch | PackedBatch) -> PackedBatch:
+        """Host arrays -> device arrays on the batch sharding (shape-checked per field)."""
+        b = packed.batch if isinstance(packed, PackedMinibatch) else packed
+        _check_batch_shapes(b)
+        return jax.device_put(b, self.batch_sharding)
+
+    # -- proximal log-probs ----------------------------------------------------------------
+    def _logprobs_impl(self, params, batch):
+        self._traces["logprobs"] += 1
+
+        def one(mb):
+            return sequence_logprobs(params, self.model_cfg, mb.tokens, mb.segment_ids, mb.positions,
+                                     self.cfg.temperature, self.cfg.logprob_chunk)
+
+        return jax.lax.map(one, batch)
+
+    def compute_logprobs(self, params: Params, batch: PackedBatch) -> tuple[jax.Array, jax.Array]:
+        """(log-probs, entropies) [n_micro, rows, row_len] of the batch under `params` (no grad)."""
+        return self._jit_logprobs(params, batch)
+
+    def with_recomputed_proximal(self, params: Params, batch: PackedBatch) -> PackedBatch:
+        """The batch with proximal_logprobs = log pi_theta(current params), 0 off the loss mask."""
+        lp, _ = self.compute_logprobs(params, batch)
+        return batch.replace(proximal_logprobs=jnp.where(batch.loss_mask > 0, lp, 0.0))
+
+    # -- the step --------------------------------------------------------------------------
+    def _loss_kw(self, num_seqs: int) -> dict[str, Any]:
+        return dict(model_cfg=self.model_cfg, loss_fn=self.loss_fn, num_seqs=num_seqs, proximal=self.cfg.proximal,
+                    temperature=self.cfg.temperature, chunk=self.cfg.logprob_chunk)
+
+    def _grads_impl(self, params, batch, normaliser, policy_version, *, num_seqs):
+        return accumulate_gradients(params, batch, normaliser, policy_version, **self._loss_kw(num_seqs))
+
+    def gradients(self, params: Params, packed: PackedMinibatch, batch: PackedBatch | None = None,
+                  policy_version: int = 0) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
+        """The accumulated gradient, loss and stats the step would use (diagnostics and tests)."""
+        batch = self.put_batch(packed) if batch is None else batch
+        norm = jnp.float32(self.normaliser_fn(packed.n_loss_tokens, packed.n_loss_seqs))
+        return self._jit_grads(params, batch, norm, jnp.int32(policy_version), num_seqs=packed.num_seqs)
+
+    def _step_impl(self, state: TrainState, batch: PackedBatch, normaliser, policy_version, *, num_seqs):
+        self._traces["step"] += 1
+        grads, loss, stats = accumulate_gradients(state.params, batch, normaliser, policy_version,
+                                                  grad_shardings=self.param_shardings, **self._loss_kw(num_seqs))
+        grad_norm = optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        new_state = TrainState(params=_where_tree(ok, new_params, state.params),
+                               opt_state=_where_tree(ok, new_opt, state.opt_state),
+                               step=state.step + ok.astype(jnp.int32),
+                               n_skipped=state.n_skipped + (~ok).astype(jnp.int32))
+        metrics = {**stats, "loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32),
+                   "lr": jnp.asarray(self.lr_schedule(state.step), jnp.float32)}
+        return new_state, metrics
+
+    def _step_fn(self, num_seqs: int):
+        fn = self._jit_steps.get(num_seqs)
+        if fn is None:
+            fn = jax.jit(functools.partial(self._step_impl, num_seqs=num_seqs), donate_argnums=(0,),
+                         in_shardings=(self.state_shardings, self.batch_sharding, self.replicated, self.replicated),
+                         out_shardings=(self.state_shardings, self.replicated))
+            self._jit_steps[num_seqs] = fn
+        return fn
+
+    def step(self, state: TrainState, packed: PackedMinibatch, batch: PackedBatch | None = None,
+             policy_version: int = 0) -> tuple[TrainState, dict[str, Any]]:
+        """One optimizer update on one packed minibatch. `state` is donated (do not reuse it).
+
+        `batch` is the device batch (e.g. with recomputed proximal log-probs); default
+        `put_batch(packed)` (proximal = trajectories' values, or behaviour as placeholder).
+        Returns (new state, metrics): device scalars loss, grad_norm, skipped (0/1), lr (of this
+        update), the combined loss stats (`policy_loss` keys: n_tokens, clip_frac, behave_weight_max,
+        ...), and host ints tokens (all real tokens), loss_tokens, sequences, n_micro, n_real_micro,
+        row_len.
+        """
+        batch = self.put_batch(packed) if batch is None else batch
+        if batch.tokens.shape != packed.batch.shape:
+            raise PackingError(f"device batch shape {batch.tokens.shape} does not match the packed minibatch "
+                               f"{packed.batch.shape}")
+        norm = float(self.normaliser_fn(packed.n_loss_tokens, packed.n_loss_seqs))
+        if not (norm > 0 and math.isfinite(norm)):
+            raise PackingError(f"loss normaliser must be positive and finite, got {norm} "
+                               f"(n_loss_tokens={packed.n_loss_tokens}, n_seqs={packed.n_seqs})")
+        state, metrics = self._step_fn(packed.num_seqs)(state, batch, jnp.float32(norm), jnp.int32(policy_version))
+        metrics.update(tokens=packed.n_tokens, loss_tokens=packed.n_loss_tokens, sequences=packed.n_seqs,
+                       n_micro=packed.n_micro, n_real_micro=packed.n_real_micro, row_len=packed.row_len)
+        return state, metrics
+
+    def train_batch(self, state: TrainState, trajectories: Sequence[Trajectory], policy_version: int = 0
+                    ) -> tuple[TrainState, list[dict[str, Any]]]:
+        """`ppo_n_minibatches` optimizer steps over one batch of trajectories (AReaL ppo_update).
+
+        With proximal="recompute", pi_prox of every minibatch is computed with the weights before
+        the first update of the batch (AReaL: forward with theta_k before any update).
+        """
+        groups = split_minibatches(trajectories, self.cfg.ppo_n_minibatches)
+        packed = [self.pack([trajectories[i] for i in g], g) for g in groups]
+        if self.cfg.proximal == "given":
+            for p in packed:
+                if not p.has_proximal:
+                    raise PackingError("TrainerConfig.proximal='given' but some trajectories of minibatch "
+                                       f"{p.indices[:8]} have no proximal_logprobs")
+        batches = [self.put_batch(p) for p in packed]
+        if self.cfg.proximal == "recompute":
+            batches = [self.with_recomputed_proximal(state.params, b) for b in batches]
+        metrics = []
+        for p, b in zip(packed, batches):
+            state, m = self.step(state, p, b, policy_version)
+            metrics.append(m)
+        return state, metrics
+
+    @property
+    def n_compilations(self) -> dict[str, int]:
+        """Traces of the step and of compute_logprobs (one per distinct bucket shape)."""
+        return dict(self._traces)
+
+
+def _param_structs(cfg: ModelConfig):
+    from jaxrl_async.models.transformer import param_shapes
+
+    return param_shapes(cfg)
+
+
+def _check_batch_shapes(b: PackedBatch) -> None:
+    shape = np.shape(b.tokens)
+    if len(shape) != 3:
+        raise PackingError(f"batch field tokens must be [n_micro, rows, row_len], got shape {shape}")
+    for f in DEVICE_FIELDS:
+        s = np.shape(getattr(b, f))
+        if s != shape:
+            raise PackingError(f"batch field {f} has shape {s}, expected {shape} like tokens")
+
+
+def default_normaliser_fn(loss_cfg: Any) -> NormaliserFn:
+    """Global denominator implied by `PolicyLossConfig.aggregation` (host side, exact).
+
+    token_mean: number of loss tokens in the minibatch; seq_mean_token_mean: number of
+    sequences with at least one loss token (both = the sum of `losses.aggregation_count` over
+    all micro-batches and data-parallel shards); constant: ignored by the loss (1.0).
+    """
+    agg = "token_mean" if loss_cfg is None else getattr(loss_cfg, "aggregation", "token_mean")
+    if agg == "token_mean":
+        return lambda n_loss_tokens, n_loss_seqs: float(n_loss_tokens)
+    if agg == "seq_mean_token_mean":
+        return lambda n_loss_tokens, n_loss_seqs: float(n_loss_seqs)
+    if agg == "constant":
+        return lambda n_loss_tokens, n_loss_seqs: 1.0
+    raise ValueError(f"unknown loss aggregation {agg!r}")
