@@ -87,7 +87,19 @@ class StepResult:
 
 
 class OutOfPagesError(RuntimeError):
-    """The paged KV cache has no free page for a prefill or a decode step."""
+    """The paged KV cache has no free page for an insert or a decode step.
+
+    Raised *before* any state changes. `slots` lists the slots that could not get a page (decode)
+    or the slots of the failed insert; the caller preempts (release + re-queue as a continuation)
+    and retries.
+    """
+
+    def __init__(self, message: str = "out of KV-cache pages", *, slots: Sequence[int] = (),
+                 pages_needed: int = 0, pages_free: int = 0):
+        super().__init__(message)
+        self.slots = tuple(slots)
+        self.pages_needed = pages_needed
+        self.pages_free = pages_free
 
 
 class Engine(abc.ABC):
@@ -126,9 +138,20 @@ class Engine(abc.ABC):
         """Place sample `sample` of `prefix` into free decode slot `slot` (allocates pages)."""
 
     def bulk_insert(self, prefix: Prefix, state: Any, slots: Sequence[int]) -> Any:
-        """Place the samples of one prefill into `slots` (one slot per sample)."""
-        for k, slot in enumerate(slots):
-            state = self.insert(prefix, state, slot, sample=k)
+        """Place the samples of one prefill into `slots` (one slot per sample).
+
+        All-or-nothing: if any insert raises OutOfPagesError, the slots already filled are released
+        before re-raising, so the caller can retry the whole group later.
+        """
+        done: list[int] = []
+        try:
+            for k, slot in enumerate(slots):
+                state = self.insert(prefix, state, slot, sample=k)
+                done.append(slot)
+        except OutOfPagesError:
+            for slot in done:
+                state = self.release(state, slot)
+            raise
         return state
 
     @abc.abstractmethod
