@@ -31,11 +31,9 @@ import sys
 import time
 from typing import Any, Callable, Iterable
 
+from jaxrl_async.jsonl import BadRowError, check_row, iter_json_rows
+
 PROMPT_FIELDS = ("prompt", "prompt_ids")
-
-
-class BadRowError(ValueError):
-    pass
 
 
 @dataclasses.dataclass
@@ -95,15 +93,9 @@ def apply_length_limit(rows: list[PromptRow], max_len: int, truncate: bool) -> t
 def read_rows(lines: Iterable[str], encode: Callable[[str, int], list[int]], vocab_size: int
               ) -> tuple[list[PromptRow], list[str]]:
     rows, errors = [], []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+    for i, obj in iter_json_rows(lines):
         try:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BadRowError(f"row {i}: invalid JSON ({e.msg})") from None
-            rows.append(PromptRow(i, parse_row(obj, i, encode, vocab_size)))
+            rows.append(PromptRow(i, parse_row(check_row(i, obj), i, encode, vocab_size)))
         except BadRowError as e:
             errors.append(str(e))
     return rows, errors

@@ -22,9 +22,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-
-class BadRowError(ValueError):
-    pass
+from jaxrl_async.jsonl import BadRowError, check_row, iter_json_rows
 
 
 @dataclasses.dataclass
@@ -177,15 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     items: list[ScoreItem] = []
     skipped = 0
     with open(args.input) as fh:
-        for i, line in enumerate(fh):
-            if not line.strip():
-                continue
+        for i, obj in iter_json_rows(fh):
             try:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise BadRowError(f"row {i}: invalid JSON ({e.msg})") from None
-                items.append(parse_row(obj, i, tokenize, cfg.vocab_size, cfg.max_position_embeddings))
+                items.append(parse_row(check_row(i, obj), i, tokenize, cfg.vocab_size, cfg.max_position_embeddings))
             except BadRowError as e:
                 if not args.skip_bad_rows:
                     print(f"error: {args.input}: {e}", file=sys.stderr)

@@ -166,19 +166,6 @@ class MockEngine(Engine):
         self.inserted_slots.append(slot)
         return state
 
-    def bulk_insert(self, prefix: Prefix, state: MockState, slots) -> MockState:
-        """All-or-nothing (as PagedEngine): on OutOfPagesError the samples inserted so far are released."""
-        done: list[int] = []
-        try:
-            for k, slot in enumerate(slots):
-                state = self.insert(prefix, state, slot, sample=k)
-                done.append(slot)
-        except OutOfPagesError:
-            for slot in done:
-                state = self.release(state, slot)
-            raise
-        return state
-
     def _is_done(self, tok: int, generated: int, kv_len: int, sp: SamplingParams) -> bool:
         return tok in sp.stop_token_ids or generated >= sp.max_new_tokens or kv_len + 1 >= self._max_seq
 
