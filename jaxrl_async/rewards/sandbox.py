@@ -293,6 +293,9 @@ class Sandbox:
         uid = self._uids.acquire() if self._root else None
         staging = tempfile.mkdtemp(prefix="jaxrl-sandbox-")
         status_r, status_w = os.pipe()
+        # fds still owned by this call; _spawn_and_collect closes the write end right after the spawn and
+        # removes it here, so the finally below never closes a number another thread may have reused.
+        open_fds = [status_r, status_w]
         try:
             if self._mode == "namespaces":
                 workdir = "/tmp/work"
@@ -329,9 +332,9 @@ class Sandbox:
             fd = os.open(cfg_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(launcher_cfg, f)
-            return self._spawn_and_collect(cfg_path, status_r, status_w, stdin_bytes, wall)
+            return self._spawn_and_collect(cfg_path, status_r, status_w, stdin_bytes, wall, open_fds)
         finally:
-            for fd in (status_r, status_w):
+            for fd in open_fds:
                 try:
                     os.close(fd)
                 except OSError:
@@ -342,12 +345,13 @@ class Sandbox:
 
     # ------------------------------------------------------------------------------------ internals
     def _spawn_and_collect(self, cfg_path: str, status_r: int, status_w: int, stdin_bytes: bytes,
-                           wall: float) -> SandboxResult:
+                           wall: float, open_fds: list[int]) -> SandboxResult:
         cfg = self.config
         t0 = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-I", "-S", _LAUNCHER, cfg_path], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, close_fds=True,
                                 pass_fds=(status_w,), start_new_session=True, cwd="/")
+        open_fds.remove(status_w)
         os.close(status_w)
         out, err = _BoundedBuffer(cfg.max_output_bytes), _BoundedBuffer(cfg.max_output_bytes)
         status_chunks: list[bytes] = []
