@@ -139,11 +139,38 @@ def score_items(params, cfg, items: list[ScoreItem], batch_tokens: int = 8192, t
     return out
 
 
+def build_demo(out_dir: str) -> dict[str, str]:
+    """A self-contained demo: tiny random Qwen3 (saved as a HF directory) + local tokenizer + input rows."""
+    import os
+
+    import jax
+
+    from jaxrl_async.data.tokenizer import build_tokenizer
+    from jaxrl_async.models import ModelConfig, init_params, save_hf
+
+    model_dir = os.path.join(out_dir, "model")
+    build_tokenizer(model_dir, kind="arithmetic")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = ModelConfig(model_type="qwen3", vocab_size=len(tok), hidden_size=128, intermediate_size=384,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0,
+                      max_position_embeddings=512, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    save_hf(init_params(cfg, jax.random.PRNGKey(0)), cfg, model_dir)
+    input_path = os.path.join(out_dir, "input.jsonl")
+    with open(input_path, "w") as fh:
+        for a, b in ((12, 30), (7, 8), (250, 750)):
+            fh.write(json.dumps({"prompt": f"What is {a}+{b}?", "completion": f" \\boxed{{{a + b}}}"}) + "\n")
+    return {"model": model_dir, "input": input_path, "output": os.path.join(out_dir, "scores.jsonl")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxrl_async.score", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
-    ap.add_argument("--input", required=True, help="input JSONL")
-    ap.add_argument("--output", required=True, help="output JSONL")
+    ap.add_argument("--model", help="Hugging Face model directory (config.json + safetensors)")
+    ap.add_argument("--input", help="input JSONL")
+    ap.add_argument("--output", help="output JSONL")
+    ap.add_argument("--demo", metavar="DIR", help="build a tiny random Qwen3 model, a tokenizer and an input file "
+                    "in DIR (nothing downloaded) and score them; --model/--input/--output default into DIR")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute and parameter dtype")
     ap.add_argument("--batch-tokens", type=int, default=8192, help="tokens per forward batch (memory bound)")
     ap.add_argument("--temperature", type=float, default=1.0, help="score log_softmax(logits / T)")
@@ -153,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--batch-tokens must be >= 1")
     if args.temperature <= 0:
         ap.error("--temperature must be > 0")
+    if args.demo:
+        defaults = build_demo(args.demo)
+        for k, v in defaults.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+    missing = [f"--{k}" for k in ("model", "input", "output") if getattr(args, k) is None]
+    if missing:
+        ap.error(f"the following arguments are required: {', '.join(missing)} (or --demo DIR)")
 
     from tqdm import tqdm
 

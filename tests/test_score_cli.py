@@ -87,3 +87,11 @@ def test_module_entry_point(model_dir, tmp_path):
                         "--output", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(open(out).read())["logprobs"]) == 2
+
+
+def test_demo_builds_everything_locally(tmp_path):
+    assert score.main(["--demo", str(tmp_path)]) == 0
+    rows = [json.loads(l) for l in open(tmp_path / "scores.jsonl")]
+    assert len(rows) == 3 and all(len(r["logprobs"]) == len(r["entropy"]) > 0 for r in rows)
+    assert all(lp < 0 for r in rows for lp in r["logprobs"])
+    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))  # a real HF directory
