@@ -31,5 +31,5 @@ print(f"restore (same mesh): {time.perf_counter()-t:.2f}s")
 ck.close()
 t = time.perf_counter()
 from jaxrl_async.export import export_checkpoint
-export_checkpoint(run, "/tmp/ckx/bench_export", dtype="bfloat16")
+export_checkpoint(run, os.path.join(os.path.dirname(run), "export"), dtype="bfloat16")
 print(f"export bf16: {time.perf_counter()-t:.2f}s")
