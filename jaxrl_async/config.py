@@ -271,11 +271,16 @@ class MeshAxesConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
+    """Generator and trainer meshes (see the module docstring for the split). ``cpu_devices``: on a
+    CPU-only machine, the number of simulated CPU devices (``jax_num_cpu_devices``, set by
+    ``jaxrl_async.main`` before JAX starts; None: JAX's default of one). Ignored on accelerators."""
+
     generator: MeshAxesConfig = MeshAxesConfig(shape=(1, -1), axis_names=("data", "tensor"))
     trainer: MeshAxesConfig = MeshAxesConfig(shape=(-1,), axis_names=("fsdp",))
     generator_fraction: float = 0.75
     num_generator_devices: int | None = None
     colocate: bool = False
+    cpu_devices: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -766,6 +771,7 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
 
         num_devices = jax.device_count()
     _require(0 < m.generator_fraction < 1, "mesh.generator_fraction", f"must be in (0, 1), got {m.generator_fraction}")
+    _require(m.cpu_devices is None or m.cpu_devices >= 1, "mesh.cpu_devices", f"must be >= 1 or None, got {m.cpu_devices}")
     if m.num_generator_devices is not None and num_devices > 1 and not m.colocate:
         _require(1 <= m.num_generator_devices < num_devices, "mesh.num_generator_devices",
                  f"must be in [1, {num_devices - 1}] with {num_devices} devices, got {m.num_generator_devices}")

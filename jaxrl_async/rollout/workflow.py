@@ -437,6 +437,11 @@ class RolloutDispatcher:
       group_timeout_s: wall-clock cap per group (its requests are aborted, reason ``timeout``).
       max_workers: concurrent groups (default: staleness.max_concurrent).
       reward_workers: reward thread-pool size.
+      group_seed: ``f(ticket, item) -> seed`` of a group's sampling (default ``derive_seed(seed, ticket.id)``);
+        the RL loop seeds by the item's draw index so a resumed run samples what the original would have.
+      on_draw / on_reject: ``f(ticket, item)`` after an item is drawn for a ticket, ``f(ticket, item, reason)``
+        when its group is rejected (the loop's data ledger: every drawn item is consumed, rejected or
+        outstanding).
     """
 
     def __init__(self, workflow: RolloutWorkflow, generator: GeneratorLike, staleness: StalenessManager,
@@ -444,7 +449,11 @@ class RolloutDispatcher:
                  should_accept: Callable[[TrajectoryGroup], bool] | None = None, allow_partial_groups: bool = False,
                  seed: int = 0, group_timeout_s: float | None = None, reward_timeout_s: float | None = None,
                  max_workers: int | None = None, reward_workers: int = 4, max_consecutive_failures: int = 100,
-                 tokenizer: Any = None, poll_s: float = 0.05):
+                 tokenizer: Any = None, poll_s: float = 0.05,
+                 group_seed: Callable[[Ticket, Any], int] | None = None,
+                 on_draw: Callable[[Ticket, Any], None] | None = None,
+                 on_reject: Callable[[Ticket, Any, str], None] | None = None):
+        self.group_seed, self.on_draw, self.on_reject = group_seed, on_draw, on_reject
         self.sampler = GroupSampler(workflow, n_samples, allow_partial=allow_partial_groups, should_accept=should_accept)
         self.generator, self.staleness, self.data = generator, staleness, data
         self.sampling, self.seed = sampling, seed
@@ -523,6 +532,8 @@ class RolloutDispatcher:
                     self.staleness.reject(ticket, "data_exhausted")
                     self.data_exhausted = True
                     return
+                if self.on_draw is not None:
+                    self.on_draw(ticket, item)
                 fut = self._groups.submit(self._run_group, ticket, item)
                 with self._lock:
                     self._inflight.add(fut)
@@ -534,33 +545,42 @@ class RolloutDispatcher:
         with self._lock:
             self._inflight.discard(fut)
 
-    def _context(self, ticket: Ticket) -> EpisodeContext:
+    def _context(self, ticket: Ticket, item: Any = None) -> EpisodeContext:
         deadline = None if self.group_timeout_s is None else time.monotonic() + self.group_timeout_s
+        seed = self.group_seed(ticket, item) if self.group_seed is not None else derive_seed(self.seed, ticket.id)
         return EpisodeContext(
-            generator=self.generator, sampling=dataclasses.replace(self.sampling, seed=derive_seed(self.seed, ticket.id)),
+            generator=self.generator, sampling=dataclasses.replace(self.sampling, seed=seed),
             reward_executor=self._rewards, episode_executor=self._episodes, group_id=ticket.id,
             timeout_s=self.group_timeout_s, reward_timeout_s=self.reward_timeout_s, deadline=deadline,
             tokenizer=self.tokenizer)
 
     def _run_group(self, ticket: Ticket, item: Any) -> None:
         try:
-            group = self.sampler.run(item, self._context(ticket))
+            group = self.sampler.run(item, self._context(ticket, item))
         except GroupRejected as r:
-            self.staleness.reject(ticket, r.reason)
+            self._reject(ticket, item, r.reason)
             self._record_failure(r)
             return
         except BaseException as e:  # noqa: BLE001 - never lose a ticket
-            self.staleness.reject(ticket, f"error:{type(e).__name__}")
+            self._reject(ticket, item, f"error:{type(e).__name__}")
             self._record_failure(GroupRejected(f"error:{type(e).__name__}", str(e)))
             return
         try:
             self.staleness.accept(ticket, group, group.head_version)
         except StalenessViolation as e:
-            self.staleness.reject(ticket, "staleness_violation")
+            self._reject(ticket, item, "staleness_violation")
             self._set_fatal(e, "version protocol broken")
             return
         with self._lock:
             self._consecutive_failures = 0
+
+    def _reject(self, ticket: Ticket, item: Any, reason: str) -> None:
+        if self.on_reject is not None:
+            try:
+                self.on_reject(ticket, item, reason)
+            except Exception as e:  # noqa: BLE001 - bookkeeping must not lose the ticket
+                log.error("on_reject hook failed: %s: %s", type(e).__name__, e)
+        self.staleness.reject(ticket, reason)
 
     def _record_failure(self, r: GroupRejected) -> None:
         if r.reason == "filtered":

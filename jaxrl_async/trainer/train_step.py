@@ -353,7 +353,9 @@ class Trainer:
         """`ppo_n_minibatches` optimizer steps over one batch of trajectories (AReaL ppo_update).
 
         With proximal="recompute", pi_prox of every minibatch is computed with the weights before
-        the first update of the batch (AReaL: forward with theta_k before any update).
+        the first update of the batch (AReaL: forward with theta_k before any update), and each
+        minibatch's metrics carry `behave_prox_abs_max` = max |log pi_prox - log pi_behav| over its
+        loss tokens (the off-policyness the generator actually produced).
         """
         groups = split_minibatches(trajectories, self.cfg.ppo_n_minibatches)
         packed = [self.pack([trajectories[i] for i in g], g) for g in groups]
@@ -363,11 +365,15 @@ class Trainer:
                     raise PackingError("TrainerConfig.proximal='given' but some trajectories of minibatch "
                                        f"{p.indices[:8]} have no proximal_logprobs")
         batches = [self.put_batch(p) for p in packed]
+        gaps = [None] * len(batches)
         if self.cfg.proximal == "recompute":
             batches = [self.with_recomputed_proximal(state.params, b) for b in batches]
+            gaps = [_behave_prox_abs_max(b) for b in batches]
         metrics = []
-        for p, b in zip(packed, batches):
+        for p, b, gap in zip(packed, batches, gaps):
             state, m = self.step(state, p, b, policy_version)
+            if gap is not None:
+                m["behave_prox_abs_max"] = gap
             metrics.append(m)
         return state, metrics
 
@@ -375,6 +381,12 @@ class Trainer:
     def n_compilations(self) -> dict[str, int]:
         """Traces of the step and of compute_logprobs (one per distinct bucket shape)."""
         return dict(self._traces)
+
+
+@jax.jit
+def _behave_prox_abs_max(b: PackedBatch) -> jax.Array:
+    """max over loss tokens of |log pi_prox - log pi_behav| (0 = on-policy, e.g. eta = 0 in fp32)."""
+    return jnp.max(jnp.where(b.loss_mask > 0, jnp.abs(b.proximal_logprobs - b.behaviour_logprobs), 0.0))
 
 
 def _param_structs(cfg: ModelConfig):

@@ -1,0 +1,717 @@
+"""The asynchronous RL loop (AReaL's design on two meshes of one JAX program).
+
+Threads and queues
+==================
+
+::
+
+    data ──► DataLedger ──► [rollout-dispatcher thread] ── acquire ticket (StalenessManager: capacity > 0)
+                                 │                          draw item, run its group on a worker pool
+                                 ▼
+         [rollout-group / rollout-episode / reward pools]  workflow.run_group → Generator.submit (n samples)
+                                 │                          reward_fn in the reward pool (off the decode thread)
+                                 ▼
+         [generator-decode + generator-stream threads]     continuous batching on the GENERATOR mesh
+                                 │
+                                 ▼  accept(group, head version) / reject(reason)
+                        StalenessManager buffer  (host, bounded by η: AReaL's max_head_offpolicyness)
+                                 │
+                                 ▼  get_batch(version k): B groups, earliest deadline first
+         [main thread = trainer]   advantages → proximal log-probs → update(s) on the TRAINER mesh
+                                 │        → metrics / eval / checkpoint
+                                 ▼  WeightPusher.push(params, k + 1)  (dispatch: device_put, async)
+         [weight-push thread]      copy complete → Generator.update_params(wait) → staleness.set_version(k + 1)
+
+* The **main thread** is the trainer. It blocks only in ``StalenessManager.get_batch`` (polled
+  every second, so it notices a fatal rollout error, a signal or a stall with a timeout that names
+  what it waits for), in eval (waiting for its own requests, with a timeout) and in checkpoint
+  saves.
+* The **dispatcher** admits a group only while AReaL's capacity
+  ``min(C − running, (η + v + 1)·B − (accepted + running))`` is positive, with v the version the
+  generator already uses. Rejected groups (reward/workflow errors, timeouts, filters) give their
+  budget back; every admitted group ends consumed, rejected with a reason, or outstanding.
+* The **weight-push thread** (``weight_sync.WeightPusher``) completes device-to-device copies; the
+  version is advertised (``set_version``) only after the generator uses it, so a group's head
+  version is never below its admission version, and earliest-deadline-first consumption then
+  bounds every trained group's lag by η (proof in ``rollout/staleness.py``). η = 0 is synchronous
+  on-policy RL; ``rollout.mode=sync`` is the classic synchronous system (one batch in flight,
+  wait for the longest sequence, train).
+
+Data accounting: ``DataLedger`` records every drawn item. At a checkpoint the items drawn but not
+yet consumed (running or buffered groups) are saved with their draw indices and replayed first
+after a resume (with the same group seeds), so resuming loses and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import importlib
+import inspect
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_async.config import RunConfig, format_config, resolve_device_split, save_config, to_dict
+
+log = logging.getLogger("jaxrl_async")
+
+__all__ = ["RLLoop", "RunResult", "DataLedger", "build_training_batch", "run"]
+
+
+# =============================================================================================
+# Data ledger
+# =============================================================================================
+class DataLedger:
+    """Iterator over data items that remembers every draw until it is consumed or rejected.
+
+    ``next()`` (dispatcher thread) → ``(draw index, item)`` is recorded as *pending* until
+    ``on_draw(ticket)`` binds it to the ticket. ``consumed(ticket ids)`` / ``rejected(ticket, reason)``
+    settle it. ``state()`` (any thread) is the source iterator state plus every outstanding item, so
+    a resumed run replays them first, in draw order, with their original draw indices (and seeds).
+    """
+
+    def __init__(self, source: Any, replay: Sequence[tuple[int, Any]] = (), next_draw: int = 0):
+        self.source = source
+        self._replay = collections.deque(sorted(replay, key=lambda x: x[0]))
+        self._next_draw = int(next_draw)
+        self._lock = threading.Lock()
+        self._pending: tuple[int, Any] | None = None
+        self._outstanding: dict[int, tuple[int, Any]] = {}  # ticket id -> (draw index, item)
+        self.n_drawn = 0
+        self.n_consumed = 0
+        self.n_rejected: collections.Counter[str] = collections.Counter()
+        self.n_replayed = 0
+
+    def __iter__(self) -> "DataLedger":
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            if self._replay:
+                idx, item = self._replay.popleft()
+                self.n_replayed += 1
+            else:
+                item = next(self.source)  # StopIteration propagates (data exhausted)
+                idx = self._next_draw
+                self._next_draw += 1
+            self._pending = (idx, item)
+            self.n_drawn += 1
+            return item
+
+    def on_draw(self, ticket: Any, item: Any) -> None:
+        with self._lock:
+            if self._pending is None or self._pending[1] is not item:
+                raise RuntimeError("DataLedger.on_draw: no pending draw for this item")
+            self._outstanding[ticket.id] = self._pending
+            self._pending = None
+
+    def draw_index(self, ticket: Any) -> int:
+        with self._lock:
+            return self._outstanding[ticket.id][0]
+
+    def on_reject(self, ticket: Any, item: Any, reason: str) -> None:
+        with self._lock:
+            self._outstanding.pop(ticket.id, None)
+            self.n_rejected[reason] += 1
+
+    def consumed(self, ticket_ids: Sequence[int]) -> list[int]:
+        """Settle consumed groups; returns their draw indices."""
+        with self._lock:
+            out = [self._outstanding.pop(t)[0] for t in ticket_ids]
+            self.n_consumed += len(out)
+            return out
+
+    @property
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._outstanding) + (self._pending is not None) + len(self._replay)
+
+    def state(self) -> dict[str, Any]:
+        with self._lock:
+            items = list(self._outstanding.values()) + ([self._pending] if self._pending else []) + list(self._replay)
+            return {"source": self.source.get_state() if hasattr(self.source, "get_state") else None,
+                    "next_draw": self._next_draw,
+                    "outstanding": [{"draw": i, "item": _record_to_json(it)} for i, it in sorted(items, key=lambda x: x[0])]}
+
+
+def _record_to_json(item: Any) -> Any:
+    if dataclasses.is_dataclass(item):
+        return {"__record__": type(item).__name__, **dataclasses.asdict(item)}
+    return item
+
+
+def _record_from_json(obj: Any) -> Any:
+    if isinstance(obj, dict) and obj.get("__record__") == "PromptRecord":
+        from jaxrl_async.data.datasets import PromptRecord
+
+        d = {k: v for k, v in obj.items() if k != "__record__"}
+        return PromptRecord(**d)
+    return obj
+
+
+# =============================================================================================
+# Batch construction (pure)
+# =============================================================================================
+def build_training_batch(groups: Sequence[Any], adv_cfg: Any, group_size: int) -> tuple[list[Any], dict[str, Any]]:
+    """Consumed groups → trainer trajectories with GRPO-family advantages, and rollout statistics.
+
+    Rewards of the B·n trajectories are normalised per group by ``adv_cfg`` (``rl.advantages``);
+    a group with fewer than n trajectories (``allow_partial_groups``) is padded for normalisation
+    by nothing: it is normalised on its own trajectories. Token conventions: trajectory arrays are
+    token-aligned (``loss_mask[t] = 1`` on generated token t), which is what ``compute_advantages``
+    and the trainer's packing expect.
+    """
+    from jaxrl_async.rl.advantages import compute_advantages
+    from jaxrl_async.trainer.packing import Trajectory as TrainTrajectory
+
+    out: list[Any] = []
+    rewards_all, lengths, truncated, heads, lags = [], [], [], [], []
+    for cg in groups:
+        trajs = cg.item.trajectories
+        T = max(t.length for t in trajs)
+        mask = np.zeros((len(trajs), T), np.int32)
+        for i, t in enumerate(trajs):
+            mask[i, : t.length] = t.loss_mask
+        r = np.asarray([t.reward for t in trajs], np.float64)
+        trunc = np.asarray([t.finish_reason == "length" for t in trajs])
+        adv = compute_advantages(r, mask, adv_cfg, group_size=len(trajs), truncated=trunc,
+                                 logprobs=np.stack([np.pad(t.logprobs, (0, T - t.length)) for t in trajs]))
+        for i, t in enumerate(trajs):
+            out.append(TrainTrajectory(tokens=t.tokens, loss_mask=t.loss_mask, behaviour_logprobs=t.logprobs,
+                                       advantages=adv.advantages[i, : t.length].astype(np.float32),
+                                       versions=t.versions))
+            lengths.append(t.num_generated)
+            truncated.append(bool(trunc[i]))
+        rewards_all.extend(r.tolist())
+        heads.append(cg.head_version)
+        lags.append(cg.lag)
+    rw = np.asarray(rewards_all, np.float64)
+    ln = np.asarray(lengths, np.float64)
+    stats = {
+        "reward/mean": float(rw.mean()), "reward/std": float(rw.std()), "reward/accuracy": float((rw > 0.5).mean()),
+        "response/length_mean": float(ln.mean()), "response/length_max": int(ln.max()),
+        "response/truncated_frac": float(np.mean(truncated)),
+        "staleness/max": int(max(lags)), "staleness/mean": float(np.mean(lags)),
+        "staleness/hist": {str(k): v for k, v in sorted(collections.Counter(lags).items())},
+    }
+    return out, stats
+
+
+# =============================================================================================
+# The run
+# =============================================================================================
+@dataclasses.dataclass
+class RunResult:
+    run_dir: str
+    steps: int
+    version: int
+    wall_s: float
+    eval_history: list[tuple[int, float, float]]  # (step, wall time, accuracy)
+    counts: dict[str, Any]
+    lag_by_group: list[tuple[int, int, int]]  # (step, ticket id, lag) of every trained group
+    last_metrics: dict[str, Any]
+    checkpoint_step: int | None = None
+    export_dir: str | None = None
+    stopped_by: str = "completed"
+
+
+class FatalRunError(RuntimeError):
+    """The run cannot continue (message says why); a checkpoint is attempted before raising."""
+
+
+def _eos_ids(model_cfg: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids = set()
+    eos = getattr(model_cfg, "eos_token_id", None)
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else list(eos))
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def _import_string(spec: str, what: str) -> Any:
+    mod, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what}: cannot import {spec!r}: {e}") from e
+
+
+class RLLoop:
+    """One run of ``RunConfig`` (build everything in ``__init__``, train in ``run()``).
+
+    ``cfg`` must be validated (``config.validate``). Everything the run writes lives in
+    ``cfg.resolved_run_dir``: ``config.json``, ``tokenizer/``, ``data/`` (generated tasks),
+    ``metrics.jsonl``, ``tb/``, ``curves.png``, ``checkpoints/``, ``hf/`` (export), ``summary.json``.
+    """
+
+    def __init__(self, cfg: RunConfig, *, log_fn: Callable[[str], None] | None = None):
+        self.cfg = cfg
+        self.run_dir = os.path.abspath(cfg.resolved_run_dir)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self._say = log_fn or (lambda s: print(f"[jaxrl_async] {s}", file=sys.stderr, flush=True))
+        self.t_start = time.monotonic()
+        self._setup_devices()
+        self._setup_tokenizer_and_data()
+        self._setup_model()
+        save_config(cfg, self.run_dir, extra={
+            "generator_devices": list(self.gen_ids), "trainer_devices": list(self.trainer_ids),
+            "vocab_size": self.model_cfg.vocab_size, "tokenizer_dir": self.tokenizer_dir,
+            "train_records": len(self.train_ds), "eval_records": len(self.eval_records)})
+
+    # -- setup ------------------------------------------------------------------------------
+    def _setup_devices(self) -> None:
+        from jaxrl_async.config import _resolve_shape
+        from jaxrl_async.sharding.mesh import make_mesh
+
+        m = self.cfg.mesh
+        devs = jax.devices()
+        self.gen_ids, self.trainer_ids = resolve_device_split(m, len(devs))
+        self.colocated = set(self.gen_ids) & set(self.trainer_ids) != set()
+        g_shape = _resolve_shape(m.generator.shape, len(self.gen_ids), "mesh.generator.shape")
+        t_shape = _resolve_shape(m.trainer.shape, len(self.trainer_ids), "mesh.trainer.shape")
+        self.gen_mesh = make_mesh(g_shape, m.generator.axis_names, devices=[devs[i] for i in self.gen_ids])
+        self.trainer_mesh = make_mesh(t_shape, m.trainer.axis_names, devices=[devs[i] for i in self.trainer_ids])
+        self._say(f"devices: {len(devs)} x {devs[0].platform}; generator mesh {dict(self.gen_mesh.shape)} on "
+                  f"{list(self.gen_ids)}, trainer mesh {dict(self.trainer_mesh.shape)} on {list(self.trainer_ids)}"
+                  + (" (colocated: time-shared)" if self.colocated else ""))
+
+    def _setup_tokenizer_and_data(self) -> None:
+        from transformers import AutoTokenizer
+
+        from jaxrl_async.data import (ArithmeticConfig, DatasetConfig, build_tokenizer, load_prompt_dataset,
+                                      write_arithmetic_dataset)
+
+        c = self.cfg
+        tok_dir = c.model.tokenizer_path or c.model.path
+        if tok_dir is None:
+            tok_dir = os.path.join(self.run_dir, "tokenizer_src")
+            if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+                build_tokenizer(tok_dir, kind=c.data.tokenizer_kind)
+        self.tokenizer_dir = tok_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        if c.data.task == "arithmetic":
+            paths = write_arithmetic_dataset(os.path.join(self.run_dir, "data"), c.data.arithmetic)
+            train_path, eval_path, fmt = paths["train"], paths["eval"], "generic"
+        else:
+            train_path, eval_path, fmt = c.data.train_path, c.data.eval_path, c.data.format
+        common = dict(format=fmt, max_prompt_len=c.data.max_prompt_len, apply_chat_template=c.data.apply_chat_template,
+                      system_prompt=c.data.system_prompt, prompt_suffix=c.data.prompt_suffix,
+                      skip_bad_rows=c.data.skip_bad_rows)
+        self.train_ds = load_prompt_dataset(DatasetConfig(path=train_path, **common), self.tokenizer)
+        if len(self.train_ds) == 0:
+            raise ValueError(f"data.train_path: {train_path} has no usable prompt (all filtered or empty)")
+        self.eval_records = []
+        if eval_path is not None:
+            self.eval_records = load_prompt_dataset(DatasetConfig(path=eval_path, **common), self.tokenizer).records
+            if c.eval.max_items is not None:
+                self.eval_records = self.eval_records[: c.eval.max_items]
+        self._say(f"data: {len(self.train_ds)} train prompts ({train_path}), {len(self.eval_records)} held-out")
+
+    def _setup_model(self) -> None:
+        from jaxrl_async.models.hf_io import load_hf
+        from jaxrl_async.models.transformer import init_params
+
+        c = self.cfg
+        tok = self.tokenizer
+        if c.model.path is not None:
+            self.model_cfg, params = load_hf(c.model.path, **c.model.numerics())
+            params = jax.device_get(params)
+        else:
+            self.model_cfg = c.model.model_config(len(tok), bos_token_id=tok.bos_token_id,
+                                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            params = init_params(self.model_cfg.replace(param_dtype="float32"), jax.random.key(c.model.init_seed))
+        if self.model_cfg.vocab_size < len(tok):
+            raise ValueError(f"model.path: vocabulary {self.model_cfg.vocab_size} is smaller than the tokenizer's "
+                             f"{len(tok)}")
+        self.init_params = params
+        self.eos_ids = _eos_ids(self.model_cfg, tok)
+        if not self.eos_ids:
+            raise ValueError("model/tokenizer define no EOS token: generation could never stop before max_new_tokens")
+
+    # -- components -------------------------------------------------------------------------
+    def _sft_examples(self) -> list[Any]:
+        from jaxrl_async.trainer.sft import SFTExample
+
+        ex = []
+        for r in self.train_ds.records:
+            comp = (r.metadata or {}).get("completion")
+            if comp is None:
+                raise ValueError(f"trainer.sft.steps > 0 needs gold completions: row {r.metadata.get('source')} of the "
+                                 "train data has no 'completion' column")
+            ids = self.tokenizer.encode(comp + (self.tokenizer.eos_token or ""), add_special_tokens=False)
+            ex.append(SFTExample(prompt_ids=list(r.prompt_ids), completion_ids=ids))
+        return ex
+
+    def _build_trainer(self):
+        from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+
+        tr = self.cfg.trainer
+        temp = self.cfg.rollout.sampling.temperature
+        tcfg = TrainerConfig(optimizer=tr.optimizer_config(), packing=tr.packing, ppo_n_minibatches=tr.ppo_n_minibatches,
+                             proximal=tr.proximal, temperature=temp if temp > 0 else 1.0, logprob_chunk=tr.logprob_chunk)
+        return Trainer(self.model_cfg, tcfg, self.trainer_mesh, loss_cfg=tr.loss)
+
+    def _gen_model_cfg(self):
+        return self.model_cfg.replace(param_dtype=self.model_cfg.dtype)
+
+    def _build_engine(self):
+        from jaxrl_async.rollout.engine import PagedEngine
+
+        e = self.cfg.rollout.engine
+        return PagedEngine(self._gen_model_cfg(), self.gen_mesh, max_concurrent_decodes=e.max_concurrent_decodes,
+                           max_sequence_length=e.max_sequence_length, max_prefill_length=e.max_prefill_length,
+                           page_size=e.page_size, num_pages=e.num_pages, cache_memory_fraction=e.cache_memory_fraction)
+
+    def _build_workflow(self, reward_fn):
+        from jaxrl_async.rollout.workflow import RLVRWorkflow, RolloutWorkflow
+
+        spec = self.cfg.rollout.workflow
+        if spec == "rlvr":
+            return RLVRWorkflow(reward_fn, self.tokenizer)
+        cls = _import_string(spec, "rollout.workflow")
+        if not (isinstance(cls, type) and issubclass(cls, RolloutWorkflow)):
+            raise ValueError(f"rollout.workflow: {spec!r} is not a RolloutWorkflow subclass")
+        params = inspect.signature(cls).parameters
+        kw = {k: v for k, v in (("tokenizer", self.tokenizer), ("reward_fn", reward_fn)) if k in params}
+        return cls(**kw)
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def evaluate(self, generator: Any, reward_fn: Any, pool: cf.Executor, version: int) -> dict[str, Any]:
+        """Greedy (eval.temperature) pass@1 on the held-out records with the generator's current weights."""
+        ev, sa = self.cfg.eval, self.cfg.rollout.sampling
+        if not self.eval_records:
+            return {}
+        t0 = time.monotonic()
+        sp = sa.params(n=1, seed=self.cfg.seed, stop_token_ids=self.eos_ids, temperature=ev.temperature,
+                       max_new_tokens=ev.max_new_tokens or sa.max_new_tokens)
+        handles = [generator.submit(r.prompt_ids, sp, request_id=f"eval-v{version}-{i}")
+                   for i, r in enumerate(self.eval_records)]
+        timeout = self.cfg.rollout.group_timeout_s or 600.0
+        rewards, lengths, versions = [], [], set()
+        futures = []
+        for r, h in zip(self.eval_records, handles):
+            s = h.result(timeout).samples[0]
+            text = s.text if s.text is not None else self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
+            futures.append(pool.submit(reward_fn, r.prompt, text, r.answer))
+            lengths.append(len(s.completion_ids))
+            versions.update(s.versions)
+        rewards = [f.result(timeout) for f in futures]
+        acc = float(np.mean(np.asarray(rewards) > 0.5))
+        return {"eval/accuracy": acc, "eval/reward_mean": float(np.mean(rewards)), "eval/n": len(rewards),
+                "eval/length_mean": float(np.mean(lengths)), "eval/seconds": time.monotonic() - t0,
+                "eval/version_min": min(versions) if versions else version}
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        from jaxrl_async.checkpoint import (CheckpointConfig, Checkpointer, NonFiniteTracker, SignalHandler,
+                                            TrainMeta, abstract_like)
+        from jaxrl_async.data.datasets import make_train_iterator
+        from jaxrl_async.metrics import MetricsLogger
+        from jaxrl_async.rewards.registry import make_reward
+        from jaxrl_async.rollout.orchestrator import Generator
+        from jaxrl_async.rollout.staleness import StalenessClosedError, StalenessManager
+        from jaxrl_async.rollout.workflow import RolloutDispatcher, derive_seed
+        from jaxrl_async.weight_sync import WeightPusher
+
+        c, ro, tr = self.cfg, self.cfg.rollout, self.cfg.trainer
+        eta = ro.effective_max_head_offpolicyness
+        B, n = tr.batch_size, ro.n_samples
+        trainer = self._build_trainer()
+        self.trainer = trainer
+        ck = c.checkpoint
+        ckpt = Checkpointer(self.run_dir, CheckpointConfig(every_steps=ck.every_steps, every_seconds=ck.every_seconds,
+                                                           keep_last=ck.keep_last, async_save=ck.async_save),
+                            model_config=self.model_cfg.replace(param_dtype="float32"),
+                            tokenizer_dir=self.tokenizer_dir)
+        latest = ckpt.latest_committed_step()
+        if ck.resume == "must" and latest is None:
+            raise ValueError(f"checkpoint.resume='must' but {ckpt.directory} has no committed checkpoint")
+        resume = latest is not None and ck.resume != "never"
+        data_iter = make_train_iterator(self.train_ds, seed=c.seed, shuffle=c.data.shuffle)
+        nonfinite = NonFiniteTracker()
+        start_step, replay, next_draw, extra0 = 0, [], 0, {}
+        if resume:
+            abstract = abstract_like(jax.eval_shape(trainer.init_state, self.init_params), trainer.state_shardings)
+            r = ckpt.restore(targets=_state_items(abstract), fallback=True)
+            state = _state_from_items(r.arrays)
+            start_step = int(r.meta.step)
+            ds = r.meta.data_state or {}
+            if ds.get("source") is not None:
+                data_iter.set_state(ds["source"])
+            replay = [(int(o["draw"]), _record_from_json(o["item"])) for o in ds.get("outstanding", [])]
+            next_draw = int(ds.get("next_draw", 0))
+            extra0 = r.meta.extra or {}
+            if "nonfinite" in extra0:
+                nonfinite.load_state_dict(extra0["nonfinite"])
+            self._say(f"resumed from {ckpt.step_dir(r.step)}: step {start_step}, policy version {r.meta.policy_version}, "
+                      f"{len(replay)} outstanding prompts replayed first"
+                      + (f" (skipped unusable steps {[s for s, _ in r.skipped]})" if r.skipped else ""))
+        else:
+            params = self.init_params
+            if tr.sft.steps > 0:
+                from jaxrl_async.trainer.sft import run_sft
+
+                t0 = time.monotonic()
+                params, hist = run_sft(params, self.model_cfg, self._sft_examples(), tr.sft, mesh=self.trainer_mesh,
+                                       seed=c.seed, progress=c.logging.progress)
+                self._say(f"SFT warm start: {tr.sft.steps} steps in {time.monotonic() - t0:.1f} s, "
+                          f"loss {hist[0]['loss']:.3f} -> {hist[-1]['loss']:.3f}")
+            state = trainer.init_state(params)
+            self.init_params = None
+        version = start_step
+        if start_step >= tr.total_steps:
+            ckpt.close()
+            self._say(f"{self.run_dir} is already complete at step {start_step} (trainer.total_steps="
+                      f"{tr.total_steps}); raise trainer.total_steps to continue, or use a new run_dir")
+            return RunResult(self.run_dir, start_step, version, 0.0, [], {}, [], {}, checkpoint_step=latest,
+                             stopped_by="already_complete")
+
+        engine = self._build_engine()
+        gen_dtype = jnp.dtype(self.model_cfg.dtype)
+        gen_params = jax.device_put(jax.tree.map(lambda x: x.astype(gen_dtype), state.params), engine.param_shardings,
+                                    may_alias=False)
+        t0 = time.monotonic()
+        engine.warmup(gen_params, max_samples=n)
+        self._say(f"engine: {engine.max_concurrent_decodes} slots, {engine.num_pages} KV pages of "
+                  f"{engine.page_size}; compiled in {time.monotonic() - t0:.1f} s")
+        generator = Generator(engine, gen_params, version=version, tokenizer=self.tokenizer,
+                              kv_update_policy=ro.kv_update_policy, max_prefills_per_step=ro.engine.max_prefills_per_step)
+        staleness = StalenessManager(eta, B, ro.effective_max_concurrent(B), version=version)
+        reward_fn = make_reward(ro.reward)
+        workflow = self._build_workflow(reward_fn)
+        ledger = DataLedger(data_iter, replay=replay, next_draw=next_draw)
+        should_accept = None
+        if ro.filter_zero_signal_groups:
+            from jaxrl_async.rl.advantages import group_has_signal
+
+            should_accept = lambda g: group_has_signal(g.rewards)  # noqa: E731
+        dispatcher = RolloutDispatcher(
+            workflow, generator, staleness, ledger, n_samples=n,
+            sampling=ro.sampling.params(n=n, seed=c.seed, stop_token_ids=self.eos_ids), should_accept=should_accept,
+            allow_partial_groups=ro.allow_partial_groups, seed=c.seed, group_timeout_s=ro.group_timeout_s,
+            reward_timeout_s=ro.group_timeout_s, reward_workers=ro.reward_workers,
+            max_consecutive_failures=ro.max_consecutive_failures, tokenizer=self.tokenizer,
+            group_seed=lambda t, item: derive_seed(c.seed, ledger.draw_index(t)),
+            on_draw=ledger.on_draw, on_reject=ledger.on_reject)
+        pusher = WeightPusher(generator, engine.param_shardings, dtype=gen_dtype, on_applied=staleness.set_version,
+                              timeout_s=max(300.0, ro.group_timeout_s or 0), initial_version=version)
+        metrics = MetricsLogger(self.run_dir, tr.total_steps, tensorboard=c.logging.tensorboard,
+                                progress=c.logging.progress, start_step=start_step)
+        eval_pool = cf.ThreadPoolExecutor(ro.reward_workers, thread_name_prefix="eval-reward")
+        result = RunResult(self.run_dir, start_step, version, 0.0, [], {}, [], {})
+        stop_reason = "completed"
+        step = start_step
+        t_loop0 = time.monotonic()
+        idle_s = 0.0
+        last = {"t": t_loop0, "gen": generator.stats(), "trained_tokens": 0}
+
+        def snapshot_stats() -> dict[str, Any]:
+            sc = staleness.counts()
+            return {"admitted": sc.admitted, "consumed": sc.consumed, "rejected": sc.rejected,
+                    "rejected_by_reason": sc.rejected_by_reason, "running": sc.running, "buffered": sc.buffered,
+                    "balanced": sc.balanced(), "ledger_drawn": ledger.n_drawn, "ledger_consumed": ledger.n_consumed,
+                    "ledger_rejected": dict(ledger.n_rejected), "ledger_outstanding": ledger.outstanding,
+                    "replayed": ledger.n_replayed}
+
+        def save(step_: int, version_: int, why: str) -> None:
+            meta = TrainMeta(step=step_, policy_version=version_, data_state=ledger.state(),
+                             staleness=snapshot_stats(), config=to_dict(c),
+                             extra={"nonfinite": nonfinite.state_dict(), "why": why,
+                                    "wall_s": time.monotonic() - self.t_start})
+            st = ckpt.save(_state_items(state), meta)
+            result.checkpoint_step = step_
+            metrics.message(f"checkpoint {ckpt.step_dir(step_)} ({why}; blocking {st.blocking_s:.2f} s)")
+
+        def do_eval(step_: int) -> None:
+            pusher.wait(version)
+            row = self.evaluate(generator, reward_fn, eval_pool, version)
+            if row:
+                metrics.log(step_, row, advance=False)
+                result.eval_history.append((step_, metrics.elapsed(), row["eval/accuracy"]))
+                metrics.message(f"eval @ step {step_} (version {version}): accuracy {row['eval/accuracy']:.3f} "
+                                f"({row['eval/n']} held-out, {row['eval/seconds']:.1f} s)")
+
+        signals = SignalHandler() if threading.current_thread() is threading.main_thread() else None
+        if signals is not None:
+            signals.__enter__()
+        try:
+            generator.start()
+            dispatcher.start()
+            if c.eval.at_start and step == 0:
+                do_eval(0)
+            stall_limit = (ro.group_timeout_s or 600.0) + 120.0
+            while step < tr.total_steps:
+                # 1. wait for B accepted groups (earliest deadline first), watching for failures
+                t_wait = time.monotonic()
+                groups = None
+                while groups is None:
+                    err = dispatcher.fatal_error or pusher.error
+                    if err is not None:
+                        raise FatalRunError(f"rollout failed: {type(err).__name__}: {err}") from err
+                    if signals is not None and signals.requested:
+                        break
+                    if c.max_wall_time_s is not None and time.monotonic() - self.t_start > c.max_wall_time_s:
+                        break
+                    try:
+                        groups = staleness.get_batch(version=version, timeout=1.0)
+                    except TimeoutError as e:
+                        sc = staleness.counts()
+                        if dispatcher.data_exhausted and sc.running == 0:
+                            raise FatalRunError(f"data exhausted at step {step}: {sc.buffered} groups buffered, "
+                                                f"{B} needed per step") from None
+                        if time.monotonic() - t_wait > stall_limit:
+                            raise FatalRunError(f"no training batch for {stall_limit:.0f} s: {e}") from None
+                if groups is None:
+                    stop_reason = "signal" if (signals is not None and signals.requested) else "max_wall_time"
+                    break
+                wait_s = time.monotonic() - t_wait
+                idle_s += wait_s
+                ledger.consumed([g.ticket.id for g in groups])
+                result.lag_by_group.extend((step, g.ticket.id, g.lag) for g in groups)
+                # 2. advantages, proximal log-probs, update(s)
+                trajs, row = build_training_batch(groups, tr.advantage, n)
+                t_train = time.monotonic()
+                state, mstats = trainer.train_batch(state, trajs, policy_version=version)
+                version += 1
+                # 3. push the new weights (dispatch now, before the next step donates the params)
+                push = pusher.push(state.params, version)
+                m0 = {k: float(v) for k, v in jax.device_get(mstats[-1]).items() if np.ndim(v) == 0}
+                train_s = time.monotonic() - t_train
+                if not nonfinite.update(step, loss=m0["loss"], grad_norm=m0["grad_norm"]):
+                    metrics.message(f"step {step}: non-finite loss/gradient, update skipped")
+                step += 1
+                # 4. metrics
+                now = time.monotonic()
+                gs = generator.stats()
+                dt = max(now - last["t"], 1e-9)
+                d_steps = gs.steps - last["gen"].steps
+                util = ((gs.slot_utilisation * gs.steps - last["gen"].slot_utilisation * last["gen"].steps)
+                        / d_steps) if d_steps > 0 else 0.0
+                trained_tokens = sum(int(m["tokens"]) for m in mstats)
+                hist = pusher.history[-1] if pusher.history else None
+                row.update({
+                    "version": version, "train/loss": m0["loss"], "train/grad_norm": m0["grad_norm"],
+                    "train/lr": m0["lr"], "train/clip_frac": m0.get("clip_frac", float("nan")),
+                    "train/entropy": m0.get("entropy", float("nan")),
+                    "train/behave_kl": m0.get("behave_approx_kl", float("nan")),
+                    "train/behave_prox_abs_max": max(float(m.get("behave_prox_abs_max", float("nan"))) for m in mstats),
+                    "train/behave_mask_frac": m0.get("behave_mask_frac", float("nan")),
+                    "train/skipped": int(m0.get("skipped", 0)), "train/seconds": train_s,
+                    "train/tokens_per_s": trained_tokens / max(train_s, 1e-9),
+                    "gen/tokens_per_s": (gs.generated_tokens - last["gen"].generated_tokens) / dt,
+                    "gen/slot_utilisation": util, "gen/busy_fraction": min(1.0, (gs.busy_s - last["gen"].busy_s) / dt),
+                    "gen/preemptions": gs.preemptions, "gen/version": gs.version,
+                    "trainer/idle_fraction": idle_s / max(now - t_loop0, 1e-9), "trainer/wait_s": wait_s,
+                    "push/dispatch_s": push.dispatch_s, "push/total_s": hist.total_s if hist else float("nan"),
+                    "push/bytes": push.bytes,
+                    "rollout/running": staleness.counts().running, "rollout/buffered": staleness.counts().buffered,
+                    "rollout/rejected": staleness.counts().rejected,
+                })
+                last.update(t=now, gen=gs)
+                if step % c.logging.log_every == 0 or step == tr.total_steps:
+                    metrics.log(step, row)
+                result.last_metrics = row
+                # 5. eval and checkpoint hooks
+                if c.eval.every_steps and step % c.eval.every_steps == 0 and step < tr.total_steps:
+                    do_eval(step)
+                if ckpt.should_save(step) and step < tr.total_steps:
+                    save(step, version, "periodic")
+            if c.eval.at_end and stop_reason == "completed":
+                do_eval(step)
+        except BaseException as e:
+            stop_reason = f"error: {type(e).__name__}"
+            metrics.message(f"run stopped by {type(e).__name__}: {e}")
+            if not isinstance(e, (FatalRunError, KeyboardInterrupt)):
+                metrics.message(traceback.format_exc())
+            self._shutdown(dispatcher, staleness, pusher, generator, eval_pool, metrics, signals)
+            if step > start_step:
+                self._emergency_save(save, state, step, version)
+            ckpt.close()
+            raise
+        # graceful end: stop rollouts, save, export
+        result.counts = snapshot_stats()
+        self._shutdown(dispatcher, staleness, pusher, generator, eval_pool, None, None)
+        result.counts = snapshot_stats()
+        try:
+            if ck.save_at_end and step > start_step:
+                save(step, version, stop_reason)
+                ckpt.wait()
+            if ck.export_hf and result.checkpoint_step is not None and stop_reason == "completed":
+                from jaxrl_async.export import export_checkpoint
+
+                ex = export_checkpoint(ckpt, os.path.join(self.run_dir, "hf"), step=result.checkpoint_step)
+                result.export_dir = ex.out_dir
+                metrics.message(f"Hugging Face export: {ex.out_dir}")
+        finally:
+            ckpt.close()
+            plot = metrics.close()
+            if signals is not None:
+                signals.__exit__(None, None, None)
+        result.steps, result.version = step, version
+        result.wall_s = time.monotonic() - self.t_start
+        result.stopped_by = stop_reason
+        summary = {"steps": step, "version": version, "wall_s": result.wall_s, "stopped_by": stop_reason,
+                   "eval_history": result.eval_history, "counts": result.counts,
+                   "max_lag": max((l for _, _, l in result.lag_by_group), default=0), "eta": eta,
+                   "checkpoint_step": result.checkpoint_step, "export_dir": result.export_dir, "plot": plot,
+                   "push_s_mean": float(np.mean([h.total_s for h in pusher.history])) if pusher.history else None}
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self._say(f"done: {step} steps, version {version}, {result.wall_s:.1f} s ({stop_reason}); "
+                  f"accounting: {result.counts}")
+        return result
+
+    def _emergency_save(self, save: Callable, state: Any, step: int, version: int) -> None:
+        try:
+            leaves = jax.tree.leaves(state)
+            if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+                self._say("no emergency checkpoint: the training state was consumed by the failed step")
+                return
+            save(step, version, "emergency")
+        except Exception as e:  # noqa: BLE001
+            self._say(f"emergency checkpoint failed: {type(e).__name__}: {e}")
+
+    def _shutdown(self, dispatcher, staleness, pusher, generator, pool, metrics, signals) -> None:
+        dispatcher.stop(timeout=10.0)
+        staleness.close()
+        pusher.close(timeout=10.0)
+        try:
+            generator.stop()
+        except RuntimeError as e:
+            self._say(str(e))
+        pool.shutdown(wait=False, cancel_futures=True)
+        if metrics is not None:
+            metrics.close(plot=False)
+        if signals is not None:
+            signals.__exit__(None, None, None)
+
+
+def _state_items(state: Any) -> dict[str, Any]:
+    """TrainState → checkpoint items (``params`` is what export reads)."""
+    return {"params": state.params, "opt_state": state.opt_state,
+            "counters": {"step": state.step, "n_skipped": state.n_skipped}}
+
+
+def _state_from_items(items: Mapping[str, Any]) -> Any:
+    from jaxrl_async.trainer.train_step import TrainState
+
+    return TrainState(params=items["params"], opt_state=items["opt_state"], step=items["counters"]["step"],
+                      n_skipped=items["counters"]["n_skipped"])
+
+
+def run(cfg: RunConfig, **kw: Any) -> RunResult:
+    """Build and run ``cfg`` (validated)."""
+    return RLLoop(cfg, **kw).run()
