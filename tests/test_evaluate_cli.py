@@ -1,0 +1,234 @@
+"""`python -m jaxrl_async.evaluate`: pass@k arithmetic, evaluate_params on a scripted generator with the math
+reward, the CLI end to end on a tiny exported model, and clear errors for bad paths/rows/options."""
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from jaxrl_async import evaluate
+from jaxrl_async.evaluate import EvalResult, ItemResult, evaluate_params, pass_at_k, report_ks
+from jaxrl_async.rewards.math_reward import MathReward
+from jaxrl_async.rollout.workflow import derive_seed
+
+
+# -- metrics ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n, c, k, expected", [
+    (4, 1, 1, 0.25), (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    (4, 1, 4, 1.0), (4, 0, 2, 0.0), (4, 4, 1, 1.0), (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+])
+def test_pass_at_k(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_validation_and_reported_ks():
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+    assert report_ks(1) == [1] and report_ks(4) == [1, 2, 4] and report_ks(6) == [1, 2, 4, 6]
+
+
+def test_eval_result_summary_and_table():
+    items = [ItemResult("a", "p", "1", ["x"] * 2, [1.0, 0.0], ["stop", "length"], [3, 5]),
+             ItemResult("b", "p", "2", ["y"] * 2, [0.0, 0.0], ["stop", "stop"], [1, 1])]
+    s = EvalResult(items, 2, elapsed_s=2.0).summary()
+    assert (s["pass@1"], s["pass@2"], s["mean_reward"], s["truncated_fraction"]) == (0.25, 0.5, 0.25, 0.25)
+    assert (s["generated_tokens"], s["mean_completion_tokens"], s["tokens_per_s"]) == (10, 2.5, 5.0)
+    table = EvalResult(items, 2, elapsed_s=2.0).table()
+    assert "pass@1 (mean over 2 samples)  0.2500" in table and "pass@2" in table and "25.0 %" in table
+
+
+# -- evaluate_params on a scripted generator ------------------------------------------------------------
+@dataclasses.dataclass
+class Sample:
+    sample_index: int
+    completion_ids: list
+    versions: list
+    finish_reason: str
+    text: str
+
+
+class Handle:
+    def __init__(self, out):
+        self.out = out
+
+    def done(self):
+        return True
+
+    def result(self, timeout=None):
+        return self.out
+
+    def abort(self):
+        pass
+
+
+@dataclasses.dataclass
+class Out:
+    samples: list
+
+
+class ScriptedGenerator:
+    """Answers request i (the i-th record) with the texts script[i]; all tokens tagged version 7."""
+
+    error = None
+
+    def __init__(self, script):
+        self.script, self.requests = script, []
+
+    def submit(self, prompt_ids, sampling=None, request_id=None, metadata=None):
+        i = int(request_id.rsplit("-", 1)[1])
+        self.requests.append((i, list(prompt_ids), sampling))
+        texts = self.script[i]
+        assert len(texts) == sampling.n
+        return Handle(Out([Sample(k, [5] * (k + 1), [7] * (k + 1), "stop" if k else "length", t)
+                           for k, t in enumerate(texts)]))
+
+
+def test_evaluate_params_math_reward_pass_at_k():
+    records = [{"id": "a", "prompt": "1+1?", "prompt_ids": [1, 2], "answer": "2", "metadata": {"source": "x:1"}},
+               {"id": "b", "prompt": "half of 3?", "prompt_ids": [3], "answer": "3/2"},
+               {"id": "c", "prompt": "2*3?", "prompt_ids": [4], "answer": "6"}]
+    script = {0: ["\\boxed{2}", "\\boxed{3}", "it is 5", "no idea"],  # 1 of 4 correct
+              1: ["\\boxed{\\frac{3}{2}}", "\\boxed{1.5}", "so \\boxed{3/2}.", "\\boxed{\\dfrac{3}{2}}"],  # 4 of 4
+              2: ["\\boxed{5}", "\\boxed{7}", "\\boxed{-6}", "6 is wrong, \\boxed{60}"]}  # 0 of 4
+    gen = ScriptedGenerator(script)
+    with MathReward() as reward:
+        res = evaluate_params(None, None, None, records, reward, n=4, temperature=0.6, max_new_tokens=32, seed=11,
+                              generator=gen, stop_token_ids=(9,))
+    assert [r.rewards for r in res.items] == [[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
+    assert res.pass_at_1 == pytest.approx((0.25 + 1 + 0) / 3)
+    assert res.pass_at(2) == pytest.approx((0.5 + 1 + 0) / 3) and res.pass_at_n == pytest.approx(2 / 3)
+    assert res.versions == (7, 7) and res.n == 4
+    sp = {i: s for i, _, s in gen.requests}
+    assert all(sp[i].seed == derive_seed(11, i) and sp[i].n == 4 and sp[i].temperature == 0.6 for i in range(3))
+    assert sp[0].stop_token_ids == (9,) and sp[0].max_new_tokens == 32
+    row = next(res.rows())
+    assert (row["id"], row["answer"], row["rewards"], row["correct"], row["pass@1"]) == \
+        ("a", "2", [1.0, 0.0, 0.0, 0.0], [True, False, False, False], 0.25)
+    assert row["finish_reasons"] == ["length", "stop", "stop", "stop"] and row["completion_tokens"] == [1, 2, 3, 4]
+
+
+def test_evaluate_params_rejects_bad_records():
+    with pytest.raises(ValueError, match="record 1 \\(id 'b'\\) has no prompt_ids"):
+        evaluate_params(None, None, None, [{"id": "a", "prompt_ids": [1]}, {"id": "b", "prompt_ids": []}],
+                        lambda *a, **k: 0.0, n=1, temperature=0, max_new_tokens=4, seed=0,
+                        generator=ScriptedGenerator({}))
+
+
+# -- CLI end to end on a tiny exported model ------------------------------------------------------------
+def parity_reward(prompt, completion, answer, **metadata):
+    """Deterministic in the completion text, so the test can recompute every reward."""
+    return float(len(completion) % 2 == 0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from jaxrl_async.data.tokenizer import build_tokenizer
+    from jaxrl_async.testing import make_tiny_hf_model
+
+    d = build_tokenizer(str(tmp_path_factory.mktemp("model")), kind="arithmetic")
+    make_tiny_hf_model(d, "qwen3", vocab_size=len(AutoTokenizer.from_pretrained(d)))
+    return d
+
+
+def write_rows(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+GSM_ROWS = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+            for a, b in ((2, 3), (10, 7), (40, 2))]
+
+
+def test_cli_end_to_end(model_dir, tmp_path, capsys):
+    data = write_rows(tmp_path / "data.jsonl", GSM_ROWS)
+    out, summ = tmp_path / "results.jsonl", tmp_path / "summary.json"
+    argv = ["--model", model_dir, "--data", data, "--format", "gsm8k", "--n", "3", "--temperature", "1.0",
+            "--max-new-tokens", "6", "--output", str(out), "--summary-json", str(summ),
+            "--reward", "test_evaluate_cli:parity_reward", "--max-concurrent", "4", "--num-pages", "32",
+            "--boxed-instruction"]
+    assert evaluate.main(argv) == 0
+    rows = [json.loads(line) for line in open(out)]
+    assert [r["id"] for r in rows] == ["data.jsonl:1", "data.jsonl:2", "data.jsonl:3"]
+    assert [r["answer"] for r in rows] == ["5", "17", "42"]
+    for r, q in zip(rows, GSM_ROWS):
+        assert q["question"] in r["prompt"] and "\\boxed{}" in r["prompt"] and r["prompt"].startswith("<|im_start|>user")
+        assert len(r["completions"]) == len(r["rewards"]) == len(r["finish_reasons"]) == 3
+        assert r["rewards"] == [parity_reward("", c, "") for c in r["completions"]]
+        assert r["correct"] == [x > 0.5 for x in r["rewards"]] and r["pass@1"] == sum(r["correct"]) / 3
+        assert all(1 <= t <= 6 for t in r["completion_tokens"])
+        assert all(f in ("stop", "length") for f in r["finish_reasons"])
+        assert all(t == 6 for f, t in zip(r["finish_reasons"], r["completion_tokens"]) if f == "length")
+    s = json.loads(summ.read_text())
+    c = [sum(r["correct"]) for r in rows]
+    assert s["items"] == 3 and s["n"] == 3 and s["samples"] == 9
+    assert s["pass@1"] == pytest.approx(sum(ci / 3 for ci in c) / 3)
+    assert s["pass@2"] == pytest.approx(sum(1 - (ci < 2) * (3 - ci) * (2 - ci) / 2 / 3 for ci in c) / 3)  # C(3-c,2)/C(3,2)
+    assert s["pass@3"] == pytest.approx(sum(ci > 0 for ci in c) / 3)
+    assert s["mean_reward"] == pytest.approx(sum(sum(r["rewards"]) for r in rows) / 9)
+    assert s["generated_tokens"] == sum(sum(r["completion_tokens"]) for r in rows)
+    assert s["policy_versions"] == [0, 0]
+    table = capsys.readouterr().out
+    assert f"pass@1 (mean over 3 samples)  {s['pass@1']:.4f}" in table and f"pass@3" in table
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no_model_dir", "--model {tmp}/missing: not a directory"),
+    ("no_config", "no config.json"),
+    ("no_data", "--data {tmp}/nope.jsonl: file not found"),
+    ("bad_row", "data.jsonl:2: [gsm8k] gsm8k field 'answer' has no '#### <number>' final-answer marker"),
+    ("bad_json", "data.jsonl:1: [gsm8k] invalid JSON"),
+    ("bad_reward", "--reward nonexistent: unknown reward 'nonexistent'"),
+    ("no_template", "the tokenizer has no chat template; pass --no-chat-template"),
+    ("empty", "no usable rows"),
+])
+def test_cli_errors(case, message, model_dir, tmp_path, capsys):
+    data = write_rows(tmp_path / "data.jsonl", GSM_ROWS)
+    model, extra = model_dir, []
+    if case == "no_model_dir":
+        model = str(tmp_path / "missing")
+    elif case == "no_config":
+        model = str(tmp_path)
+    elif case == "no_data":
+        data = str(tmp_path / "nope.jsonl")
+    elif case == "bad_row":
+        write_rows(tmp_path / "data.jsonl", [GSM_ROWS[0], {"question": "q", "answer": "no marker"}])
+    elif case == "bad_json":
+        write_rows(tmp_path / "data.jsonl", ['{"question": '])
+    elif case == "bad_reward":
+        extra = ["--reward", "nonexistent"]
+    elif case == "no_template":
+        from jaxrl_async.testing import make_tiny_tokenizer
+
+        model = str(tmp_path / "plain")
+        make_tiny_tokenizer(model)
+        shutil.copy(f"{model_dir}/config.json", model)
+    elif case == "empty":
+        extra = ["--max-prompt-length", "2"]  # every prompt is longer: all dropped
+    argv = ["--model", model, "--data", data, "--format", "gsm8k"] + extra
+    assert evaluate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err, err
+
+
+def test_reward_failures_are_reported(capsys):
+    from jaxrl_async.rewards.registry import SafeReward
+
+    def boom(prompt, completion, answer, **kw):
+        raise RuntimeError("bad reward")
+
+    r = SafeReward(boom, name="boom")
+    assert r("p", "c", "a") == 0.0 and r("p", "c", "a") == 0.0
+    evaluate._report_reward_failures(r)
+    err = capsys.readouterr().err
+    assert "failed on 2 of 2 samples" in err and "boom raised RuntimeError: bad reward" in err
+
+
+def test_cli_rejects_bad_options(model_dir, tmp_path):
+    for bad in (["--n", "0"], ["--temperature", "-1"], ["--top-p", "0"], ["--max-items", "0"]):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(["--model", model_dir, "--data", "x.jsonl"] + bad)
+        assert e.value.code == 2
