@@ -1,0 +1,41 @@
+"""Reward functions and workflows the loop tests select by import string (``loop_targets:...``)."""
+from __future__ import annotations
+
+import threading
+
+from jaxrl_async.rollout.workflow import RLVRWorkflow
+
+_lock = threading.Lock()
+_calls = {"n": 0}
+
+
+def has_digit(prompt: str, completion: str, answer: str, **metadata) -> float:
+    """1 if the completion contains a digit (a random tiny policy gets ~0.3: a reward GRPO climbs fast)."""
+    return float(any(ch.isdigit() for ch in completion))
+
+
+def has_digit_flaky(prompt: str, completion: str, answer: str, **metadata) -> float:
+    """Like has_digit, but every 5th call raises (the loop must count it and go on)."""
+    with _lock:
+        _calls["n"] += 1
+        n = _calls["n"]
+    if n % 5 == 0:
+        raise RuntimeError(f"reward exploded on call {n}")
+    return has_digit(prompt, completion, answer)
+
+
+class SometimesNoneWorkflow(RLVRWorkflow):
+    """RLVR, but every 4th group is rejected by returning None for its episodes."""
+
+    def __init__(self, reward_fn, tokenizer):
+        super().__init__(reward_fn, tokenizer)
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def run_group(self, item, ctx, n):
+        with self._lock:
+            self._n += 1
+            k = self._n
+        if k % 4 == 0:
+            return [None] * n
+        return super().run_group(item, ctx, n)
