@@ -12,7 +12,7 @@ Measured results are in `benchmarks/RESULTS.md` ("Embedded default").
 """
 
 from jaxrl_async.config import (
-    ArithmeticConfig, CheckpointSection, DataConfig, EngineConfig, EvalConfig, MeshAxesConfig, MeshConfig,
+    ArithmeticConfig, CheckpointSection, DataConfig, EngineConfig, EvalConfig, MeshConfig,
     ModelConfigSection, PackingConfig, RolloutConfig, RunConfig, SamplingConfig, SFTConfig, TrainerConfig,
 )
 from jaxrl_async.rl.advantages import AdvantageConfig
@@ -39,9 +39,7 @@ def get_config() -> RunConfig:
             loss=PolicyLossConfig(eps_clip=0.2), advantage=AdvantageConfig(preset="grpo", adv_norm=False),
             packing=PackingConfig(tokens_per_micro=8192, row_len_buckets=(64, 128)),
             sft=SFTConfig(steps=150, batch_size=32, lr=3e-3, warmup_steps=10)),
-        mesh=MeshConfig(cpu_devices=2, num_generator_devices=1,
-                        generator=MeshAxesConfig(shape=(1, 1), axis_names=("data", "tensor")),
-                        trainer=MeshAxesConfig(shape=(1,), axis_names=("fsdp",))),
+        mesh=MeshConfig(cpu_devices=2),  # 2 simulated CPU devices: 1 generator, 1 trainer (AReaL's 3/4 split rounds to 1)
         eval=EvalConfig(every_steps=10, temperature=0.0),
         checkpoint=CheckpointSection(every_steps=None, save_at_end=True, export_hf=True, resume="auto"),
     )

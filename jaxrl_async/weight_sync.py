@@ -3,14 +3,24 @@
 After each update the trainer calls :meth:`WeightPusher.push` with its (fp32, trainer-sharded)
 parameters and the new policy version. The push has two halves:
 
-1. **Dispatch, on the trainer thread** (microseconds of host time, asynchronous on the device):
+1. **Dispatch, on the trainer thread** (milliseconds of host time, asynchronous on the device):
    cast to the generator's parameter dtype on the trainer mesh (a jitted ``astype``; skipped when
-   the dtypes agree) and ``jax.device_put`` onto the generator's ``NamedSharding``s with
-   ``may_alias=False``. ``device_put`` between meshes is a device-to-device copy that also
-   reshards (fsdp×tensor → data×tensor). It must be *dispatched* before the trainer's next step,
-   because that step donates (frees) the trainer's parameter buffers; JAX orders the copy's reads
-   before the donation. ``may_alias=False`` guarantees fresh buffers even when the two meshes share
-   devices (colocated mode).
+   the dtypes agree), then move and reshard (fsdp×tensor → data×tensor) without leaving the
+   devices. ``jax.device_put`` between two device sets copies device-to-device only when every
+   destination shard is, index for index, a shard of the source; otherwise it silently gathers the
+   array on the host. :func:`plan_push` therefore picks, per leaf, one of three routes:
+
+   * ``direct``: the destination's shard indices are all source shard indices: one
+     ``device_put`` (shard-wise device-to-device copies);
+   * ``via_generator``: copy the shards as they are to a mesh of generator devices shaped like the
+     trainer mesh (plus a replica axis; needs n_trainer | n_generator), then reshard with a jitted
+     identity among the generator devices (XLA collectives);
+   * ``via_trainer``: reshard first on the trainer devices onto a mesh shaped like the generator
+     mesh (plus a replica axis; needs n_generator | n_trainer), then copy shard-wise.
+
+   It must be *dispatched* before the trainer's next step, because that step donates (frees) the
+   trainer's parameter buffers; JAX orders the copy's reads before the donation. ``may_alias=False``
+   guarantees fresh buffers even when the two meshes share devices (colocated mode).
 2. **Completion, on the transfer thread**: wait until the copy is on the generator devices, then
    ``Generator.update_params(params, version, wait=True)`` (the decode thread swaps them in between
    two decode steps), then ``on_applied(version)`` — the loop advertises the version to the
@@ -21,8 +31,8 @@ newer push replaces a waiting one (its version is skipped: the generator jumps t
 weights). Decoding never waits for a transfer: the generator keeps decoding with the old weights
 until the new ones are complete on its devices.
 
-No host round trip: both halves run under ``jax.transfer_guard_device_to_host("disallow")`` and
-``jax.transfer_guard_host_to_device("disallow")`` (``guard=True``, the default), so a change that
+No host round trip: both halves run under ``jax.transfer_guard_device_to_host("disallow_explicit")`` and
+``jax.transfer_guard_host_to_device("disallow_explicit")`` (``guard=True``, the default), so a change that
 would route weights through host memory fails loudly instead of silently costing seconds.
 
 Errors in the transfer thread are kept in ``error`` and re-raised by the next ``push``/``wait``;
@@ -31,6 +41,7 @@ every wait has a timeout.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
@@ -39,8 +50,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["WeightPusher", "PushStats", "WeightPushError"]
+__all__ = ["WeightPusher", "PushStats", "WeightPushError", "plan_push", "PushPlan"]
 
 
 class WeightPushError(RuntimeError):
@@ -61,13 +73,75 @@ def _guard(enabled: bool):
     if not enabled:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    stack.enter_context(jax.transfer_guard_device_to_host("disallow"))
-    stack.enter_context(jax.transfer_guard_host_to_device("disallow"))
+    stack.enter_context(jax.transfer_guard_device_to_host("disallow_explicit"))
+    stack.enter_context(jax.transfer_guard_host_to_device("disallow_explicit"))
     return stack
+
+
+def _index_set(sharding: Any, shape: tuple[int, ...]) -> set:
+    return {tuple((sl.start, sl.stop, sl.step) for sl in idx) for idx in sharding.devices_indices_map(shape).values()}
+
+
+def _device_array(sharding: Any) -> np.ndarray:
+    return np.asarray(sharding.mesh.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class PushPlan:
+    """How each leaf travels: ``routes`` (per leaf, ``direct``/``via_generator``/``via_trainer``) and the
+    intermediate shardings of the two-hop routes (None for ``direct``)."""
+
+    routes: Any
+    intermediate: Any
+
+
+def plan_push(src_shardings: Any, dst_shardings: Any, shapes: Any) -> PushPlan:
+    """Per leaf: a device-to-device route from ``src`` (trainer) to ``dst`` (generator) sharding.
+
+    Raises ValueError when no route exists (neither device count divides the other and the shard
+    indices do not match), naming the leaf.
+    """
+    from jax.sharding import Mesh, NamedSharding
+
+    def one(path, src, dst, shape):
+        shape = tuple(shape)
+        if _index_set(dst, shape) <= _index_set(src, shape):
+            return "direct", None
+        n_src, n_dst = src.num_devices, dst.num_devices
+        if isinstance(src, NamedSharding) and n_dst % n_src == 0:
+            devs = _device_array(dst).reshape(-1).reshape(tuple(src.mesh.shape.values()) + (n_dst // n_src,))
+            mesh = Mesh(devs, tuple(src.mesh.axis_names) + ("_push_replica",),
+                        axis_types=(jax.sharding.AxisType.Auto,) * (devs.ndim))
+            return "via_generator", NamedSharding(mesh, src.spec)
+        if isinstance(dst, NamedSharding) and n_src % n_dst == 0:
+            devs = _device_array(src).reshape(-1).reshape(tuple(dst.mesh.shape.values()) + (n_src // n_dst,))
+            mesh = Mesh(devs, tuple(dst.mesh.axis_names) + ("_push_replica",),
+                        axis_types=(jax.sharding.AxisType.Auto,) * (devs.ndim))
+            return "via_trainer", NamedSharding(mesh, dst.spec)
+        raise ValueError(f"weight push: no device-to-device route for {jax.tree_util.keystr(path)} from {n_src} "
+                         f"trainer devices to {n_dst} generator devices (one count must divide the other)")
+
+    pairs = jax.tree_util.tree_map_with_path(one, src_shardings, dst_shardings, shapes,
+                                             is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)  # noqa: E731
+    return PushPlan(routes=jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
+                    intermediate=jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
 
 
 def tree_bytes(tree: Any) -> int:
     return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+_RESHARD_CACHE: dict[Any, Any] = {}
+
+
+def _reshard(xs: list, shardings: list) -> list:
+    """Jitted identity with out_shardings: an on-device reshard among the devices the arrays live on."""
+    key = tuple(shardings)
+    fn = _RESHARD_CACHE.get(key)
+    if fn is None:
+        fn = _RESHARD_CACHE[key] = jax.jit(lambda a: [x + jnp.zeros((), x.dtype) for x in a], out_shardings=list(shardings))
+    return fn(xs)
 
 
 class WeightPusher:
@@ -101,6 +175,8 @@ class WeightPusher:
         self.history: list[PushStats] = []
         self.skipped_versions: list[int] = []
         self.applied_version: int | None = initial_version
+        self._plan: tuple[Any, PushPlan] | None = None
+        self.routes: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._main, name="weight-push", daemon=True)
         self._thread.start()
 
@@ -113,7 +189,7 @@ class WeightPusher:
             src = params
             if self.dtype is not None and any(x.dtype != self.dtype for x in jax.tree.leaves(params)):
                 src = self._cast(params)
-            out = jax.device_put(src, self.target_shardings, may_alias=False)
+            out = self._move(src)
         stats = PushStats(version=int(version), bytes=tree_bytes(out), dispatch_s=time.perf_counter() - t0)
         with self._cond:
             if self._closed:
@@ -123,6 +199,39 @@ class WeightPusher:
             self._mailbox = (out, stats, t0)
             self._cond.notify_all()
         return stats
+
+    def _move(self, src: Any) -> Any:
+        """Device-to-device move + reshard of ``src`` onto the target shardings (see ``plan_push``)."""
+        key = jax.tree.structure(src), tuple(x.sharding for x in jax.tree.leaves(src))
+        if self._plan is None or self._plan[0] != key:
+            plan = plan_push(jax.tree.map(lambda x: x.sharding, src), self.target_shardings,
+                             jax.tree.map(lambda x: x.shape, src))
+            self._plan = (key, plan)
+            self.routes = collections.Counter(jax.tree.leaves(plan.routes))
+        plan = self._plan[1]
+        leaves, treedef = jax.tree.flatten(src)
+        routes = treedef.flatten_up_to(plan.routes)
+        inter = treedef.flatten_up_to(plan.intermediate)
+        dst = treedef.flatten_up_to(self.target_shardings)
+        out = [None] * len(leaves)
+        # via_trainer: reshard on the trainer devices first (one jitted identity over those leaves)
+        vt = [i for i, r in enumerate(routes) if r == "via_trainer"]
+        if vt:
+            moved = _reshard([leaves[i] for i in vt], [inter[i] for i in vt])
+            for i, x in zip(vt, moved):
+                leaves[i] = x
+        # shard-wise device-to-device copies
+        hop = [i for i, r in enumerate(routes) if r in ("direct", "via_trainer")]
+        if hop:
+            copied = jax.device_put([leaves[i] for i in hop], [dst[i] for i in hop], may_alias=False)
+            for i, x in zip(hop, copied):
+                out[i] = x
+        vg = [i for i, r in enumerate(routes) if r == "via_generator"]
+        if vg:
+            staged = jax.device_put([leaves[i] for i in vg], [inter[i] for i in vg], may_alias=False)
+            for i, x in zip(vg, _reshard(staged, [dst[i] for i in vg])):
+                out[i] = x
+        return jax.tree.unflatten(treedef, out)
 
     def wait(self, version: int | None = None, timeout: float | None = None) -> None:
         """Block until ``version`` (default: the newest pushed) is applied by the generator."""
