@@ -1,0 +1,376 @@
+"""Supervised warm start (SFT) on gold completions, and the greedy held-out evaluation.
+
+The SFT objective is the token-mean negative log-likelihood of the completion tokens given the
+prompt (teacher forcing), over a minibatch of B (prompt, completion) pairs:
+
+    L(theta) = -(1 / N) sum_i sum_{t in completion_i} log p_theta(x_{i,t} | x_{i,<t}),
+    N = sum_i |completion_i|            (the global number of loss tokens of the minibatch)
+
+Prompt tokens are context only (loss_mask 0): they receive no loss term. The completion
+includes the end-of-sequence token, so the model learns to stop.
+
+It reuses the RL `Trainer` unchanged (packing, sharded micro-batched step, global normaliser,
+AdamW, non-finite guard, donation) with `nll_loss` as its loss function and the
+"given" proximal mode (the loss ignores proximal log-probs, so no extra forward pass).
+
+Batches: a seeded stream of epoch permutations of the examples (`batch_schedule`), B consecutive
+indices per step (a batch may straddle two epochs). Shapes: unless a `PackingConfig` is given,
+`sft_packing` plans ONE shape for the whole run from the planned batches (row length = the
+longest example rounded up to 8, rows = the most first-fit-decreasing rows any planned batch
+needs, rounded up to the data-parallel size), so the step compiles exactly once.
+
+Evaluation: `greedy_completions` / `greedy_accuracy` decode the prompts (rendered by the
+tokenizer's chat template) at temperature 0 with the paged engine and the continuous-batching
+generator, stopping on the EOS ids, and score them with a reward function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl_async.models.config import ModelConfig
+from jaxrl_async.models.transformer import Params
+from jaxrl_async.trainer.optimizer import OptimizerConfig
+from jaxrl_async.trainer.packing import PackingConfig, Trajectory, _ffd_rows
+from jaxrl_async.trainer.train_step import Trainer, TrainerConfig, _batch_axis_size
+
+__all__ = [
+    "nll_loss", "SFTExample", "encode_examples", "batch_schedule", "sft_packing", "sft_trainer_config", "run_sft",
+    "generate_completions", "greedy_completions", "greedy_accuracy",
+]
+
+LogFn = Callable[[dict[str, Any]], None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss
+# ---------------------------------------------------------------------------------------------
+def nll_loss(logprobs, proximal_logprobs=None, behaviour_logprobs=None, advantages=None, loss_mask=None, *,
+             seq_ids=None, num_seqs=None, normaliser=None, entropy=None, **_) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Token-mean negative log-likelihood with the Trainer's `LossFn` signature.
+
+        L = -(1 / N) sum_t m_t lp_t,    N = normaliser, or max(sum_t m_t, 1) when None
+
+    `logprobs` lp [rows, T] are log p_theta(token t | < t) (aligned with the tokens), m the
+    0/1 loss mask. With N the GLOBAL count of loss tokens of the minibatch (the Trainer's
+    token-mean normaliser), the losses of its micro-batches add up to the minibatch mean. Only
+    lp is differentiated: dL/dlp_t = -m_t / N, so tokens off the mask (prompt, padding) get no
+    gradient. Proximal/behaviour log-probs, advantages and sequence ids are ignored.
+
+    Stats (stop-gradiented, micro-batch additive per the `rl.losses` convention): n_tokens = sum m,
+    nll_sum = -sum m lp (combined `nll` = nll_sum / n_tokens, the exact token-mean NLL) and, when
+    `entropy` is given, entropy_sum / entropy (mean over loss tokens).
+    """
+    if loss_mask is None:
+        raise ValueError("nll_loss: loss_mask is required")
+    lp = jnp.asarray(logprobs, jnp.float32)
+    m = jnp.asarray(loss_mask, jnp.float32)
+    n_tokens = m.sum()
+    denom = jnp.maximum(n_tokens, 1.0) if normaliser is None else jnp.asarray(normaliser, jnp.float32)
+    nll_sum = -(m * lp).sum()
+    loss = nll_sum / denom
+    sg = jax.lax.stop_gradient
+    local = jnp.maximum(n_tokens, 1.0)
+    stats = {"n_tokens": n_tokens, "nll_sum": sg(nll_sum), "nll": sg(nll_sum) / local}
+    if entropy is not None:
+        ent_sum = (m * sg(jnp.asarray(entropy, jnp.float32))).sum()
+        stats.update(entropy_sum=ent_sum, entropy=ent_sum / local)
+    return loss, stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SFTExample:
+    """One tokenised pair. The loss covers the completion tokens only (incl. the EOS token)."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "completion_ids", tuple(int(t) for t in self.completion_ids))
+        if not self.prompt_ids:
+            raise ValueError("SFTExample.prompt_ids is empty (the first token is never predicted: a prompt of "
+                             ">= 1 token is required)")
+        if not self.completion_ids:
+            raise ValueError("SFTExample.completion_ids is empty (no token to train on)")
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    def trajectory(self) -> Trajectory:
+        """tokens = prompt + completion; loss_mask 1 on the completion; zero log-probs/advantages."""
+        n, p = len(self), len(self.prompt_ids)
+        zeros = np.zeros(n, np.float32)
+        return Trajectory(tokens=np.asarray(self.prompt_ids + self.completion_ids, np.int32),
+                          loss_mask=(np.arange(n) >= p).astype(np.int32), behaviour_logprobs=zeros,
+                          advantages=zeros, versions=None, proximal_logprobs=zeros)
+
+
+def encode_examples(pairs: Sequence[tuple[str, str]], tokenizer: Any) -> list[SFTExample]:
+    """Tokenise (prompt_text, completion_text) pairs without adding special tokens.
+
+    Prompt and completion are tokenised separately: the prompt tokens are exactly what the
+    generator is given at evaluation/RL time, and the completion tokens are what it must
+    produce (the completion text should end with the EOS token, as `arithmetic.sft_example`'s).
+    Raises ValueError naming the pair for an empty prompt or completion.
+    """
+    out = []
+    for i, pair in enumerate(pairs):
+        try:
+            prompt, completion = pair
+        except (TypeError, ValueError):
+            raise ValueError(f"example {i}: expected a (prompt_text, completion_text) pair, got {type(pair).__name__}")
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        if not p:
+            raise ValueError(f"example {i}: empty prompt {prompt!r} (at least one prompt token is required)")
+        if not c:
+            raise ValueError(f"example {i}: empty completion {completion!r} (no token to train on)")
+        out.append(SFTExample(p, c))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches and shapes
+# ---------------------------------------------------------------------------------------------
+def batch_schedule(n_examples: int, batch_size: int, steps: int, seed: int = 0) -> list[np.ndarray]:
+    """Indices of the examples of each step: a stream of seeded epoch permutations, cut in blocks.
+
+    stream = perm_0 ++ perm_1 ++ ...,  perm_e = default_rng(seed) permutation number e of
+    range(n_examples); batch k = stream[k B : (k + 1) B]. Every example is seen once per epoch;
+    a batch may straddle two epochs (and holds repeats when B > n_examples).
+    """
+    if n_examples < 1:
+        raise ValueError("batch_schedule: no examples")
+    if batch_size < 1 or steps < 0:
+        raise ValueError(f"batch_schedule: need batch_size >= 1 and steps >= 0, got {batch_size}, {steps}")
+    rng = np.random.default_rng(seed)
+    need = steps * batch_size
+    n_epochs = -(-need // n_examples)
+    stream = np.concatenate([rng.permutation(n_examples) for _ in range(n_epochs)]) if n_epochs else np.zeros(0, int)
+    return [stream[k * batch_size:(k + 1) * batch_size] for k in range(steps)]
+
+
+def sft_packing(lengths: Sequence[int], batches: Sequence[Sequence[int]], *, data_parallel: int = 1,
+                row_align: int = 8, max_seqs_per_row: int = 16) -> PackingConfig:
+    """One packed shape that holds every planned batch (so the step compiles once).
+
+    row_len = round_up(max(lengths), row_align); rows = max over batches of the first-fit-decreasing
+    rows the batch needs (the rule `pack` applies), rounded up to a multiple of `data_parallel`;
+    one micro-batch of rows x row_len tokens.
+    """
+    if not batches:
+        raise ValueError("sft_packing: no batches")
+    row_len = -(-max(lengths) // row_align) * row_align
+    rows = max(len(_ffd_rows([lengths[i] for i in b], row_len, max_seqs_per_row)) for b in batches)
+    rows = -(-rows // data_parallel) * data_parallel
+    return PackingConfig(tokens_per_micro=rows * row_len, row_len_buckets=(row_len,), n_micro_buckets=(1,),
+                         max_seqs_per_row=max_seqs_per_row, row_multiple=data_parallel)
+
+
+_REQUIRED = object()
+
+
+def _field(cfg: Any, name: str, default: Any = _REQUIRED) -> Any:
+    if hasattr(cfg, name):
+        return getattr(cfg, name)
+    if default is _REQUIRED:
+        raise ValueError(f"SFT config {type(cfg).__name__} has no field {name!r}")
+    return default
+
+
+def sft_trainer_config(cfg: Any, packing: PackingConfig) -> TrainerConfig:
+    """TrainerConfig of an SFT run: AdamW, linear warmup then cosine decay over cfg.steps.
+
+    `cfg` is SFTConfig-like: steps, batch_size, lr, warmup_steps, weight_decay (optional:
+    min_lr_ratio = 0, max_grad_norm = 1).
+    """
+    steps, bs, lr = _field(cfg, "steps"), _field(cfg, "batch_size"), _field(cfg, "lr")
+    warmup, wd = _field(cfg, "warmup_steps"), _field(cfg, "weight_decay")
+    if steps < 1:
+        raise ValueError(f"SFTConfig.steps: must be >= 1 to run SFT, got {steps}")
+    if bs < 1:
+        raise ValueError(f"SFTConfig.batch_size: must be >= 1, got {bs}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"SFTConfig.lr: must be a positive finite float, got {lr}")
+    if not 0 <= warmup < steps:
+        raise ValueError(f"SFTConfig.warmup_steps: must be in [0, steps={steps}), got {warmup}")
+    opt = OptimizerConfig(lr=lr, schedule="cosine", warmup_steps=warmup, total_steps=steps,
+                          min_lr_ratio=_field(cfg, "min_lr_ratio", 0.0), weight_decay=wd,
+                          max_grad_norm=_field(cfg, "max_grad_norm", 1.0))
+    return TrainerConfig(optimizer=opt, packing=packing, proximal="given")
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+def _record(step: int, metrics: Mapping[str, Any], compilations: int, t0: float) -> dict[str, Any]:
+    return {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+            "lr": float(metrics["lr"]), "tokens": int(metrics["tokens"]), "loss_tokens": int(metrics["loss_tokens"]),
+            "skipped": int(metrics["skipped"]), "compilations": compilations, "time_s": time.perf_counter() - t0}
+
+
+def run_sft(params: Params, model_cfg: ModelConfig, examples: Sequence[SFTExample], cfg: Any,
+            mesh: Mesh | None = None, *, seed: int = 0, packing: PackingConfig | None = None, progress: bool = True,
+            log_fn: LogFn | None = None) -> tuple[Params, list[dict[str, Any]]]:
+    """`cfg.steps` AdamW steps of `nll_loss` on minibatches of `cfg.batch_size` examples.
+
+    Args:
+      params: initial weights (any dtype; trained as fp32 master copies).
+      model_cfg: the architecture.
+      examples: the training pairs (`encode_examples`).
+      cfg: SFTConfig-like (steps, batch_size, lr, warmup_steps, weight_decay): linear warmup
+        to lr, then cosine decay to 0 at `steps` (`sft_trainer_config`).
+      mesh: trainer mesh (fsdp, tensor[, data]); None = first device.
+      seed: seed of the batch order (`batch_schedule`).
+      packing: fixed packing; None plans one shape for the run (`sft_packing`).
+      progress: tqdm bar (stderr) with the loss.
+      log_fn: called with every history record.
+
+    Returns (params, history): the trained fp32 params on the trainer's shardings and one record
+    per step: step (1-based), loss (token-mean NLL of the batch before the update), grad_norm
+    (before clipping), lr (of the update), tokens (real tokens of the batch), loss_tokens,
+    skipped (non-finite guard), compilations (step traces so far), time_s (since the start).
+    Metrics are read back one step late, so the host packs batch k + 1 while the device runs k.
+    """
+    if not examples:
+        raise ValueError("run_sft: no examples")
+    for i, ex in enumerate(examples):
+        if not isinstance(ex, SFTExample):
+            raise TypeError(f"run_sft: example {i} is a {type(ex).__name__}, expected SFTExample (see encode_examples)")
+    lengths = [len(ex) for ex in examples]
+    longest = int(np.argmax(lengths))
+    if lengths[longest] > model_cfg.max_position_embeddings:
+        raise ValueError(f"run_sft: example {longest} has {lengths[longest]} tokens > the model's "
+                         f"max_position_embeddings {model_cfg.max_position_embeddings}")
+    sft_trainer_config(cfg, PackingConfig())  # validates cfg before any planning
+    batches = batch_schedule(len(examples), cfg.batch_size, cfg.steps, seed)
+    dp = _batch_axis_size(mesh) if mesh is not None else 1
+    if packing is None:
+        packing = sft_packing(lengths, batches, data_parallel=dp)
+    trainer = Trainer(model_cfg, sft_trainer_config(cfg, packing), mesh, loss_fn=nll_loss,
+                      normaliser_fn=lambda n_loss_tokens, n_loss_seqs: float(n_loss_tokens))
+    trajs = [ex.trajectory() for ex in examples]
+    state = trainer.init_state(params)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.steps, desc="sft", unit="step", disable=not progress, dynamic_ncols=True)
+    history: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+
+    def flush(step: int, metrics: Mapping[str, Any], compilations: int) -> None:
+        rec = _record(step, metrics, compilations, t0)
+        history.append(rec)
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
+        if log_fn is not None:
+            log_fn(rec)
+
+    pending = None
+    try:
+        for k, idx in enumerate(batches):
+            packed = trainer.pack([trajs[i] for i in idx], [int(i) for i in idx])
+            state, metrics = trainer.step(state, packed)
+            if pending is not None:
+                flush(*pending)
+            pending = (k + 1, metrics, trainer.n_compilations["step"])
+        if pending is not None:
+            flush(*pending)
+    finally:
+        bar.close()
+    return state.params, history
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy evaluation
+# ---------------------------------------------------------------------------------------------
+def _stop_ids(model_cfg: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    ids = set(model_cfg.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if not ids:
+        raise ValueError("greedy evaluation needs an EOS id (model_cfg.eos_token_id or tokenizer.eos_token_id)")
+    return tuple(sorted(ids))
+
+
+def generate_completions(params: Params, model_cfg: ModelConfig, tokenizer: Any, prompts: Sequence[str], *,
+                         max_new_tokens: int, temperature: float = 0.0, n: int = 1, seed: int = 0,
+                         mesh: Mesh | None = None, max_concurrent: int = 64, page_size: int = 16) -> list[list[str]]:
+    """`n` completions per rendered prompt text (temperature 0: greedy), stopping on the EOS ids.
+
+    Runs a `PagedEngine` (one prefill bucket: the longest prompt rounded up to 8 tokens; a page
+    pool that holds every slot's longest sequence, so nothing is preempted) under a `Generator`.
+    Request i samples with seed `seed + i`. Returns, in prompt order, the decoded completions
+    (special tokens, incl. the EOS, skipped). `mesh`: generator mesh (data, tensor), None = first
+    device.
+    """
+    from jaxrl_async.rollout.engine import PagedEngine
+    from jaxrl_async.rollout.engine_api import SamplingParams
+    from jaxrl_async.rollout.orchestrator import Generator
+
+    if not prompts:
+        raise ValueError("generate_completions: no prompts")
+    if max_new_tokens < 1:
+        raise ValueError(f"generate_completions: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if n < 1:
+        raise ValueError(f"generate_completions: n must be >= 1, got {n}")
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    for i, x in enumerate(ids):
+        if not x:
+            raise ValueError(f"generate_completions: prompt {i} is empty after tokenisation")
+    bucket = -(-max(len(x) for x in ids) // 8) * 8
+    max_seq = bucket + max_new_tokens
+    if max_seq > model_cfg.max_position_embeddings:
+        raise ValueError(f"generate_completions: prompt bucket {bucket} + max_new_tokens {max_new_tokens} > the "
+                         f"model's max_position_embeddings {model_cfg.max_position_embeddings}")
+    slots = max(n, min(max_concurrent, len(prompts) * n))
+    engine = PagedEngine(model_cfg, mesh, max_concurrent_decodes=slots, max_sequence_length=max_seq,
+                         prefill_buckets=(bucket,), page_size=page_size,
+                         num_pages=slots * -(-max_seq // page_size))
+    stops = _stop_ids(model_cfg, tokenizer)
+    with Generator(engine, engine.place_params(params), tokenizer=tokenizer) as gen:
+        handles = [gen.submit(x, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
+                                                stop_token_ids=stops, seed=(seed + i) % 2 ** 32, n=n),
+                              request_id=str(i)) for i, x in enumerate(ids)]
+        outputs = [h.result(timeout=None) for h in handles]
+    return [[tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in o.samples] for o in outputs]
+
+
+def greedy_completions(params: Params, model_cfg: ModelConfig, tokenizer: Any, prompts: Sequence[str], *,
+                       max_new_tokens: int, mesh: Mesh | None = None, max_concurrent: int = 64) -> list[str]:
+    """The greedy (temperature 0) completion of each rendered prompt text (`generate_completions`)."""
+    return [c[0] for c in generate_completions(params, model_cfg, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                               mesh=mesh, max_concurrent=max_concurrent)]
+
+
+def greedy_accuracy(params: Params, model_cfg: ModelConfig, tokenizer: Any, problems: Sequence[Any],
+                    reward_fn: Callable[..., float], *, max_new_tokens: int, mesh: Mesh | None = None,
+                    max_concurrent: int = 64) -> float:
+    """Mean reward of the greedy completions of `problems` (the accuracy for a 0/1 reward).
+
+        acc = (1 / n) sum_i reward_fn(prompt_i, greedy completion_i, problem_i.answer)
+
+    Prompts are `arithmetic.sft_example(problem, tokenizer)[0]` (the user message `problem.prompt`
+    rendered by the tokenizer's chat template with the generation prompt).
+    """
+    from jaxrl_async.data.arithmetic import sft_example
+
+    if not problems:
+        raise ValueError("greedy_accuracy: no problems")
+    prompts = [sft_example(p, tokenizer)[0] for p in problems]
+    completions = greedy_completions(params, model_cfg, tokenizer, prompts, max_new_tokens=max_new_tokens, mesh=mesh,
+                                     max_concurrent=max_concurrent)
+    rewards = [float(reward_fn(p, c, prob.answer)) for p, c, prob in zip(prompts, completions, problems)]
+    return float(np.mean(rewards))
