@@ -35,11 +35,11 @@ def get_config() -> RunConfig:
                                 page_size=16),
             reward="math", reward_workers=2, group_timeout_s=300.0),
         trainer=TrainerConfig(
-            batch_size=8, total_steps=60, lr=2e-4, weight_decay=0.0, max_grad_norm=1.0,
+            batch_size=8, total_steps=150, lr=3e-4, weight_decay=0.0, max_grad_norm=1.0,
             loss=PolicyLossConfig(eps_clip=0.2), advantage=AdvantageConfig(preset="grpo", adv_norm=False),
             packing=PackingConfig(tokens_per_micro=8192, row_len_buckets=(64, 128)),
-            sft=SFTConfig(steps=150, batch_size=32, lr=3e-3, warmup_steps=10)),
+            sft=SFTConfig(steps=1000, batch_size=32, lr=3e-3, warmup_steps=10)),
         mesh=MeshConfig(cpu_devices=2),  # 2 simulated CPU devices: 1 generator, 1 trainer (AReaL's 3/4 split rounds to 1)
-        eval=EvalConfig(every_steps=10, temperature=0.0),
+        eval=EvalConfig(every_steps=25, temperature=0.0),
         checkpoint=CheckpointSection(every_steps=None, save_at_end=True, export_hf=True, resume="auto"),
     )

@@ -146,3 +146,17 @@ def test_data_ledger_replays_outstanding_items_in_draw_order():
                       next_draw=st["next_draw"])
     drawn = [next(led2) for _ in range(3)]
     assert drawn == [101, 103, 104]
+
+
+def test_multi_turn_math_workflow_trains_in_the_async_loop(tmp_path):
+    """The retry-until-correct multi-turn example runs end to end: only model tokens are trained."""
+    cfg = tiny_run_config(tmp_path / "run", eta=1, steps=2, reward="math",
+                          **{"rollout.workflow": "jaxrl_async.rollout.agent:MultiTurnMathWorkflow",
+                             "rollout.engine.max_sequence_length": 96, "rollout.engine.max_prefill_length": 80,
+                             "trainer.packing.row_len_buckets": "(128,)", "model.max_position_embeddings": 128})
+    loop = RLLoop(cfg)
+    res = loop.run()
+    assert res.stopped_by == "completed" and res.steps == 2
+    _check_accounting(res, B=4)
+    rows = [r for r in _rows(res.run_dir) if "train/loss" in r]
+    assert len(rows) == 2 and all(np.isfinite(r["train/grad_norm"]) for r in rows)
