@@ -106,6 +106,15 @@ def test_async_run_learns_and_writes_artifacts(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(res.export_dir, dtype=torch.float32)
     assert model.config.num_hidden_layers == 1
+    # the evaluate CLI on the export reproduces the accuracy the run logged (greedy, fp32, same prompts)
+    from jaxrl_async.evaluate import main as evaluate_main
+
+    summary = tmp_path / "eval.json"
+    assert evaluate_main(["--model", res.export_dir, "--data", os.path.join(res.run_dir, "data", "eval.jsonl"),
+                          "--n", "1", "--temperature", "0", "--max-new-tokens", "12", "--max-prompt-length", "32",
+                          "--reward", "loop_targets:has_digit", "--summary-json", str(summary)]) == 0
+    logged = res.eval_history[-1][2]
+    assert abs(json.loads(summary.read_text())["pass@1"] - logged) <= 1 / 8 + 1e-9, logged  # <= 1 of 8 items
     # resume: the run directory's checkpoint is picked up automatically and training continues
     res2 = RLLoop(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, total_steps=14),
                                       eval=dataclasses.replace(cfg.eval, every_steps=0, at_end=False))).run()
