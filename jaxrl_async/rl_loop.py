@@ -231,16 +231,6 @@ class FatalRunError(RuntimeError):
     """The run cannot continue (message says why); a checkpoint is attempted before raising."""
 
 
-def _eos_ids(model_cfg: Any, tokenizer: Any) -> tuple[int, ...]:
-    ids = set()
-    eos = getattr(model_cfg, "eos_token_id", None)
-    if eos is not None:
-        ids.update([eos] if isinstance(eos, int) else list(eos))
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))
-
-
 def _import_string(spec: str, what: str) -> Any:
     mod, _, attr = spec.partition(":")
     try:
@@ -337,7 +327,9 @@ class RLLoop:
             raise ValueError(f"model.path: vocabulary {self.model_cfg.vocab_size} is smaller than the tokenizer's "
                              f"{len(tok)}")
         self.init_params = params
-        self.eos_ids = _eos_ids(self.model_cfg, tok)
+        from jaxrl_async.generate import stop_token_ids
+
+        self.eos_ids = stop_token_ids(self.model_cfg, tok)
         if not self.eos_ids:
             raise ValueError("model/tokenizer define no EOS token: generation could never stop before max_new_tokens")
 
@@ -602,6 +594,7 @@ class RLLoop:
                         / d_steps) if d_steps > 0 else 0.0
                 trained_tokens = sum(int(m["tokens"]) for m in mstats)
                 hist = pusher.history[-1] if pusher.history else None
+                sc = staleness.counts()
                 row.update({
                     "version": version, "train/loss": m0["loss"], "train/grad_norm": m0["grad_norm"],
                     "train/lr": m0["lr"], "train/clip_frac": m0.get("clip_frac", float("nan")),
@@ -617,8 +610,7 @@ class RLLoop:
                     "trainer/idle_fraction": idle_s / max(now - t_loop0, 1e-9), "trainer/wait_s": wait_s,
                     "push/dispatch_s": push.dispatch_s, "push/total_s": hist.total_s if hist else float("nan"),
                     "push/bytes": push.bytes,
-                    "rollout/running": staleness.counts().running, "rollout/buffered": staleness.counts().buffered,
-                    "rollout/rejected": staleness.counts().rejected,
+                    "rollout/running": sc.running, "rollout/buffered": sc.buffered, "rollout/rejected": sc.rejected,
                 })
                 last.update(t=now, gen=gs)
                 if step % c.logging.log_every == 0 or step == tr.total_steps:
@@ -642,7 +634,6 @@ class RLLoop:
             ckpt.close()
             raise
         # graceful end: stop rollouts, save, export
-        result.counts = snapshot_stats()
         self._shutdown(dispatcher, staleness, pusher, generator, eval_pool, None, None)
         result.counts = snapshot_stats()
         try:

@@ -297,12 +297,12 @@ def run_sft(params: Params, model_cfg: ModelConfig, examples: Sequence[SFTExampl
 # Greedy evaluation
 # ---------------------------------------------------------------------------------------------
 def _stop_ids(model_cfg: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    ids = set(model_cfg.eos_token_ids)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    from jaxrl_async.generate import stop_token_ids
+
+    ids = stop_token_ids(model_cfg, tokenizer)
     if not ids:
         raise ValueError("greedy evaluation needs an EOS id (model_cfg.eos_token_id or tokenizer.eos_token_id)")
-    return tuple(sorted(ids))
+    return ids
 
 
 def generate_completions(params: Params, model_cfg: ModelConfig, tokenizer: Any, prompts: Sequence[str], *,
