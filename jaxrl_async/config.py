@@ -79,11 +79,15 @@ class ModelConfigSection:
 
     ``tokenizer_path``: HF tokenizer directory (default: ``path``; with neither, the run builds a
     local tokenizer of kind ``data.tokenizer_kind`` in the run directory).
+
+    ``vocab_size``: embedding rows of the random-init architecture (None: the tokenizer's size); set
+    it to plan a published architecture without its checkpoint (``python -m jaxrl_async.plan``).
     """
 
     path: str | None = None
     tokenizer_path: str | None = None
     model_type: Literal["qwen3", "qwen2", "llama"] = "qwen3"
+    vocab_size: int | None = None
     hidden_size: int = 64
     intermediate_size: int = 192
     num_layers: int = 2
@@ -110,7 +114,8 @@ class ModelConfigSection:
         if self.path is not None:
             return ModelConfig.from_hf(self.path, **self.numerics())
         return ModelConfig(
-            model_type=self.model_type, vocab_size=vocab_size, hidden_size=self.hidden_size,
+            model_type=self.model_type, vocab_size=self.vocab_size if self.vocab_size is not None else vocab_size,
+            hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
             tie_word_embeddings=self.tie_word_embeddings, max_position_embeddings=self.max_position_embeddings,
@@ -273,7 +278,10 @@ class MeshAxesConfig:
 class MeshConfig:
     """Generator and trainer meshes (see the module docstring for the split). ``cpu_devices``: on a
     CPU-only machine, the number of simulated CPU devices (``jax_num_cpu_devices``, set by
-    ``jaxrl_async.main`` before JAX starts; None: JAX's default of one). Ignored on accelerators."""
+    ``jaxrl_async.main`` before JAX starts; None: JAX's default of one). Ignored on accelerators.
+    ``layout``: the named hardware layout (``jaxrl_async.layouts``: target device kind, device count)
+    these fields were taken from; the run must then have exactly its device count, and
+    ``jaxrl_async.plan`` budgets memory against its device kind."""
 
     generator: MeshAxesConfig = MeshAxesConfig(shape=(1, -1), axis_names=("data", "tensor"))
     trainer: MeshAxesConfig = MeshAxesConfig(shape=(-1,), axis_names=("fsdp",))
@@ -281,6 +289,7 @@ class MeshConfig:
     num_generator_devices: int | None = None
     colocate: bool = False
     cpu_devices: int | None = None
+    layout: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -727,6 +736,8 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
         _require(tr.advantage.max_new_tokens == sa.max_new_tokens, "trainer.advantage.max_new_tokens",
                  f"{tr.advantage.max_new_tokens} != rollout.sampling.max_new_tokens={sa.max_new_tokens}")
     # model
+    _require(cfg.model.vocab_size is None or cfg.model.vocab_size >= 1, "model.vocab_size",
+             f"must be >= 1 or None, got {cfg.model.vocab_size}")
     if cfg.model.path is not None:
         _require(os.path.isfile(os.path.join(cfg.model.path, "config.json")), "model.path",
                  f"{cfg.model.path!r} has no config.json")
@@ -772,6 +783,15 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
         num_devices = jax.device_count()
     _require(0 < m.generator_fraction < 1, "mesh.generator_fraction", f"must be in (0, 1), got {m.generator_fraction}")
     _require(m.cpu_devices is None or m.cpu_devices >= 1, "mesh.cpu_devices", f"must be >= 1 or None, got {m.cpu_devices}")
+    if m.layout is not None:
+        from jaxrl_async.layouts import LAYOUTS
+
+        _require(m.layout in LAYOUTS, "mesh.layout", f"unknown layout {m.layout!r}; known: {', '.join(LAYOUTS)}")
+        need = LAYOUTS[m.layout].num_devices
+        _require(num_devices == need, "mesh.layout",
+                 f"layout {m.layout!r} is for {need} devices, this process has {num_devices} (plan it on simulated "
+                 f"devices with `python -m jaxrl_async.plan --config FILE`, or set mesh.layout=None and mesh shapes "
+                 f"for {num_devices} devices)")
     if m.num_generator_devices is not None and num_devices > 1 and not m.colocate:
         _require(1 <= m.num_generator_devices < num_devices, "mesh.num_generator_devices",
                  f"must be in [1, {num_devices - 1}] with {num_devices} devices, got {m.num_generator_devices}")
