@@ -1,0 +1,41 @@
+"""Qwen3-14B math RL on layout ``h100x32``.
+
+Architecture (Qwen/Qwen3-14B config.json, ``models.config.PRESETS["qwen3-14b"]``): hidden 5120, 40
+layers, 40 query / 8 kv heads, head_dim 128, intermediate 17408, vocab 151936, untied embeddings,
+rope_theta 1e6, rms_norm_eps 1e-6, q/k RMSNorm; ``model.path=None`` plans it without weights.
+
+Recipe: ``jaxrl_async.recipes.qwen3_math_rl``, AReaL's published math-RL hyper-parameters (the
+recipe module's docstring tabulates every setting with its source: AReaL boba_grpo.yaml,
+gsm8k_grpo.yaml and the AReaL paper):
+
+* rollout: 16 samples per prompt [boba, paper], eta = max_head_offpolicyness 4 [boba], temperature
+  1.0 [boba], prompts <= 1024 tokens and 1024 new tokens [gsm8k], math-verify reward with the
+  ``\\boxed{}`` instruction [AReaL math datasets/reward], AReaL's interruptible re-prefill on weight
+  updates (recompute_kv).
+* update: 32 prompt groups x 16 = 512 sequences per step in 4 PPO minibatches [boba, paper];
+  decoupled PPO with the proximal policy recomputed before the update [boba], clip eps 0.2
+  [paper], behaviour-ratio token mask at 5 [boba behav_imp_weight_cap], global token-mean loss;
+  GRPO group mean/std reward normalisation + batch advantage normalisation, reward (r - 0.5) x 10,
+  no KL [boba].
+* optimizer: Adam lr 1e-5 constant, weight decay 0.01, betas (0.9, 0.999), eps 1e-8, clip 1.0
+  [boba]; the AReaL paper used 2e-5; ``trainer.lr=1e-6`` is the cautious choice for large models.
+* numerics: bf16 compute [boba dtype], fp32 master weights and Adam moments, full remat [boba
+  gradient_checkpointing].
+
+Layout ``h100x32``: 4 nodes of 8 H100 (needs one process per host: multi-process execution is
+not implemented yet, the layout is for planning); devices 0-23 generate (12 replicas x tensor 2),
+devices 24-31 train (FSDP 8, one node), AReaL's 3:1 split. Sizing (``jaxrl_async.plan``): 192
+decode slots (16 per replica; KV pool 30 GiB per device), trainer micro-batches of 32768 tokens
+(4096 per FSDP shard).
+
+Weights and data come from local paths; nothing downloads::
+
+    python -m jaxrl_async.main --config configs/qwen3_14b.py model.path=/models/Qwen3-14B \\
+        data.train_path=/data/math/train.jsonl data.eval_path=/data/math/test.jsonl data.format=math
+    python -m jaxrl_async.plan --config configs/qwen3_14b.py   # memory plan on 32 simulated devices
+"""
+from jaxrl_async.recipes import qwen3_math_rl
+
+
+def get_config():
+    return qwen3_math_rl("qwen3-14b", layout="h100x32", max_concurrent_decodes=192, tokens_per_micro=32768)

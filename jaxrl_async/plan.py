@@ -1,0 +1,644 @@
+"""`python -m jaxrl_async.plan --config FILE [--devices N] [--platform cpu|native] [--layout NAME]
+[--target KIND] [--headroom F] [--json] [key=value ...]`: will this run fit its hardware?
+
+The planner builds the run's generator and trainer meshes (on simulated CPU devices by default:
+``jax_num_cpu_devices`` is set before JAX starts, so a 64-GPU layout can be checked on a laptop),
+then lowers and compiles the run's own jitted functions with *abstract* arguments
+(``jax.ShapeDtypeStruct`` carrying the run's shardings; no weight is allocated):
+
+* trainer: the train step (``Trainer._step_fn``: micro-batch scan, gradient accumulation, AdamW,
+  donated state) and the proximal log-prob pass (``Trainer._jit_logprobs``), for the largest packed
+  micro-batch the config can produce (rows of the row-length bucket that holds
+  ``rollout.engine.max_sequence_length``);
+* generator: the decode step (``PagedEngine._step``, one token for every slot over the paged KV pool,
+  donated) and the prefill of the largest prompt bucket (``PagedEngine._prefill``). The KV pool is
+  sized ``rollout.engine.num_pages`` or, when unset, every decode slot at full length
+  (``max_concurrent_decodes * ceil(max_sequence_length / page_size)`` pages, the auto-sizing cap).
+
+Per device it reports, from the compiled executables: resident bytes (parameters, optimizer
+state, KV cache, packed batches), each argument split by the executable's own input shardings
+(and cross-checked against ``memory_analysis().argument_size_in_bytes``), and the
+activations/temporaries of each executable (``memory_analysis().temp_size_in_bytes`` plus its
+non-donated outputs). Peaks:
+
+  generator = params + decode state (KV pool, slot arrays) + incoming weights of one push
+              + max(decode step, prefill) temporaries
+  trainer   = params + optimizer state + the batch's packed minibatches + bf16 push staging
+              + max(train step, proximal log-prob pass) temporaries
+  (colocated devices carry both)
+
+against the target device memory (``layouts.DEVICE_KINDS``: H100 80 GB, H200 141 GB, TPU v5p
+95 GB, v4 32 GB, ...) minus ``--headroom`` (default 10 %). It also reports the weight-push volume
+per step (bytes each generator device receives, and in total, with the device-to-device route of
+``weight_sync.plan_push``), whether the plan fits, and what to change if it does not.
+
+CPU compiles: XLA:CPU has no native bf16 scatter/dot, so it would materialise float32 copies of
+bf16 weights and of the whole KV pool that GPUs and TPUs never create (measured: 47 GB of
+temporaries for a 21 GB bf16 pool). On the CPU platform the planner therefore compiles with
+float32 *compute* (``model.dtype``), counts resident bytes in the configured dtypes, and reports
+the float32 temporaries: an upper bound of the bf16 program's (no buffer is smaller in float32).
+``--platform native`` plans on the machine's own accelerators with the configured dtypes.
+
+Target: the config's ``mesh.layout`` (``--layout NAME`` replaces the mesh section with that
+layout's), or ``--target KIND``. ``--devices N`` simulates N devices (default: the layout's count).
+
+Exit codes: 0 = fits, 1 = does not fit (suggestions printed), 2 = configuration or usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+GiB = 1 << 30
+
+
+class PlanError(ValueError):
+    """The plan cannot be made (too few devices, no target device, unknown option)."""
+
+
+# =============================================================================================
+# Command line and config (no JAX before the device count is set)
+# =============================================================================================
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxrl_async.plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="config file (default: the embedded default run)")
+    p.add_argument("--devices", type=int, default=None, help="number of (simulated) devices; default: the layout's")
+    p.add_argument("--platform", choices=("cpu", "native"), default="cpu",
+                   help="cpu: simulated CPU devices (default); native: this machine's accelerators")
+    p.add_argument("--layout", default=None, help="replace the mesh section with this layout (jaxrl_async.layouts)")
+    p.add_argument("--target", default=None, help="device kind to budget against (default: the layout's)")
+    p.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free (default 0.10)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    return p
+
+
+def load_plan_config(config: str | None, layout: str | None, overrides: Sequence[str]):
+    """Config file (or the embedded default) + ``layout`` mesh + overrides, NOT validated (validation
+    needs the device count, i.e. JAX)."""
+    from jaxrl_async.config import ConfigError, apply_overrides, load_config_file
+
+    if config is not None:
+        cfg = load_config_file(config)
+    else:
+        from jaxrl_async.default_config import get_config
+
+        cfg = get_config()
+    if layout is not None:
+        from jaxrl_async.layouts import apply_layout, get_layout
+
+        try:
+            get_layout(layout)
+        except ValueError as e:
+            raise ConfigError("--layout", str(e)) from None
+        cfg = apply_layout(cfg, layout)
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError("", f"unexpected argument {bad[0]!r} (overrides look like section.field=value)")
+    return apply_overrides(cfg, overrides)
+
+
+def default_num_devices(cfg) -> int:
+    """The layout's device count, else ``mesh.cpu_devices``, else 1."""
+    from jaxrl_async.layouts import LAYOUTS
+
+    if cfg.mesh.layout is not None and cfg.mesh.layout in LAYOUTS:
+        return LAYOUTS[cfg.mesh.layout].num_devices
+    return cfg.mesh.cpu_devices or 1
+
+
+def _configure_devices(n: int, platform: str) -> None:
+    """Before JAX starts: CPU platform with ``n`` simulated devices (unless XLA_FLAGS forces a count)."""
+    import jax
+
+    if platform != "cpu":
+        return
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+            jax.config.update("jax_num_cpu_devices", int(n))
+    except Exception:  # noqa: BLE001 - backend already initialised: make_plan reports the device count
+        pass
+
+
+# =============================================================================================
+# Byte accounting
+# =============================================================================================
+def _itemsize(dtype) -> int:
+    import numpy as np
+
+    return np.dtype(dtype).itemsize
+
+
+def _device_bytes(abstract_leaves: Sequence[Any], shardings: Sequence[Any]) -> int:
+    """Bytes one device holds of arrays ``abstract_leaves`` laid out by ``shardings`` (leaf-aligned).
+    Shardings without a shape map (uncommitted arguments) count the whole array."""
+    total = 0
+    for a, sh in zip(abstract_leaves, shardings):
+        shape = tuple(a.shape)
+        local = sh.shard_shape(shape) if hasattr(sh, "shard_shape") else shape
+        total += math.prod(local) * _itemsize(a.dtype)
+    return total
+
+
+def _input_shardings(compiled, n_args: int) -> list[list[Any]]:
+    """Per positional argument, the flat list of the executable's input shardings."""
+    import jax
+
+    args_sh = compiled.input_shardings[0]
+    if len(args_sh) != n_args:
+        raise PlanError(f"compiled executable has {len(args_sh)} argument groups, expected {n_args}")
+    return [jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)) for s in args_sh]
+
+
+@dataclasses.dataclass
+class ExecutableMemory:
+    """memory_analysis() of one compiled executable (per device), plus the compile time."""
+
+    name: str
+    compute_dtype: str
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    compile_s: float
+    accounted_argument_bytes: int  # sum of the arguments split by input shardings (compute dtypes)
+
+    @property
+    def transient_bytes(self) -> int:
+        """Bytes beyond the arguments while it runs: temporaries + outputs that do not reuse a donated input."""
+        return self.temp_bytes + max(0, self.output_bytes - self.alias_bytes)
+
+
+def _compile(name: str, fn, args: Sequence[Any], compute_dtype: str) -> tuple[Any, ExecutableMemory]:
+    import jax
+
+    t0 = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    dt = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    if m is None:
+        raise PlanError(f"{name}: this backend reports no memory analysis for compiled executables")
+    shardings = _input_shardings(compiled, len(args))
+    accounted = sum(_device_bytes(jax.tree.leaves(a), s) for a, s in zip(args, shardings))
+    return compiled, ExecutableMemory(name, compute_dtype, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                                      int(m.alias_size_in_bytes), int(m.temp_size_in_bytes), dt, accounted)
+
+
+def _with_shardings(abstract, shardings):
+    import jax
+
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+# =============================================================================================
+# The plan
+# =============================================================================================
+def _model_config(cfg):
+    from jaxrl_async.config import ConfigError
+
+    if cfg.model.path is None and cfg.model.vocab_size is None:
+        raise ConfigError("model.vocab_size", "the plan needs the vocabulary size: set model.vocab_size (or model.path "
+                          "to a Hugging Face directory whose config.json gives it)")
+    return cfg.model.model_config(vocab_size=cfg.model.vocab_size or 0)
+
+
+def _build_trainer(cfg, model_cfg, mesh):
+    """The trainer exactly as ``RLLoop._build_trainer`` builds it."""
+    from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+
+    tr = cfg.trainer
+    temp = cfg.rollout.sampling.temperature
+    tcfg = TrainerConfig(optimizer=tr.optimizer_config(), packing=tr.packing, ppo_n_minibatches=tr.ppo_n_minibatches,
+                         proximal=tr.proximal, temperature=temp if temp > 0 else 1.0, logprob_chunk=tr.logprob_chunk)
+    return Trainer(model_cfg, tcfg, mesh, loss_cfg=tr.loss)
+
+
+def _build_engine(cfg, gen_model_cfg, mesh, num_pages: int):
+    """The engine as ``RLLoop._build_engine`` builds it, with an explicit pool size."""
+    from jaxrl_async.rollout.engine import PagedEngine
+
+    e = cfg.rollout.engine
+    return PagedEngine(gen_model_cfg, mesh, max_concurrent_decodes=e.max_concurrent_decodes,
+                       max_sequence_length=e.max_sequence_length, max_prefill_length=e.max_prefill_length,
+                       page_size=e.page_size, num_pages=num_pages, cache_memory_fraction=e.cache_memory_fraction)
+
+
+def _batch_shape(cfg, trainer) -> tuple[int, int, int, int]:
+    """(n_micro, rows, row_len, num_seqs) of the largest packed minibatch: every sequence at
+    rollout.engine.max_sequence_length tokens."""
+    pk = trainer.cfg.packing
+    max_seq = cfg.rollout.engine.max_sequence_length
+    row_len = pk.row_len_for(max_seq)
+    rows = pk.rows_per_micro(row_len)
+    seqs = cfg.trainer.batch_size * cfg.rollout.n_samples // cfg.trainer.ppo_n_minibatches
+    per_row = max(1, min(pk.max_seqs_per_row, row_len // max_seq))
+    n_micro = pk.n_micro_for(-(-(-(-seqs // per_row)) // rows))
+    return n_micro, rows, row_len, pk.num_seqs(row_len)
+
+
+def _abstract_batch(shape, sharding):
+    import jax.numpy as jnp
+
+    from jaxrl_async.trainer.packing import DEVICE_FIELDS, PackedBatch
+
+    ints = {"tokens", "segment_ids", "positions", "versions", "seq_ids"}
+    return PackedBatch(**{f: _sds(shape, jnp.int32 if f in ints else jnp.float32, sharding) for f in DEVICE_FIELDS})
+
+
+def _sds(shape, dtype, sharding=None):
+    import jax
+
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def _abstract_state(trainer):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_async.models.transformer import param_shapes
+    from jaxrl_async.trainer.train_step import TrainState
+
+    ps = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), param_shapes(trainer.model_cfg))
+    st = jax.eval_shape(lambda p: TrainState(p, trainer.tx.init(p), jnp.zeros((), jnp.int32),
+                                             jnp.zeros((), jnp.int32)), ps)
+    return _with_shardings(st, trainer.state_shardings)
+
+
+def _mesh_str(mesh) -> str:
+    return " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
+
+
+def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None, headroom: float = 0.10,
+              float32_temporaries: bool | None = None) -> dict[str, Any]:
+    """Plan ``cfg`` (a RunConfig) on the first ``num_devices`` JAX devices; returns the report dict
+    (bytes per device; see the module docstring). Raises ConfigError / PlanError.
+
+    ``float32_temporaries``: compile with float32 compute (default: on the CPU platform when the
+    compute dtype is not float32, see the module docstring).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_async.config import ConfigError, _resolve_shape, resolve_device_split, validate
+    from jaxrl_async.layouts import get_device_kind, get_layout
+    from jaxrl_async.models.transformer import param_shapes
+    from jaxrl_async.rollout import kv_cache
+    from jaxrl_async.sharding.mesh import make_mesh
+    from jaxrl_async.weight_sync import plan_push
+
+    t_start = time.perf_counter()
+    if not 0 <= headroom < 1:
+        raise PlanError(f"--headroom must be in [0, 1), got {headroom}")
+    layout = None
+    if cfg.mesh.layout is not None:
+        try:
+            layout = get_layout(cfg.mesh.layout)
+        except ValueError as e:
+            raise ConfigError("mesh.layout", str(e)) from None
+    if target is not None:
+        try:
+            kind = get_device_kind(target)
+        except ValueError as e:
+            raise PlanError(f"--target: {e}") from None
+    elif layout is not None:
+        kind = layout.kind
+    else:
+        raise PlanError("no target device: the config has no mesh.layout; pass --layout NAME (jaxrl_async.layouts) "
+                        "or --target KIND (e.g. h100, h200, v5p, v4)")
+    n = num_devices if num_devices is not None else default_num_devices(cfg)
+    if n < 1:
+        raise PlanError(f"--devices must be >= 1, got {n}")
+    devices = jax.devices()
+    if len(devices) < n:
+        raise PlanError(f"the plan needs {n} devices but JAX has {len(devices)} {devices[0].platform} device(s); run "
+                        f"`python -m jaxrl_async.plan` as its own process (it sets the simulated CPU device count "
+                        f"before JAX starts) or pass --devices {len(devices)}")
+    devices = devices[:n]
+    validate(cfg, n)
+    platform = devices[0].platform
+    model_cfg = _model_config(cfg)
+    if float32_temporaries is None:
+        float32_temporaries = platform == "cpu" and model_cfg.dtype != "float32"
+    compile_cfg = model_cfg.replace(dtype="float32") if float32_temporaries else model_cfg
+    notes: list[str] = []
+
+    # -- meshes (as RLLoop._setup_devices) ----------------------------------------------------
+    m = cfg.mesh
+    gen_ids, trn_ids = resolve_device_split(m, n)
+    shared = bool(set(gen_ids) & set(trn_ids))
+    gen_mesh = make_mesh(_resolve_shape(m.generator.shape, len(gen_ids), "mesh.generator.shape"),
+                         m.generator.axis_names, devices=[devices[i] for i in gen_ids])
+    trn_mesh = make_mesh(_resolve_shape(m.trainer.shape, len(trn_ids), "mesh.trainer.shape"),
+                         m.trainer.axis_names, devices=[devices[i] for i in trn_ids])
+
+    # -- trainer ----------------------------------------------------------------------------------
+    trainer = _build_trainer(cfg, compile_cfg, trn_mesh)
+    n_micro, rows, row_len, num_seqs = _batch_shape(cfg, trainer)
+    state = _abstract_state(trainer)
+    batch = _abstract_batch((n_micro, rows, row_len), trainer.batch_sharding)
+    scalar = lambda dt: _sds((), dt, trainer.replicated)  # noqa: E731
+    step_args = (state, batch, scalar(jnp.float32), scalar(jnp.int32))
+    step_c, step_mem = _compile("train_step", trainer._step_fn(num_seqs), step_args, compile_cfg.dtype)
+    lp_args = (state.params, batch)
+    _, lp_mem = _compile("proximal_logprobs", trainer._jit_logprobs, lp_args, compile_cfg.dtype)
+    st_sh = _input_shardings(step_c, len(step_args))
+    # the trainer's arrays do not depend on the compute dtype (fp32 master weights, fp32/int32 batch)
+    n_param_leaves = len(jax.tree.leaves(state.params))
+    st_leaves = jax.tree.leaves(state)
+    trn_params = _device_bytes(st_leaves[:n_param_leaves], st_sh[0][:n_param_leaves])
+    trn_state_all = _device_bytes(st_leaves, st_sh[0])
+    trn_opt = trn_state_all - trn_params
+    batch_bytes = _device_bytes(jax.tree.leaves(batch), st_sh[1])
+    batches_resident = batch_bytes * cfg.trainer.ppo_n_minibatches
+
+    # -- generator --------------------------------------------------------------------------------
+    e = cfg.rollout.engine
+    S = e.max_concurrent_decodes
+    max_pages = kv_cache.pages_for(e.max_sequence_length, e.page_size)
+    num_pages = e.num_pages if e.num_pages is not None else S * max_pages
+    gen_cfg = model_cfg.replace(param_dtype=model_cfg.dtype)
+    gen_compile_cfg = compile_cfg.replace(param_dtype=compile_cfg.dtype)
+    engine_c = _build_engine(cfg, gen_compile_cfg, gen_mesh, num_pages)
+    engine_r = engine_c if gen_compile_cfg == gen_cfg else _build_engine(cfg, gen_cfg, gen_mesh, num_pages)
+    gen_params_c = _with_shardings(param_shapes(gen_compile_cfg), engine_c.param_shardings)
+    arrays_c = _with_shardings(jax.eval_shape(engine_c._init_arrays), engine_c.state_shardings)
+    new_pages = _sds((S,), jnp.int32, engine_c.slot_sharding)
+    dec_args = (gen_params_c, arrays_c, new_pages)
+    dec_c, dec_mem = _compile("decode_step", engine_c._step, dec_args, compile_cfg.dtype)
+    bucket = engine_c.buckets[-1]
+    pre_args = (gen_params_c, _sds((1, bucket), jnp.int32), _sds((), jnp.int32))
+    _, pre_mem = _compile("prefill", engine_c._prefill, pre_args, compile_cfg.dtype)
+    dec_sh = _input_shardings(dec_c, len(dec_args))
+    # resident generator bytes in the configured dtypes, laid out by the decode step's own shardings
+    gen_params = _device_bytes(jax.tree.leaves(param_shapes(gen_cfg)), dec_sh[0])
+    arrays_r = jax.eval_shape(engine_r._init_arrays)
+    keys = sorted(arrays_r)  # dict pytrees flatten in sorted key order
+    arr_sh = dict(zip(keys, dec_sh[1]))
+    kv_bytes = sum(_device_bytes([arrays_r[k]], [arr_sh[k]]) for k in ("k_pool", "v_pool"))
+    slot_bytes = sum(_device_bytes([arrays_r[k]], [arr_sh[k]]) for k in keys if k not in ("k_pool", "v_pool"))
+    kv_shards = kv_cache.kv_head_shards(cfg.model.num_kv_heads if cfg.model.path is None else model_cfg.num_kv_heads,
+                                        gen_mesh)
+    kv_per_token = 2 * model_cfg.num_layers * (model_cfg.num_kv_heads // kv_shards) * model_cfg.head_dim * _itemsize(
+        model_cfg.dtype)
+    if S % gen_mesh.shape.get("data", 1):
+        notes.append(f"rollout.engine.max_concurrent_decodes={S} is not a multiple of the generator's data axis "
+                     f"({gen_mesh.shape.get('data', 1)}): the decode batch is replicated, not split")
+
+    # -- weight push ----------------------------------------------------------------------------------
+    shapes = jax.tree.map(lambda s: s.shape, param_shapes(gen_cfg))
+    trn_param_sh = trainer.param_shardings
+    push = plan_push(trn_param_sh, engine_r.param_shardings, shapes)
+    route_leaves = jax.tree.leaves(push.routes)
+    inter_leaves = jax.tree.leaves(push.intermediate, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding))
+    gen_abs = jax.tree.leaves(param_shapes(gen_cfg))
+    dst_leaves = jax.tree.leaves(engine_r.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    trn_leaves = jax.tree.leaves(trn_param_sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    recv_per_dev = 0
+    gen_staging = 0  # via_generator: trainer-layout shards staged on generator devices
+    trn_staging = 0  # cast to the generator dtype (+ via_trainer reshard) on trainer devices
+    gen_dtype_differs = gen_cfg.param_dtype != "float32"
+    for a, r, inter, dst, src in zip(gen_abs, route_leaves, inter_leaves, dst_leaves, trn_leaves):
+        if r == "via_generator":
+            b = _device_bytes([a], [inter])
+            recv_per_dev += b
+            gen_staging += b
+        else:
+            recv_per_dev += _device_bytes([a], [dst])
+            if r == "via_trainer":
+                trn_staging += _device_bytes([a], [inter])
+        if gen_dtype_differs:
+            trn_staging += _device_bytes([a], [src])
+    routes: dict[str, int] = {}
+    for r in route_leaves:
+        routes[r] = routes.get(r, 0) + 1
+
+    # -- peaks ---------------------------------------------------------------------------------------
+    budget = int(kind.memory_bytes * (1 - headroom))
+    gen_resident = gen_params + kv_bytes + slot_bytes
+    gen_incoming = gen_params + gen_staging
+    pre_transient = pre_mem.transient_bytes
+    gen_peak = gen_resident + gen_incoming + max(dec_mem.transient_bytes, pre_transient)
+    trn_resident = trn_state_all + batches_resident
+    trn_peak = trn_resident + trn_staging + max(step_mem.transient_bytes, lp_mem.transient_bytes)
+    if shared:
+        gen_peak_dev = trn_peak_dev = gen_peak + trn_peak
+    else:
+        gen_peak_dev, trn_peak_dev = gen_peak, trn_peak
+    fits_gen, fits_trn = gen_peak_dev <= budget, trn_peak_dev <= budget
+    for em in (step_mem, lp_mem, dec_mem, pre_mem):
+        if em.argument_bytes and abs(em.accounted_argument_bytes - em.argument_bytes) > 0.01 * em.argument_bytes:
+            notes.append(f"{em.name}: arguments split by input shardings sum to {em.accounted_argument_bytes} B, "
+                         f"memory_analysis reports {em.argument_bytes} B")
+    if float32_temporaries:
+        notes.append(f"temporaries compiled with float32 compute on {platform} (XLA:CPU would add float32 copies of "
+                     f"{model_cfg.dtype} weights and KV pool that GPU/TPU do not make): an upper bound; resident "
+                     f"bytes are in the configured dtypes")
+    if layout is not None and n != layout.num_devices:
+        notes.append(f"planned on {n} devices, layout {layout.name} has {layout.num_devices}")
+
+    report: dict[str, Any] = {
+        "config": {"name": cfg.name, "layout": cfg.mesh.layout,
+                   "layout_description": layout.description if layout else None},
+        "target": {"kind": kind.name, "label": kind.label, "memory_bytes": kind.memory_bytes, "headroom": headroom,
+                   "budget_bytes": budget},
+        "devices": {"count": n, "platform": platform, "simulated": platform == "cpu", "generator": list(gen_ids),
+                    "trainer": list(trn_ids), "colocated": shared},
+        "model": {"type": model_cfg.model_type, "params": model_cfg.num_params(), "layers": model_cfg.num_layers,
+                  "hidden": model_cfg.hidden_size, "heads": model_cfg.num_heads, "kv_heads": model_cfg.num_kv_heads,
+                  "head_dim": model_cfg.head_dim, "vocab": model_cfg.vocab_size, "tied": model_cfg.tie_word_embeddings,
+                  "dtype": model_cfg.dtype, "remat": model_cfg.remat},
+        "generator": {
+            "mesh": dict(gen_mesh.shape), "decode_slots": S, "max_sequence_length": e.max_sequence_length,
+            "page_size": e.page_size, "num_pages": num_pages, "max_pages_per_seq": max_pages,
+            "full_length_slots": num_pages // max_pages, "kv_bytes_per_token": kv_per_token,
+            "prefill_bucket": bucket, "param_dtype": gen_cfg.param_dtype,
+            "params_bytes": gen_params, "kv_cache_bytes": kv_bytes, "slot_state_bytes": slot_bytes,
+            "incoming_weights_bytes": gen_incoming, "decode_transient_bytes": dec_mem.transient_bytes,
+            "prefill_transient_bytes": pre_transient, "own_peak_bytes": gen_peak, "peak_bytes": gen_peak_dev,
+            "fits": fits_gen},
+        "trainer": {
+            "mesh": dict(trn_mesh.shape), "micro_batch": {"n_micro": n_micro, "rows": rows, "row_len": row_len,
+                                                          "tokens": rows * row_len},
+            "ppo_n_minibatches": cfg.trainer.ppo_n_minibatches, "params_bytes": trn_params,
+            "optimizer_state_bytes": trn_opt, "batches_bytes": batches_resident, "push_staging_bytes": trn_staging,
+            "train_step_transient_bytes": step_mem.transient_bytes,
+            "logprobs_transient_bytes": lp_mem.transient_bytes, "own_peak_bytes": trn_peak, "peak_bytes": trn_peak_dev,
+            "fits": fits_trn},
+        "weight_push": {"new_weights_bytes_per_generator_device": gen_params,
+                        "new_weights_total_bytes": gen_params * len(gen_ids),
+                        "cross_mesh_bytes_per_generator_device": recv_per_dev,
+                        "cross_mesh_total_bytes": recv_per_dev * len(gen_ids), "generator_devices": len(gen_ids),
+                        "dtype": gen_cfg.param_dtype, "routes": routes},
+        "executables": {em.name: dataclasses.asdict(em) for em in (step_mem, lp_mem, dec_mem, pre_mem)},
+        "fits": fits_gen and fits_trn,
+        "notes": notes,
+    }
+    report["suggestions"] = suggestions(cfg, report)
+    report["wall_s"] = round(time.perf_counter() - t_start, 1)
+    return report
+
+
+def suggestions(cfg, r: dict[str, Any]) -> list[str]:
+    """What to change when a side does not fit (empty when everything fits)."""
+    out: list[str] = []
+    budget = r["target"]["budget_bytes"]
+    g, t = r["generator"], r["trainer"]
+    gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
+    if not t["fits"]:
+        # parameter-proportional bytes shrink with more FSDP: params, Adam moments, push staging and the
+        # two float32 gradient trees of the step (accumulator + micro-batch gradient)
+        transient = max(t["train_step_transient_bytes"], t["logprobs_transient_bytes"])
+        grads = min(2 * t["params_bytes"], transient)
+        state = t["params_bytes"] + t["optimizer_state_bytes"] + t["push_staging_bytes"] + grads
+        activations = transient - grads
+        n_trn = len(r["devices"]["trainer"])
+        if state > 0.5 * budget or state > budget - activations:
+            room = budget - activations - t["batches_bytes"]
+            if room <= 0:
+                out.append(f"trainer: activations alone (~{gib(activations)}) exceed the budget; shrink the "
+                           f"micro-batch first")
+            else:
+                need = math.ceil(n_trn * state / room)
+                out.append(f"more FSDP: params, Adam state and gradients are {gib(state)} per device on {n_trn} "
+                           f"trainer devices; shard them over >= {need} devices (mesh.trainer.shape / "
+                           f"mesh.num_generator_devices, or a larger layout)")
+        if transient > 0.3 * budget:
+            tpm = cfg.trainer.packing.tokens_per_micro
+            out.append(f"smaller micro-batch: train-step temporaries are {gib(transient)}; "
+                       f"trainer.packing.tokens_per_micro={max(tpm // 2, t['micro_batch']['row_len'])} (now {tpm}) "
+                       f"halves the activations (more micro-batches, same gradient)")
+            if cfg.model.remat == "none":
+                out.append("remat: model.remat=full keeps one layer's activations instead of all layers'")
+            logits = cfg.trainer.logprob_chunk * r["model"]["vocab"] * 4 * 3
+            if logits > 0.1 * budget:
+                out.append(f"trainer.logprob_chunk={max(256, cfg.trainer.logprob_chunk // 4)}: the float32 vocabulary "
+                           f"projection of one chunk takes ~{gib(logits)}")
+        if r["devices"]["colocated"]:
+            out.append("colocated: generator and trainer share the devices; give them separate devices "
+                       "(mesh.colocate=false with more devices)")
+    if not g["fits"]:
+        fixed = g["params_bytes"] + g["incoming_weights_bytes"] + g["slot_state_bytes"] + max(
+            g["decode_transient_bytes"], g["prefill_transient_bytes"])
+        if r["devices"]["colocated"]:
+            fixed += t["own_peak_bytes"]
+        tensor = g["mesh"].get("tensor", 1)
+        if 2 * g["params_bytes"] > 0.5 * budget or fixed > budget:
+            out.append(f"tensor parallelism for the generator: its weights are {gib(g['params_bytes'])} per device "
+                       f"(x2 while a push lands); mesh.generator.shape with tensor={2 * tensor} halves them and the KV "
+                       f"cache")
+        page_b = g["kv_cache_bytes"] // max(1, g["num_pages"])
+        if page_b and budget > fixed:
+            pages_fit = int((budget - fixed) // page_b)
+            slots_fit = pages_fit // g["max_pages_per_seq"]
+            data = g["mesh"].get("data", 1)
+            slots_fit -= slots_fit % data
+            out.append(f"fewer concurrent decodes: the KV cache is {gib(g['kv_cache_bytes'])} for "
+                       f"{g['full_length_slots']} full-length slots; {max(slots_fit, 0)} fit "
+                       f"(rollout.engine.max_concurrent_decodes={max(slots_fit, data)}), or keep the slots and cap the "
+                       f"pool at rollout.engine.num_pages={max(pages_fit, 0)} (the engine preempts and re-prefills when "
+                       f"pages run out), or shorten rollout.sampling.max_new_tokens")
+        if tensor < r["model"]["kv_heads"]:
+            out.append(f"the KV cache splits over kv heads only: tensor up to {r['model']['kv_heads']} divides it; "
+                       f"the data axis replicates it (one pool per engine, not per replica)")
+    return out
+
+
+# =============================================================================================
+# Output
+# =============================================================================================
+def format_plan(r: dict[str, Any]) -> str:
+    gib = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
+    g, t, w, mdl, tg, dv = r["generator"], r["trainer"], r["weight_push"], r["model"], r["target"], r["devices"]
+    ex = r["executables"]
+    lines = []
+    lay = r["config"]["layout"]
+    lines.append(f"plan: {r['config']['name']}  layout {lay or '-'}  target {tg['label']} ({tg['memory_bytes'] / GiB:.0f} "
+                 f"GiB, budget {tg['budget_bytes'] / GiB:.1f} GiB after {tg['headroom']:.0%} headroom)")
+    if r["config"].get("layout_description"):
+        lines.append(f"  {r['config']['layout_description']}")
+    lines.append(f"devices: {dv['count']} x {dv['platform']}{' (simulated)' if dv['simulated'] else ''}; generator "
+                 f"{_ids(dv['generator'])}, trainer {_ids(dv['trainer'])}{' (colocated)' if dv['colocated'] else ''}")
+    lines.append(f"model: {mdl['type']} {mdl['params'] / 1e9:.3f} B params, {mdl['layers']} layers, hidden {mdl['hidden']}, "
+                 f"heads {mdl['heads']}/{mdl['kv_heads']} x {mdl['head_dim']}, vocab {mdl['vocab']}"
+                 f"{' tied' if mdl['tied'] else ''}; compute {mdl['dtype']}, remat {mdl['remat']}")
+    lines.append("")
+    mesh = lambda d: " x ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
+    row = lambda label, b, extra="": lines.append(f"  {label:<34}{gib(b)}{'   ' + extra if extra else ''}")  # noqa: E731
+    lines.append(f"generator (per device; mesh {mesh(g['mesh'])}; {g['decode_slots']} decode slots x "
+                 f"{g['max_sequence_length']} tokens, {g['num_pages']} pages of {g['page_size']})")
+    row(f"parameters ({g['param_dtype']})", g["params_bytes"])
+    row("incoming weights (one push)", g["incoming_weights_bytes"])
+    row("KV cache", g["kv_cache_bytes"], f"{g['kv_bytes_per_token'] / 1024:.0f} KiB/token/device, "
+        f"{g['full_length_slots']} full-length slots")
+    row("slot state", g["slot_state_bytes"])
+    row("decode step temporaries", g["decode_transient_bytes"])
+    row(f"prefill ({g['prefill_bucket']} tokens) temporaries", g["prefill_transient_bytes"])
+    row("peak", g["peak_bytes"], "fits" if g["fits"] else "DOES NOT FIT")
+    mb = t["micro_batch"]
+    lines.append(f"trainer (per device; mesh {mesh(t['mesh'])}; micro-batch {mb['rows']} rows x {mb['row_len']} = "
+                 f"{mb['tokens']} tokens, {mb['n_micro']} micro-batch(es) x {t['ppo_n_minibatches']} minibatches)")
+    row("parameters (float32)", t["params_bytes"])
+    row("optimizer state (AdamW)", t["optimizer_state_bytes"])
+    row("packed batches", t["batches_bytes"])
+    row(f"push staging ({w['dtype']} copy)", t["push_staging_bytes"])
+    row("train step temporaries", t["train_step_transient_bytes"], "gradient accumulators, activations")
+    row("proximal log-prob temporaries", t["logprobs_transient_bytes"])
+    row("peak", t["peak_bytes"], "fits" if t["fits"] else "DOES NOT FIT")
+    lines.append(f"weight push per step ({w['dtype']}): new weights {w['new_weights_bytes_per_generator_device'] / 1e9:.2f} "
+                 f"GB per generator device, {w['new_weights_total_bytes'] / 1e9:.2f} GB over {w['generator_devices']} "
+                 f"devices")
+    lines.append(f"  from the trainer devices: {w['cross_mesh_bytes_per_generator_device'] / 1e9:.2f} GB per generator "
+                 f"device ({w['cross_mesh_total_bytes'] / 1e9:.2f} GB total), the rest by collectives among generator "
+                 f"devices; routes " + ", ".join(f"{k} {v}" for k, v in sorted(w["routes"].items())))
+    lines.append("compiled: " + ", ".join(f"{k} {v['compile_s']:.1f} s ({v['compute_dtype']})" for k, v in ex.items())
+                 + f"; plan {r['wall_s']} s")
+    lines.append("")
+    lines.append("verdict: FITS" if r["fits"] else "verdict: DOES NOT FIT")
+    for s in r["suggestions"]:
+        lines.append(f"  - {s}")
+    for note in r["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def _ids(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    if ids and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+    return ",".join(map(str, ids))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from jaxrl_async.config import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            raise PlanError(f"unknown option {unknown[0]!r} (see --help)")
+        cfg = load_plan_config(args.config, args.layout, args.overrides)
+        n = args.devices if args.devices is not None else default_num_devices(cfg)
+        _configure_devices(n, args.platform)
+        report = make_plan(cfg, num_devices=n, target=args.target, headroom=args.headroom)
+    except (ConfigError, PlanError) as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    return 0 if report["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
