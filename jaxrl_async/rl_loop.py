@@ -67,12 +67,16 @@ from jaxrl_async.config import RunConfig, format_config, resolve_device_split, s
 
 log = logging.getLogger("jaxrl_async")
 
-__all__ = ["RLLoop", "RunResult", "DataLedger", "build_training_batch", "run"]
+__all__ = ["RLLoop", "RunResult", "DataLedger", "LedgerHistory", "build_training_batch", "read_data_ledger",
+           "run"]
 
 
 # =============================================================================================
 # Data ledger
 # =============================================================================================
+LEDGER_LOG = "data_ledger.jsonl"
+
+
 class DataLedger:
     """Iterator over data items that remembers every draw until it is consumed or rejected.
 
@@ -80,19 +84,43 @@ class DataLedger:
     ``on_draw(ticket)`` binds it to the ticket. ``consumed(ticket ids)`` / ``rejected(ticket, reason)``
     settle it. ``state()`` (any thread) is the source iterator state plus every outstanding item, so
     a resumed run replays them first, in draw order, with their original draw indices (and seeds).
+    ``restore(ticket, draw)`` binds an outstanding item whose finished group came back from the
+    checkpoint (it is not replayed); ``drop_restored(draw, reason)`` leaves it to be replayed.
+
+    The event log (``RUN/data_ledger.jsonl``, when ``log_path`` is given) is the audit trail of the
+    data: one JSON line per ``consume`` (step, consuming version, draw indices, item ids, per-group
+    lag, whether each group came from a checkpoint), ``reject`` (draw, reason), ``abort`` (a group
+    failed while the loop shut down: the item stays outstanding), ``restore`` / ``drop`` (a
+    checkpointed group reused / discarded with its reason) and ``resume``. ``state()`` records how
+    many non-``resume`` lines the run had written at that moment (``log_records``); a resumed run
+    writes ``{"event": "resume", "keep": n}``, which says that the lines after the first n of the
+    surviving history were written after the checkpoint it went back to (work redone after a crash).
+    ``read_data_ledger`` rebuilds the surviving history from that rule. Writes happen under the
+    ledger's lock, so ``state()`` and the log always agree.
     """
 
-    def __init__(self, source: Any, replay: Sequence[tuple[int, Any]] = (), next_draw: int = 0):
+    def __init__(self, source: Any, replay: Sequence[tuple[int, Any]] = (), next_draw: int = 0, *,
+                 log_path: str | None = None, log_records: int = 0):
         self.source = source
         self._replay = collections.deque(sorted(replay, key=lambda x: x[0]))
         self._next_draw = int(next_draw)
         self._lock = threading.Lock()
         self._pending: tuple[int, Any] | None = None
         self._outstanding: dict[int, tuple[int, Any]] = {}  # ticket id -> (draw index, item)
+        self._restored_tickets: set[int] = set()
+        self._frozen = False
         self.n_drawn = 0
         self.n_consumed = 0
         self.n_rejected: collections.Counter[str] = collections.Counter()
         self.n_replayed = 0
+        self.n_restored = 0
+        self.n_dropped: collections.Counter[str] = collections.Counter()
+        self.n_aborted = 0
+        self._log_records = int(log_records)
+        self._log = None
+        if log_path is not None:
+            _repair_jsonl_tail(log_path)
+            self._log = open(log_path, "a", encoding="utf-8")
 
     def __iter__(self) -> "DataLedger":
         return self
@@ -110,6 +138,28 @@ class DataLedger:
             self.n_drawn += 1
             return item
 
+    # -- event log ---------------------------------------------------------------------------
+    def _write(self, event: str, counted: bool = True, **fields: Any) -> None:
+        """Append one event (caller holds the lock)."""
+        if self._log is None:
+            return
+        self._log.write(json.dumps({"event": event, **fields}) + "\n")
+        self._log.flush()
+        if counted:
+            self._log_records += 1
+
+    def log_resume(self, step: int, version: int, keep: int | None, **info: Any) -> None:
+        """Mark a resume from the checkpoint of ``step`` (``keep``: its ``log_records``; None = unknown)."""
+        with self._lock:
+            self._write("resume", counted=False, step=int(step), version=int(version), keep=keep, **info)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+    # -- settling ----------------------------------------------------------------------------
     def on_draw(self, ticket: Any, item: Any) -> None:
         with self._lock:
             if self._pending is None or self._pending[1] is not item:
@@ -121,17 +171,65 @@ class DataLedger:
         with self._lock:
             return self._outstanding[ticket.id][0]
 
+    def restore(self, ticket: Any, draw: int, **info: Any) -> Any:
+        """Bind the outstanding (to-be-replayed) item of ``draw`` to a group restored from the
+        checkpoint under ``ticket``; returns the item. KeyError if ``draw`` is not outstanding."""
+        with self._lock:
+            for k, (idx, item) in enumerate(self._replay):
+                if idx == draw:
+                    del self._replay[k]
+                    break
+            else:
+                raise KeyError(f"DataLedger.restore: draw {draw} is not among the outstanding items")
+            self._outstanding[ticket.id] = (idx, item)
+            self._restored_tickets.add(ticket.id)
+            self.n_restored += 1
+            self._write("restore", draw=int(draw), id=_item_id(item), **info)
+            return item
+
+    def replay_item(self, draw: int) -> Any | None:
+        """The outstanding item of ``draw`` waiting to be replayed (None if there is none)."""
+        with self._lock:
+            return next((it for idx, it in self._replay if idx == draw), None)
+
+    def drop_restored(self, draw: int, reason: str, **info: Any) -> None:
+        """A checkpointed group of ``draw`` is not reused (``reason``); its item stays to be replayed."""
+        with self._lock:
+            self.n_dropped[reason] += 1
+            self._write("drop", draw=int(draw), reason=reason, **info)
+
+    def freeze(self) -> None:
+        """From now on (the loop is shutting down) a rejected group keeps its item outstanding, to be
+        replayed after a resume: groups aborted by the shutdown are not data lost."""
+        with self._lock:
+            self._frozen = True
+
     def on_reject(self, ticket: Any, item: Any, reason: str) -> None:
         with self._lock:
+            entry = self._outstanding.get(ticket.id)
+            if self._frozen:
+                self.n_aborted += 1
+                if entry is not None:
+                    self._write("abort", draw=entry[0], reason=reason)
+                return
             self._outstanding.pop(ticket.id, None)
+            self._restored_tickets.discard(ticket.id)
             self.n_rejected[reason] += 1
+            if entry is not None:
+                self._write("reject", draw=entry[0], id=_item_id(entry[1]), reason=reason)
 
-    def consumed(self, ticket_ids: Sequence[int]) -> list[int]:
-        """Settle consumed groups; returns their draw indices."""
+    def consumed(self, ticket_ids: Sequence[int], *, step: int | None = None, version: int | None = None,
+                 lags: Sequence[int] | None = None) -> list[int]:
+        """Settle consumed groups (trained by ``step``, 1-based, at ``version``); returns their draw indices."""
         with self._lock:
-            out = [self._outstanding.pop(t)[0] for t in ticket_ids]
-            self.n_consumed += len(out)
-            return out
+            entries = [self._outstanding.pop(t) for t in ticket_ids]
+            restored = [t in self._restored_tickets for t in ticket_ids]
+            self._restored_tickets.difference_update(ticket_ids)
+            self.n_consumed += len(entries)
+            self._write("consume", step=step, version=version, draws=[i for i, _ in entries],
+                        ids=[_item_id(it) for _, it in entries], lags=None if lags is None else [int(x) for x in lags],
+                        restored=restored)
+            return [i for i, _ in entries]
 
     @property
     def outstanding(self) -> int:
@@ -142,8 +240,73 @@ class DataLedger:
         with self._lock:
             items = list(self._outstanding.values()) + ([self._pending] if self._pending else []) + list(self._replay)
             return {"source": self.source.get_state() if hasattr(self.source, "get_state") else None,
-                    "next_draw": self._next_draw,
+                    "next_draw": self._next_draw, "log_records": self._log_records,
                     "outstanding": [{"draw": i, "item": _record_to_json(it)} for i, it in sorted(items, key=lambda x: x[0])]}
+
+
+def _item_id(item: Any) -> Any:
+    v = item.get("id") if isinstance(item, Mapping) else getattr(item, "id", None)
+    return v if v is None or isinstance(v, (str, int)) else str(v)
+
+
+def _repair_jsonl_tail(path: str) -> None:
+    """Drop a partial last line (a process killed mid-write) so appended lines stay valid JSONL."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
+        f.truncate(keep)
+    log.warning("%s: dropped a partial last line (%d bytes) left by an interrupted write", path, len(data) - keep)
+
+
+@dataclasses.dataclass
+class LedgerHistory:
+    """``RUN/data_ledger.jsonl`` resolved: ``effective`` = the events of the run's surviving history
+    (what the final state was built from), ``discarded`` = events written after a checkpoint that a
+    later resume went back to (work redone), ``resumes`` = the resume markers, in order."""
+
+    effective: list[dict[str, Any]]
+    discarded: list[dict[str, Any]]
+    resumes: list[dict[str, Any]]
+
+    def events(self, kind: str, effective: bool = True) -> list[dict[str, Any]]:
+        return [e for e in (self.effective if effective else self.discarded) if e["event"] == kind]
+
+
+def read_data_ledger(run_dir: str) -> LedgerHistory:
+    """Parse ``RUN/data_ledger.jsonl`` and apply its resume markers (see ``DataLedger``)."""
+    path = os.path.join(run_dir, LEDGER_LOG)
+    effective: list[dict[str, Any]] = []
+    discarded: list[dict[str, Any]] = []
+    resumes: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines):  # a partial last line of a killed writer
+                continue
+            raise ValueError(f"{path}:{n}: invalid JSON ({e})") from None
+        if ev.get("event") == "resume":
+            keep = ev.get("keep")
+            if keep is not None:
+                if keep > len(effective):
+                    raise ValueError(f"{path}:{n}: resume keeps {keep} events but only {len(effective)} precede it "
+                                     "(the log lost lines)")
+                discarded.extend(effective[keep:])
+                del effective[keep:]
+            resumes.append(ev)
+        else:
+            effective.append(ev)
+    return LedgerHistory(effective, discarded, resumes)
 
 
 def _record_to_json(item: Any) -> Any:
@@ -411,7 +574,7 @@ class RLLoop:
         from jaxrl_async.checkpoint import (CheckpointConfig, Checkpointer, NonFiniteTracker, SignalHandler,
                                             TrainMeta, abstract_like)
         from jaxrl_async.data.datasets import make_train_iterator
-        from jaxrl_async.metrics import MetricsLogger
+        from jaxrl_async.metrics import METRICS_FILE, MetricsLogger
         from jaxrl_async.rewards.registry import make_reward
         from jaxrl_async.rollout.orchestrator import Generator
         from jaxrl_async.rollout.staleness import StalenessClosedError, StalenessManager
@@ -434,7 +597,8 @@ class RLLoop:
         resume = latest is not None and ck.resume != "never"
         data_iter = make_train_iterator(self.train_ds, seed=c.seed, shuffle=c.data.shuffle)
         nonfinite = NonFiniteTracker()
-        start_step, replay, next_draw, extra0 = 0, [], 0, {}
+        start_step, replay, next_draw, extra0, log_records, saved_groups = 0, [], 0, {}, 0, []
+        resumed_from: int | None = None
         if resume:
             abstract = abstract_like(jax.eval_shape(trainer.init_state, self.init_params), trainer.state_shardings)
             r = ckpt.restore(targets=_state_items(abstract), fallback=True)
@@ -445,11 +609,14 @@ class RLLoop:
                 data_iter.set_state(ds["source"])
             replay = [(int(o["draw"]), _record_from_json(o["item"])) for o in ds.get("outstanding", [])]
             next_draw = int(ds.get("next_draw", 0))
+            log_records = ds.get("log_records")
+            saved_groups = list(r.trajectories or [])
+            resumed_from = r.step
             extra0 = r.meta.extra or {}
             if "nonfinite" in extra0:
                 nonfinite.load_state_dict(extra0["nonfinite"])
             self._say(f"resumed from {ckpt.step_dir(r.step)}: step {start_step}, policy version {r.meta.policy_version}, "
-                      f"{len(replay)} outstanding prompts replayed first"
+                      f"{len(replay)} outstanding prompts ({len(saved_groups)} with finished groups in the checkpoint)"
                       + (f" (skipped unusable steps {[s for s, _ in r.skipped]})" if r.skipped else ""))
         else:
             params = self.init_params
@@ -484,7 +651,12 @@ class RLLoop:
         staleness = StalenessManager(eta, B, ro.effective_max_concurrent(B), version=version)
         reward_fn = make_reward(ro.reward)
         workflow = self._build_workflow(reward_fn)
-        ledger = DataLedger(data_iter, replay=replay, next_draw=next_draw)
+        _repair_jsonl_tail(os.path.join(self.run_dir, METRICS_FILE))
+        ledger = DataLedger(data_iter, replay=replay, next_draw=next_draw, log_path=os.path.join(self.run_dir, LEDGER_LOG),
+                            log_records=log_records or 0)
+        if resumed_from is not None:
+            ledger.log_resume(start_step, version, log_records, checkpoint=resumed_from)
+        restore_info = self._restore_buffered_groups(saved_groups, staleness, ledger, version, eta)
         should_accept = None
         if ro.filter_zero_signal_groups:
             from jaxrl_async.rl.advantages import group_has_signal
@@ -502,6 +674,9 @@ class RLLoop:
                               timeout_s=max(300.0, ro.group_timeout_s or 0), initial_version=version)
         metrics = MetricsLogger(self.run_dir, tr.total_steps, tensorboard=c.logging.tensorboard,
                                 progress=c.logging.progress, start_step=start_step)
+        if resumed_from is not None:
+            metrics.log(start_step, {"resume/checkpoint_step": resumed_from, "resume/replayed_prompts": len(replay),
+                                     **{f"resume/{k}": v for k, v in restore_info.items()}}, advance=False)
         eval_pool = cf.ThreadPoolExecutor(ro.reward_workers, thread_name_prefix="eval-reward")
         result = RunResult(self.run_dir, start_step, version, 0.0, [], {}, [], {})
         stop_reason = "completed"
@@ -516,16 +691,20 @@ class RLLoop:
                     "rejected_by_reason": sc.rejected_by_reason, "running": sc.running, "buffered": sc.buffered,
                     "balanced": sc.balanced(), "ledger_drawn": ledger.n_drawn, "ledger_consumed": ledger.n_consumed,
                     "ledger_rejected": dict(ledger.n_rejected), "ledger_outstanding": ledger.outstanding,
-                    "replayed": ledger.n_replayed}
+                    "replayed": ledger.n_replayed, "restored": ledger.n_restored,
+                    "dropped_on_restore": dict(ledger.n_dropped), "aborted_at_shutdown": ledger.n_aborted}
 
         def save(step_: int, version_: int, why: str) -> None:
+            # buffered groups first, then the ledger: a group accepted in between is only replayed
+            buffered = [_group_record(g, ledger.draw_index(g.ticket)) for g in staleness.buffered_groups()]
             meta = TrainMeta(step=step_, policy_version=version_, data_state=ledger.state(),
                              staleness=snapshot_stats(), config=to_dict(c),
                              extra={"nonfinite": nonfinite.state_dict(), "why": why,
                                     "wall_s": time.monotonic() - self.t_start})
-            st = ckpt.save(_state_items(state), meta)
+            st = ckpt.save(_state_items(state), meta, trajectories=buffered)
             result.checkpoint_step = step_
-            metrics.message(f"checkpoint {ckpt.step_dir(step_)} ({why}; blocking {st.blocking_s:.2f} s)")
+            metrics.message(f"checkpoint {ckpt.step_dir(step_)} ({why}; {len(buffered)} finished groups saved; "
+                            f"blocking {st.blocking_s:.2f} s)")
 
         def do_eval(step_: int) -> None:
             pusher.wait(version)
@@ -571,7 +750,11 @@ class RLLoop:
                     break
                 wait_s = time.monotonic() - t_wait
                 idle_s += wait_s
-                ledger.consumed([g.ticket.id for g in groups])
+                # batch order = draw order: independent of finish timing and of ticket numbering after a
+                # resume (part of the eta = 0 bitwise resume determinism)
+                groups.sort(key=lambda g: ledger.draw_index(g.ticket))
+                ledger.consumed([g.ticket.id for g in groups], step=step + 1, version=version,
+                                lags=[g.lag for g in groups])
                 result.lag_by_group.extend((step, g.ticket.id, g.lag) for g in groups)
                 # 2. advantages, proximal log-probs, update(s)
                 trajs, row = build_training_batch(groups, tr.advantage, n)
@@ -628,18 +811,32 @@ class RLLoop:
             metrics.message(f"run stopped by {type(e).__name__}: {e}")
             if not isinstance(e, (FatalRunError, KeyboardInterrupt)):
                 metrics.message(traceback.format_exc())
+            ledger.freeze()
             self._shutdown(dispatcher, staleness, pusher, generator, eval_pool, metrics, signals)
-            if step > start_step:
+            if step > max(start_step, ckpt.last_saved_step):
                 self._emergency_save(save, state, step, version)
             ckpt.close()
+            ledger.close()
             raise
         # graceful end: stop rollouts, save, export
+        ledger.freeze()
         self._shutdown(dispatcher, staleness, pusher, generator, eval_pool, None, None)
         result.counts = snapshot_stats()
+        final_data = ledger.state()
+        ledger.close()
+        signal_name = signals.signal_name if signals is not None else None
         try:
-            if ck.save_at_end and step > start_step:
+            # a stop by signal or time limit always saves (preemption); a periodic save of this very
+            # step already holds a consistent state
+            if (ck.save_at_end or stop_reason != "completed") and step > max(start_step, ckpt.last_saved_step):
                 save(step, version, stop_reason)
-                ckpt.wait()
+            ckpt.wait()
+            if stop_reason != "completed":
+                latest_now = ckpt.latest_committed_step()
+                self._say(f"stopped by {signal_name or stop_reason} after step {step}: "
+                          + (f"checkpoint {ckpt.step_dir(latest_now)} is committed" if latest_now is not None
+                             else "no checkpoint (no step completed)")
+                          + "; run the same command again to resume")
             if ck.export_hf and result.checkpoint_step is not None and stop_reason == "completed":
                 from jaxrl_async.export import export_checkpoint
 
@@ -655,6 +852,9 @@ class RLLoop:
         result.wall_s = time.monotonic() - self.t_start
         result.stopped_by = stop_reason
         summary = {"steps": step, "version": version, "wall_s": result.wall_s, "stopped_by": stop_reason,
+                   "signal": signal_name, "resumed_from": resumed_from,
+                   "data": {"next_draw": final_data["next_draw"], "log_records": final_data["log_records"],
+                            "outstanding_draws": [o["draw"] for o in final_data["outstanding"]]},
                    "eval_history": result.eval_history, "counts": result.counts,
                    "max_lag": max((l for _, _, l in result.lag_by_group), default=0), "eta": eta,
                    "checkpoint_step": result.checkpoint_step, "export_dir": result.export_dir, "plot": plot,
@@ -664,6 +864,43 @@ class RLLoop:
         self._say(f"done: {step} steps, version {version}, {result.wall_s:.1f} s ({stop_reason}); "
                   f"accounting: {result.counts}")
         return result
+
+    def _restore_buffered_groups(self, saved: Sequence[Mapping[str, Any]], staleness: Any, ledger: DataLedger,
+                                 version: int, eta: int) -> dict[str, int]:
+        """Put the finished groups of the checkpoint back into the staleness buffer (reused, not
+        regenerated). A group whose head lag under the restored version exceeds η (e.g. the run
+        resumes with a smaller η) is dropped with reason ``stale_on_restore`` and its prompt is
+        replayed (regenerated with fresh weights): staleness stays bounded after a resume (the
+        regression of AReaL issue #1388). Every decision is in the data ledger."""
+        from jaxrl_async.rollout.staleness import StalenessViolation
+
+        kept = dropped = 0
+        for rec in saved:
+            draw, m, h = int(rec["draw"]), int(rec["admit_version"]), int(rec["head_version"])
+            lag = version - h
+            item = ledger.replay_item(draw)
+            reason = None
+            if item is None:
+                reason = "not_outstanding"  # inconsistent checkpoint: the ledger does not hold its item
+            elif lag > eta:
+                reason = "stale_on_restore"
+            else:
+                try:
+                    group = _group_from_record(rec, item)
+                    ticket = staleness.restore_buffered(group, m, h)
+                except (ValueError, KeyError, TypeError, StalenessViolation) as e:
+                    reason = f"invalid:{type(e).__name__}"
+                    log.warning("checkpointed group of draw %d not reused: %s", draw, e)
+                else:
+                    ledger.restore(ticket, draw, admit_version=m, head_version=h, lag=lag)
+                    kept += 1
+            if reason is not None:
+                ledger.drop_restored(draw, reason, admit_version=m, head_version=h, lag=lag, eta=eta)
+                dropped += 1
+        if saved:
+            self._say(f"checkpointed finished groups: {kept} reused, {dropped} dropped "
+                      f"(lag > eta={eta} or unusable; their prompts are regenerated)")
+        return {"restored_groups": kept, "dropped_groups": dropped}
 
     def _emergency_save(self, save: Callable, state: Any, step: int, version: int) -> None:
         try:
@@ -688,6 +925,42 @@ class RLLoop:
             metrics.close(plot=False)
         if signals is not None:
             signals.__exit__(None, None, None)
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` if the checkpoint codec can store it, else its repr (custom workflows may put
+    anything in trajectory metadata; a checkpoint must not fail because of it)."""
+    from jaxrl_async.checkpoint import pack_records
+
+    try:
+        pack_records(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _group_record(g: Any, draw: int) -> dict[str, Any]:
+    """A buffered group (``ConsumedGroup`` of a ``TrajectoryGroup``) as a checkpoint record; the
+    arrays go to the checkpoint's numeric pools bit-exactly, the prompt item stays in the ledger."""
+    group = g.item
+    return {"draw": int(draw), "admit_version": int(g.ticket.admit_version), "head_version": int(g.head_version),
+            "group_id": int(group.group_id), "metadata": {k: _jsonable(v) for k, v in group.metadata.items()},
+            "trajectories": [{"tokens": t.tokens, "loss_mask": t.loss_mask, "logprobs": t.logprobs,
+                              "versions": t.versions, "reward": float(t.reward), "prompt_len": int(t.prompt_len),
+                              "metadata": {k: _jsonable(v) for k, v in t.metadata.items()}}
+                             for t in group.trajectories]}
+
+
+def _group_from_record(rec: Mapping[str, Any], item: Any) -> Any:
+    """Inverse of ``_group_record`` (the trajectories are re-validated by ``Trajectory``)."""
+    from jaxrl_async.rollout.workflow import Trajectory, TrajectoryGroup
+
+    trajs = [Trajectory(tokens=t["tokens"], loss_mask=t["loss_mask"], logprobs=t["logprobs"], versions=t["versions"],
+                        reward=t["reward"], prompt_len=int(t["prompt_len"]), metadata=dict(t.get("metadata") or {}))
+             for t in rec["trajectories"]]
+    if not trajs:
+        raise ValueError("checkpointed group has no trajectory")
+    return TrajectoryGroup(item, trajs, int(rec.get("group_id", -1)), dict(rec.get("metadata") or {}))
 
 
 def _state_items(state: Any) -> dict[str, Any]:

@@ -380,6 +380,12 @@ class Checkpointer:
     latest_step = latest_committed_step
 
     @property
+    def last_saved_step(self) -> int:
+        """The newest step saved (committed, or still being written) by this process or found
+        committed at start; -1 if none. A second save of that step would be refused."""
+        return self._last_saved_step
+
+    @property
     def tokenizer_dir(self) -> str | None:
         return os.path.join(self.run_dir, self._tokenizer_rel) if self._tokenizer_rel else None
 

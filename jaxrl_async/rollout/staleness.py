@@ -40,7 +40,9 @@ on-policy RL. Waiting for stragglers happens only when a group reaches its deadl
 after η training steps of generation time.
 
 Resume: ``on_version_recovered(v)`` sets accepted = v·B and running = 0 (AReaL fix #1345 for
-issue #1388, where staleness grew unbounded after recovery).
+issue #1388, where staleness grew unbounded after recovery). Finished groups saved by a checkpoint
+come back through ``restore_buffered`` with their original admission and head versions (accepted
+= v·B + restored, as in the saving run); one whose lag under v already exceeds η is refused.
 
 Accounting: every admitted group ends consumed, rejected (with a reason) or outstanding
 (running or buffered); ``counts()`` exposes ``admitted == consumed + rejected + running + buffered``.
@@ -237,6 +239,40 @@ class StalenessManager:
             self._running.clear()
             self._buffer.clear()
             self._cond.notify_all()
+
+    def buffered_groups(self) -> list[ConsumedGroup]:
+        """Snapshot (not removed) of the finished, unconsumed groups in consumption order; ``lag`` is
+        against the current version. The loop checkpoints them so a resume reuses them."""
+        with self._cond:
+            return [ConsumedGroup(f.ticket, f.item, f.head_version, f.finish_time, self._version - f.head_version)
+                    for f in (self._buffer[i] for i, done in self._edf_order() if done)]
+
+    def restore_buffered(self, item: Any, admit_version: int, head_version: int) -> Ticket:
+        """Put back a finished group saved by a checkpoint (call after ``on_version_recovered`` /
+        construction at the restored version, before producers start).
+
+        The group keeps its original admission version (so earliest-deadline-first still serves it
+        by its original deadline) and counts as admitted and accepted, as it did in the saving run
+        (accepted = v·B + restored). A group whose head lag under the current version already
+        exceeds η is refused with ``StalenessViolation``: the caller drops it (and regenerates its
+        prompt) instead of training it — the guard against AReaL issue #1388.
+        """
+        with self._cond:
+            m, h = int(admit_version), int(head_version)
+            if not 0 <= m <= h:
+                raise ValueError(f"restore_buffered: need 0 <= admit_version <= head_version, got {m}, {h}")
+            if h > self._version:
+                raise ValueError(f"restore_buffered: head_version {h} is newer than the current version {self._version}")
+            lag = self._version - h
+            if lag > self.eta:
+                raise StalenessViolation(f"restored group (head version {h}) has lag {lag} > η={self.eta} at version "
+                                         f"{self._version}")
+            t = Ticket(next(self._ids), m, self._clock())
+            self._buffer[t.id] = _Finished(t, item, h, self._clock())
+            self._admitted += 1
+            self._accepted += 1
+            self._cond.notify_all()
+            return t
 
     @property
     def version(self) -> int:
