@@ -277,6 +277,7 @@ def test_damaged_array_file_is_reported_and_fallback_uses_previous(two_steps, da
     _assert_tree_equal(r.arrays["params"], states[1][0])
     # The skipped step was moved aside: step 2 can be saved again by the resumed run.
     assert ck.all_steps() == [1] and len(glob.glob(os.path.join(run, "quarantine", "2-*"))) == 1
+    assert ck.last_saved_step == 1  # so should_save(2) / a final save of step 2 are not refused as "not new"
     ck.save({"params": states[2][0]}, _meta(2))
     ck.close()
 

@@ -543,6 +543,9 @@ class Checkpointer:
             os.replace(self.step_dir(s), dst)
             log.warning("moved unusable checkpoint %s to %s", self.step_dir(s), dst)
         self._mngr.reload()
+        if self._last_saved_step in steps:  # that step number is free again: save it anew
+            latest = self.latest_committed_step()
+            self._last_saved_step = latest if latest is not None else -1
 
     def _check_committed(self, step: int) -> None:
         d = self.step_dir(step)
