@@ -488,65 +488,73 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
 
 
 def suggestions(cfg, r: dict[str, Any]) -> list[str]:
-    """What to change when a side does not fit (empty when everything fits)."""
+    """What to change when a side does not fit (empty when everything fits). Heuristics on the
+    planned bytes: parameter-proportional bytes shrink with more FSDP / tensor parallelism,
+    activations with the micro-batch, the KV cache with fewer slots or pages."""
     out: list[str] = []
     budget = r["target"]["budget_bytes"]
     g, t = r["generator"], r["trainer"]
     gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
     if not t["fits"]:
-        # parameter-proportional bytes shrink with more FSDP: params, Adam moments, push staging and the
-        # two float32 gradient trees of the step (accumulator + micro-batch gradient)
+        # parameter-proportional: params, Adam moments, push staging and the two float32 gradient
+        # trees of the step (accumulator + micro-batch gradient)
         transient = max(t["train_step_transient_bytes"], t["logprobs_transient_bytes"])
         grads = min(2 * t["params_bytes"], transient)
         state = t["params_bytes"] + t["optimizer_state_bytes"] + t["push_staging_bytes"] + grads
         activations = transient - grads
         n_trn = len(r["devices"]["trainer"])
-        if state > 0.5 * budget or state > budget - activations:
-            room = budget - activations - t["batches_bytes"]
-            if room <= 0:
-                out.append(f"trainer: activations alone (~{gib(activations)}) exceed the budget; shrink the "
-                           f"micro-batch first")
-            else:
-                need = math.ceil(n_trn * state / room)
-                out.append(f"more FSDP: params, Adam state and gradients are {gib(state)} per device on {n_trn} "
-                           f"trainer devices; shard them over >= {need} devices (mesh.trainer.shape / "
-                           f"mesh.num_generator_devices, or a larger layout)")
-        if transient > 0.3 * budget:
+        act_after = min(activations, 0.5 * budget)  # what a smaller micro-batch can bring them to
+        if state + act_after + t["batches_bytes"] > budget:
+            need = math.ceil(n_trn * state / max(budget - act_after - t["batches_bytes"], 1))
+            out.append(f"more FSDP: parameters, Adam moments and gradients take {gib(state)} per device on {n_trn} "
+                       f"trainer device(s); shard them over >= {need} devices (mesh.trainer.shape with "
+                       f"mesh.num_generator_devices, or a larger layout)")
+        room = budget - state - t["batches_bytes"]
+        if activations > 0.3 * budget or (0 < room < activations):
             tpm = cfg.trainer.packing.tokens_per_micro
-            out.append(f"smaller micro-batch: train-step temporaries are {gib(transient)}; "
-                       f"trainer.packing.tokens_per_micro={max(tpm // 2, t['micro_batch']['row_len'])} (now {tpm}) "
-                       f"halves the activations (more micro-batches, same gradient)")
+            mb = t["micro_batch"]
+            unit = mb["row_len"] * max(1, t["mesh"].get("fsdp", 1) * t["mesh"].get("data", 1))
+            if room > 0:
+                target = tpm * room / max(activations, 1)
+                new_tpm = max(unit, int(target // unit) * unit) if target < tpm else max(unit, tpm // 2)
+                out.append(f"smaller micro-batch: activations take ~{gib(activations)} per device; "
+                           f"trainer.packing.tokens_per_micro={new_tpm} (now {tpm}; more micro-batches, same "
+                           f"gradient)")
+            else:
+                out.append(f"smaller micro-batch: activations take ~{gib(activations)} per device; if they still do "
+                           f"not fit after the FSDP change, halve trainer.packing.tokens_per_micro (now {tpm}; more "
+                           f"micro-batches, same gradient)")
             if cfg.model.remat == "none":
                 out.append("remat: model.remat=full keeps one layer's activations instead of all layers'")
             logits = cfg.trainer.logprob_chunk * r["model"]["vocab"] * 4 * 3
             if logits > 0.1 * budget:
                 out.append(f"trainer.logprob_chunk={max(256, cfg.trainer.logprob_chunk // 4)}: the float32 vocabulary "
                            f"projection of one chunk takes ~{gib(logits)}")
-        if r["devices"]["colocated"]:
-            out.append("colocated: generator and trainer share the devices; give them separate devices "
-                       "(mesh.colocate=false with more devices)")
     if not g["fits"]:
-        fixed = g["params_bytes"] + g["incoming_weights_bytes"] + g["slot_state_bytes"] + max(
-            g["decode_transient_bytes"], g["prefill_transient_bytes"])
+        transient = max(g["decode_transient_bytes"], g["prefill_transient_bytes"])
+        fixed = g["params_bytes"] + g["incoming_weights_bytes"] + g["slot_state_bytes"] + transient
         if r["devices"]["colocated"]:
             fixed += t["own_peak_bytes"]
+            out.append("colocated: the generator and the trainer share devices and both stay resident; give them "
+                       "separate devices (more devices, mesh.colocate=false)")
         tensor = g["mesh"].get("tensor", 1)
-        if 2 * g["params_bytes"] > 0.5 * budget or fixed > budget:
-            out.append(f"tensor parallelism for the generator: its weights are {gib(g['params_bytes'])} per device "
-                       f"(x2 while a push lands); mesh.generator.shape with tensor={2 * tensor} halves them and the KV "
-                       f"cache")
+        weights = g["params_bytes"] + g["incoming_weights_bytes"]
+        if weights > 0.5 * budget:
+            t_need = tensor * (1 << max(1, math.ceil(math.log2(weights / (0.5 * budget)))))
+            out.append(f"tensor parallelism for the generator: weights take {gib(weights)} per device while a push "
+                       f"lands; mesh.generator.shape with tensor={t_need} (now {tensor}) divides them and the KV cache")
         page_b = g["kv_cache_bytes"] // max(1, g["num_pages"])
         if page_b and budget > fixed:
             pages_fit = int((budget - fixed) // page_b)
-            slots_fit = pages_fit // g["max_pages_per_seq"]
             data = g["mesh"].get("data", 1)
+            slots_fit = pages_fit // g["max_pages_per_seq"]
             slots_fit -= slots_fit % data
-            out.append(f"fewer concurrent decodes: the KV cache is {gib(g['kv_cache_bytes'])} for "
-                       f"{g['full_length_slots']} full-length slots; {max(slots_fit, 0)} fit "
-                       f"(rollout.engine.max_concurrent_decodes={max(slots_fit, data)}), or keep the slots and cap the "
-                       f"pool at rollout.engine.num_pages={max(pages_fit, 0)} (the engine preempts and re-prefills when "
-                       f"pages run out), or shorten rollout.sampling.max_new_tokens")
-        if tensor < r["model"]["kv_heads"]:
+            out.append(f"fewer concurrent decodes: the KV cache takes {gib(g['kv_cache_bytes'])} for "
+                       f"{g['full_length_slots']} full-length slots; {slots_fit} fit (rollout.engine."
+                       f"max_concurrent_decodes={max(slots_fit, data)}), or keep the slots and cap the pool at "
+                       f"rollout.engine.num_pages={pages_fit} (the engine preempts and re-prefills when pages run "
+                       f"out), or shorten rollout.sampling.max_new_tokens")
+        if tensor < r["model"]["kv_heads"] and g["kv_cache_bytes"] > 0.25 * budget:
             out.append(f"the KV cache splits over kv heads only: tensor up to {r['model']['kv_heads']} divides it; "
                        f"the data axis replicates it (one pool per engine, not per replica)")
     return out
@@ -582,7 +590,8 @@ def format_plan(r: dict[str, Any]) -> str:
     row("slot state", g["slot_state_bytes"])
     row("decode step temporaries", g["decode_transient_bytes"])
     row(f"prefill ({g['prefill_bucket']} tokens) temporaries", g["prefill_transient_bytes"])
-    row("peak", g["peak_bytes"], "fits" if g["fits"] else "DOES NOT FIT")
+    shared = " (device shared with the trainer)" if dv["colocated"] else ""
+    row("peak" + shared, g["peak_bytes"], "fits" if g["fits"] else "DOES NOT FIT")
     mb = t["micro_batch"]
     lines.append(f"trainer (per device; mesh {mesh(t['mesh'])}; micro-batch {mb['rows']} rows x {mb['row_len']} = "
                  f"{mb['tokens']} tokens, {mb['n_micro']} micro-batch(es) x {t['ppo_n_minibatches']} minibatches)")
@@ -592,7 +601,7 @@ def format_plan(r: dict[str, Any]) -> str:
     row(f"push staging ({w['dtype']} copy)", t["push_staging_bytes"])
     row("train step temporaries", t["train_step_transient_bytes"], "gradient accumulators, activations")
     row("proximal log-prob temporaries", t["logprobs_transient_bytes"])
-    row("peak", t["peak_bytes"], "fits" if t["fits"] else "DOES NOT FIT")
+    row("peak" + shared, t["peak_bytes"], "fits" if t["fits"] else "DOES NOT FIT")
     lines.append(f"weight push per step ({w['dtype']}): new weights {w['new_weights_bytes_per_generator_device'] / 1e9:.2f} "
                  f"GB per generator device, {w['new_weights_total_bytes'] / 1e9:.2f} GB over {w['generator_devices']} "
                  f"devices")
