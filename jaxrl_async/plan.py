@@ -241,7 +241,8 @@ def _batch_shape(cfg, trainer) -> tuple[int, int, int, int]:
     rows = pk.rows_per_micro(row_len)
     seqs = cfg.trainer.batch_size * cfg.rollout.n_samples // cfg.trainer.ppo_n_minibatches
     per_row = max(1, min(pk.max_seqs_per_row, row_len // max_seq))
-    n_micro = pk.n_micro_for(-(-(-(-seqs // per_row)) // rows))
+    rows_needed = math.ceil(seqs / per_row)
+    n_micro = pk.n_micro_for(math.ceil(rows_needed / rows))
     return n_micro, rows, row_len, pk.num_seqs(row_len)
 
 
@@ -271,10 +272,6 @@ def _abstract_state(trainer):
     st = jax.eval_shape(lambda p: TrainState(p, trainer.tx.init(p), jnp.zeros((), jnp.int32),
                                              jnp.zeros((), jnp.int32)), ps)
     return _with_shardings(st, trainer.state_shardings)
-
-
-def _mesh_str(mesh) -> str:
-    return " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
 
 
 def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None, headroom: float = 0.10,
@@ -385,8 +382,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     arr_sh = dict(zip(keys, dec_sh[1]))
     kv_bytes = sum(_device_bytes([arrays_r[k]], [arr_sh[k]]) for k in ("k_pool", "v_pool"))
     slot_bytes = sum(_device_bytes([arrays_r[k]], [arr_sh[k]]) for k in keys if k not in ("k_pool", "v_pool"))
-    kv_shards = kv_cache.kv_head_shards(cfg.model.num_kv_heads if cfg.model.path is None else model_cfg.num_kv_heads,
-                                        gen_mesh)
+    kv_shards = kv_cache.kv_head_shards(model_cfg.num_kv_heads, gen_mesh)
     kv_per_token = 2 * model_cfg.num_layers * (model_cfg.num_kv_heads // kv_shards) * model_cfg.head_dim * _itemsize(
         model_cfg.dtype)
     if S % gen_mesh.shape.get("data", 1):
