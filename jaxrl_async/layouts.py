@@ -47,9 +47,9 @@ DEVICE_KINDS: dict[str, DeviceKind] = {k.name: k for k in (
     _kind("a100-80", "NVIDIA A100 80 GB", 80, "gpu"),
     _kind("a100-40", "NVIDIA A100 40 GB", 40, "gpu"),
     _kind("v5p", "TPU v5p chip, 95 GB HBM", 95, "tpu"),
-    _kind("v5e", "TPU v5e chip, 16 GiB HBM", 16, "tpu"),
-    _kind("v6e", "TPU v6e (Trillium) chip, 32 GiB HBM", 32, "tpu"),
-    _kind("v4", "TPU v4 chip, 32 GiB HBM", 32, "tpu"),
+    _kind("v5e", "TPU v5e chip, 16 GB HBM", 16, "tpu"),
+    _kind("v6e", "TPU v6e (Trillium) chip, 32 GB HBM", 32, "tpu"),
+    _kind("v4", "TPU v4 chip, 32 GB HBM", 32, "tpu"),
 )}
 
 

@@ -1,5 +1,5 @@
 """`python -m jaxrl_async.plan --config FILE [--devices N] [--platform cpu|native] [--layout NAME]
-[--target KIND] [--headroom F] [--json] [key=value ...]`: will this run fit its hardware?
+[--target KIND] [--headroom F] [--json] [--list] [key=value ...]`: will this run fit its hardware?
 
 The planner builds the run's generator and trainer meshes (on simulated CPU devices by default:
 ``jax_num_cpu_devices`` is set before JAX starts, so a 64-GPU layout can be checked on a laptop),
@@ -77,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="device kind to budget against (default: the layout's)")
     p.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free (default 0.10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--list", action="store_true", help="list the layouts and device kinds, then exit")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides")
     return p
 
@@ -615,6 +616,23 @@ def format_plan(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_layouts() -> str:
+    """The layouts and device kinds of ``jaxrl_async.layouts`` as text."""
+    from jaxrl_async.layouts import DEVICE_KINDS, LAYOUTS
+
+    lines = ["device kinds:"]
+    for k in DEVICE_KINDS.values():
+        lines.append(f"  {k.name:<9} {k.memory_bytes / GiB:6.0f} GiB  {k.label}")
+    lines.append("layouts:")
+    for lay in LAYOUTS.values():
+        gen = " x ".join(f"{a}={n}" for a, n in zip(lay.generator_axes, lay.generator_shape))
+        trn = " x ".join(f"{a}={n}" for a, n in zip(lay.trainer_axes, lay.trainer_shape))
+        lines.append(f"  {lay.name:<11} {lay.num_devices:3d} x {lay.device:<5} generator {lay.num_generator_devices} "
+                     f"({gen}), trainer {lay.num_devices - lay.num_generator_devices} ({trn})")
+        lines.append(f"              {lay.description}")
+    return "\n".join(lines)
+
+
 def _ids(ids: Sequence[int]) -> str:
     ids = list(ids)
     if ids and ids == list(range(ids[0], ids[-1] + 1)):
@@ -634,6 +652,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, unknown = parser.parse_known_args(argv)
         if unknown:
             raise PlanError(f"unknown option {unknown[0]!r} (see --help)")
+        if args.list:
+            print(format_layouts())
+            return 0
         cfg = load_plan_config(args.config, args.layout, args.overrides)
         n = args.devices if args.devices is not None else default_num_devices(cfg)
         _configure_devices(n, args.platform)

@@ -16,8 +16,9 @@ Sources (AReaL repository at commit 00d07c04 unless noted; ``/work/shared/refere
   gradient_checkpointing, bf16, max_tokens_per_mb 16384.
 * [gsm8k] ``examples/math/gsm8k_grpo.yaml``: max_new_tokens 1024, prompt max_length 1024 (the
   GSM8K/MATH-length recipe; boba's 8192 new tokens is the long-CoT variant).
-* [paper] AReaL paper (arXiv 2505.24298) section 7 / appendix: PPO clip eps 0.2, 16 samples per
-  prompt, 4 PPO minibatches, no KL, no critic, 3:1 generation/training device split.
+* [paper] the AReaL paper (arXiv 2505.24298), experimental setup as summarised in
+  areal-semantics.md section 8: PPO clip eps 0.2, 16 samples per prompt, 4 PPO minibatches, no KL,
+  no critic, 75 % of the GPUs for generation.
 
 Choices and where they come from:
 

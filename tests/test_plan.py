@@ -134,6 +134,12 @@ def test_plan_errors_are_clear(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_plan_lists_layouts(capsys):
+    assert main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in LAYOUTS) and "141 GiB" in out and "v5p" in out
+
+
 def test_plan_needs_a_target_and_a_vocabulary(capsys):
     tiny = os.path.join(ROOT, "configs", "tiny_cpu.py")
     assert main(["--config", tiny]) == 2
