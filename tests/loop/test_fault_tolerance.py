@@ -1,0 +1,348 @@
+"""Fault tolerance of the real RL loop, driven as users run it: ``python -m jaxrl_async.main`` subprocesses
+(tiny config ``tiny_config.py``: a 1-layer Qwen3, simulated CPU devices) that are killed, signalled and
+resumed, audited afterwards from the run's own records (``data_ledger.jsonl``, ``metrics.jsonl``,
+``summary.json``, the checkpoints).
+
+* ``test_kill_signal_resume_chain``: one run, five processes: kill -9 during a checkpoint write, kill -9
+  at a random moment, SIGINT, SIGTERM (resumed onto 8 devices and other meshes), and a last resume with
+  a smaller eta; a corrupt latest checkpoint in between. Proves: a signal finishes the step, commits a
+  checkpoint and exits 0 with a message; every restart resumes from the last committed (usable)
+  checkpoint; no data item is skipped or trained twice beyond the steps redone after a kill; every
+  group's staleness stays <= eta of its process; checkpointed finished groups are reused, or dropped
+  with a reason when their lag exceeds the new eta; the params restored on another mesh equal the saved ones.
+* ``test_eta0_resume_after_crash_is_bitwise_identical``: eta = 0, same seed and devices: a run resumed
+  from its periodic checkpoint of step 2 reaches the parameters and optimizer state of the
+  uninterrupted run at step 4, bit for bit (slow variant: stopped after 2 steps, async and sync mode).
+
+Compilation dominates a process's start, so the processes share a persistent JAX compilation cache.
+Every wait has a timeout; a failing wait kills the process group and shows its log.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl_async.checkpoint import HOST, Checkpointer
+from jaxrl_async.rl_loop import LEDGER_LOG, read_data_ledger
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CONFIG = os.path.join(HERE, "tiny_config.py")
+PROBE = os.path.join(HERE, "resume_probe.py")
+B = 4  # trainer.batch_size of tiny_config.py
+START_TIMEOUT_S = 300  # start (a cold compile on a loaded 2-core machine) to the first trained step
+STOP_TIMEOUT_S = 120  # signal to exit
+# the "8 devices" layout: generator data x tensor = 1 x 2 on 0-1, trainer fsdp x tensor = 2 x 2 on 4-7
+EIGHT_DEVICES = ["mesh.cpu_devices=8", "mesh.generator.devices=(0,1)", "mesh.generator.shape=(1,2)",
+                 "mesh.trainer.devices=(4,5,6,7)", "mesh.trainer.shape=(2,2)", "mesh.trainer.axis_names=('fsdp','tensor')"]
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _env(cache: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # mesh.cpu_devices decides
+    env.update(JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
+
+
+def _committed(run_dir: str) -> list[int]:
+    d = os.path.join(run_dir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit() and os.path.isfile(os.path.join(d, n, "commit_success.txt")))
+
+
+def _unfinished(run_dir: str) -> list[str]:
+    return glob.glob(os.path.join(run_dir, "checkpoints", "*.orbax-checkpoint-tmp*"))
+
+
+class Attempt:
+    """One ``python -m jaxrl_async.main`` process of a run, in its own session (kill -9 takes the group)."""
+
+    def __init__(self, run_dir: str, args: list[str], cache: str, name: str, probe_dir: str | None = None):
+        self.run_dir, self.name = run_dir, name
+        self.log_path = os.path.join(os.path.dirname(run_dir), f"{name}.log")
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        self._offset = os.path.getsize(metrics) if os.path.exists(metrics) else 0
+        head = [PROBE, probe_dir] if probe_dir else ["-m", "jaxrl_async.main"]
+        cmd = [sys.executable, *head, "--config", CONFIG, f"run_dir={run_dir}", *args]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(cache), stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def output(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def fail(self, why: str) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        pytest.fail(f"{self.name}: {why}\n--- log tail ---\n{self.output()[-6000:]}")
+
+    def trained_steps(self) -> list[int]:
+        """Steps this process logged to metrics.jsonl (complete lines only)."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        rows = [json.loads(line) for line in data.split(b"\n")[:-1] if line.strip()]
+        return [r["step"] for r in rows if "train/loss" in r]
+
+    def wait_for(self, pred, what: str, timeout: float, poll_s: float = 0.002) -> None:
+        t0 = time.monotonic()
+        while not pred():
+            if self.proc.poll() is not None:
+                self.fail(f"exited with {self.proc.returncode} while waiting for {what}")
+            if time.monotonic() - t0 > timeout:
+                self.fail(f"no {what} within {timeout:.0f} s")
+            time.sleep(poll_s)
+
+    def kill9(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        assert self.proc.wait(30) == -signal.SIGKILL
+
+    def stop(self, sig: int) -> int:
+        os.kill(self.proc.pid, sig)
+        return self.wait(STOP_TIMEOUT_S)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.fail(f"did not exit within {timeout:.0f} s")
+
+
+def _kill_during_checkpoint_write(run_dir, args, cache, name):
+    """Start, wait for a checkpoint write of step >= 2 to begin, kill -9 the process group at once."""
+    a = Attempt(run_dir, args, cache, name)
+
+    def writing() -> bool:
+        return any(int(os.path.basename(p).split(".")[0]) >= 2 for p in _unfinished(run_dir))
+
+    a.wait_for(writing, "checkpoint write of step >= 2", START_TIMEOUT_S, poll_s=0.001)
+    a.kill9()
+    return a, bool(_unfinished(run_dir))
+
+
+def _corrupt_latest(run_dir: str) -> int:
+    """Truncate the largest params file of the latest committed checkpoint (its manifest notices)."""
+    step = _committed(run_dir)[-1]
+    d = os.path.join(run_dir, "checkpoints", str(step))
+    with open(os.path.join(d, "jaxrl_manifest.json")) as f:
+        files = json.load(f)["files"]
+    rel = max((r for r in files if r.startswith("params")), key=lambda r: files[r])
+    with open(os.path.join(d, rel), "r+b") as f:
+        f.truncate(files[rel] // 2)
+    return step
+
+
+def _check_signal_stop(a: Attempt, rc: int, sig: signal.Signals) -> int:
+    out = a.output()
+    if rc != 0:
+        a.fail(f"exit code {rc} after {sig.name}, expected 0")
+    summary = json.load(open(os.path.join(a.run_dir, "summary.json")))
+    step = summary["steps"]
+    assert summary["stopped_by"] == "signal" and summary["signal"] == sig.name, summary
+    assert f"received {sig.name}" in out
+    assert f"stopped by {sig.name} after step {step}: checkpoint {a.run_dir}/checkpoints/{step} is committed" in out
+    assert _committed(a.run_dir)[-1] == step and not _unfinished(a.run_dir)
+    return step
+
+
+def test_kill_signal_resume_chain(tmp_path, jax_cache):
+    run = str(tmp_path / "run")
+    T, eta = 12, 2
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    base = [f"trainer.total_steps={T}", f"rollout.max_head_offpolicyness={eta}", "checkpoint.every_steps=1",
+            "checkpoint.keep_last=2"]
+    t_start = time.monotonic()
+    expected_resume: list[int] = []  # per restart: the checkpoint step it must resume from
+    attempts: list[tuple[Attempt, int]] = []  # (attempt, its eta)
+
+    # 1. kill -9 while a checkpoint is being written (retried if the commit won the race)
+    for k in range(3):
+        a, mid_write = _kill_during_checkpoint_write(run, base, jax_cache, f"a1_{k}")
+        attempts.append((a, eta))
+        expected_resume.append(_committed(run)[-1])
+        if mid_write:
+            break
+        print(f"try {k}: the commit finished before the kill landed")
+    assert mid_write, "no kill landed inside a checkpoint write in 3 tries"
+
+    # 2. kill -9 at a random moment after some progress
+    a = Attempt(run, base, jax_cache, "a2_random_kill")
+    attempts.append((a, eta))
+    # (two committed checkpoints first, so that one can be damaged below; a kill never removes a committed one)
+    a.wait_for(lambda: len(a.trained_steps()) >= 1 and len(_committed(run)) >= 2, "trained step and 2 checkpoints",
+               START_TIMEOUT_S, poll_s=0.02)
+    assert "removing unfinished checkpoint save" in a.output()  # the half-written step is discarded
+    time.sleep(rng.uniform(0.0, 1.5))
+    a.kill9()
+    # ... and the newest committed checkpoint is damaged: the next start must fall back to the one before
+    committed = _committed(run)
+    assert len(committed) >= 2, committed
+    bad = _corrupt_latest(run)
+    expected_resume.append(committed[-2])
+
+    # 3. SIGINT: finish the step, save, exit 0
+    a = Attempt(run, base, jax_cache, "a3_sigint")
+    attempts.append((a, eta))
+    a.wait_for(lambda: len(a.trained_steps()) >= 1, "trained step", START_TIMEOUT_S, poll_s=0.02)
+    sigint_step = _check_signal_stop(a, a.stop(signal.SIGINT), signal.SIGINT)
+    assert f"skipped unusable steps [{bad}]" in a.output()
+    assert any(os.path.basename(p).startswith(f"{bad}-") for p in glob.glob(os.path.join(run, "quarantine", "*")))
+    expected_resume.append(sigint_step)
+
+    # 4. SIGTERM on 8 devices with other generator/trainer meshes (the probe records the restored params)
+    probe = str(tmp_path / "probe")
+    a = Attempt(run, base + EIGHT_DEVICES, jax_cache, "a4_sigterm_8dev", probe_dir=probe)
+    attempts.append((a, eta))
+    a.wait_for(lambda: len(a.trained_steps()) >= 1, "trained step", START_TIMEOUT_S, poll_s=0.02)
+    sigterm_step = _check_signal_stop(a, a.stop(signal.SIGTERM), signal.SIGTERM)
+    expected_resume.append(sigterm_step)
+    assert sigterm_step < T, "the run finished before SIGTERM: raise T"
+
+    # the params the 8-device run restored equal what the 4-device run saved, on the new trainer mesh
+    saved = Checkpointer(run, read_only=True).restore(sigint_step, targets={"params": HOST}, items=["params"])
+    import jax
+
+    saved_flat = {jax.tree_util.keystr(p): np.asarray(x)
+                  for p, x in jax.tree_util.tree_flatten_with_path(saved.arrays["params"])[0]}
+    restored = dict(np.load(os.path.join(probe, "restored_params.npz")))
+    shardings = json.load(open(os.path.join(probe, "restored_shardings.json")))
+    assert restored.keys() == saved_flat.keys()
+    for k, v in saved_flat.items():
+        assert restored[k].dtype == v.dtype and np.array_equal(restored[k], v), k
+        assert shardings[k]["devices"] == [4, 5, 6, 7] and shardings[k]["mesh"] == {"fsdp": 2, "tensor": 2}, k
+
+    # 5. resume (8 devices) with eta = 0 and run to the end: checkpointed groups older than the
+    #    restored version are dropped (stale_on_restore) and regenerated, the others reused
+    last = Checkpointer(run, read_only=True).restore(sigterm_step, items=[])
+    saved_groups = {g["draw"]: sigterm_step - g["head_version"] for g in last.trajectories or []}
+    a = Attempt(run, base[:1] + ["rollout.max_head_offpolicyness=0", "checkpoint.every_steps=1",
+                                 "checkpoint.keep_last=2"] + EIGHT_DEVICES, jax_cache, "a5_finish_eta0")
+    attempts.append((a, 0))
+    if a.wait(START_TIMEOUT_S + 120) != 0:
+        a.fail(f"exit code {a.proc.returncode}")
+    wall = time.monotonic() - t_start
+
+    # ---- audit from the run's own records ---------------------------------------------------------
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["stopped_by"] == "completed" and summary["steps"] == T, summary
+    h = read_data_ledger(run)
+    assert [r["step"] for r in h.resumes] == expected_resume, (h.resumes, expected_resume)
+    effective = h.events("consume")
+    assert [e["step"] for e in effective] == list(range(1, T + 1))
+    trained = [d for e in effective for d in e["draws"]]
+    assert all(len(e["draws"]) == B for e in effective)
+    assert len(trained) == len(set(trained)), "a data item was trained twice in the run's history"
+    rejected = [e["draw"] for e in h.events("reject")]
+    outstanding = summary["data"]["outstanding_draws"]
+    accounted = trained + rejected + outstanding
+    assert sorted(accounted) == list(range(summary["data"]["next_draw"])), "a data item was skipped or duplicated"
+    # redone work is exactly the steps a killed/fallen-back process trained after the checkpoint it resumed from
+    raw = [json.loads(line) for line in open(os.path.join(run, LEDGER_LOG)) if line.strip()]
+    segments, cur = [], []
+    for ev in raw:
+        if ev["event"] == "resume":
+            segments.append(cur)
+            cur = []
+        else:
+            cur.append(ev)
+    segments.append(cur)
+    assert len(segments) == len(attempts)
+    redone = sum(max([e["step"] for e in seg if e["event"] == "consume"], default=r["step"]) - r["step"]
+                 for seg, r in zip(segments[:-1], h.resumes))
+    assert len(h.events("consume", effective=False)) == redone
+    assert len(effective) + redone == sum(1 for ev in raw if ev["event"] == "consume")
+    # every record names the same item for a draw index (replays are faithful), and the staleness of
+    # every trained group, also in discarded work, is within the eta of the process that trained it
+    item_of: dict[int, str] = {}
+    for ev in raw:
+        for d, i in zip(ev.get("draws", [ev.get("draw")]), ev.get("ids", [ev.get("id")])):
+            if d is not None and i is not None:
+                assert item_of.setdefault(d, i) == i, (d, i, item_of[d])
+    for seg, (att, eta_i) in zip(segments, attempts):
+        lags = [lag for e in seg if e["event"] == "consume" for lag in e["lags"]]
+        assert max(lags, default=0) <= eta_i, (att.name, lags)
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if line.strip()]
+    assert all(r["staleness/max"] <= eta for r in rows if "train/loss" in r)
+    # checkpointed finished groups: reused after the signal stops, dropped with a reason when too old
+    assert any(any(e["restored"]) for seg in segments[1:5] for e in seg if e["event"] == "consume")
+    last_seg = segments[-1]
+    assert {e["draw"] for e in last_seg if e["event"] == "drop"} == {d for d, lag in saved_groups.items() if lag > 0}
+    assert all(e["reason"] == "stale_on_restore" for e in last_seg if e["event"] == "drop")
+    assert {e["draw"] for e in last_seg if e["event"] == "restore"} == {d for d, lag in saved_groups.items() if lag == 0}
+    print(f"chain: seed {seed}, {len(attempts)} processes, {redone} steps redone, {len(saved_groups)} groups in the "
+          f"last checkpoint, {wall:.0f} s")
+
+
+def _final_state(run_dir: str, step: int) -> list[tuple[str, np.ndarray]]:
+    import jax
+
+    r = Checkpointer(run_dir, read_only=True).restore(step, targets={"params": HOST, "opt_state": HOST})
+    return [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in jax.tree_util.tree_flatten_with_path(r.arrays)[0]]
+
+
+def _assert_bitwise_equal_runs(whole: str, resumed: str, step: int, mid_step: int) -> None:
+    a, b = _final_state(whole, step), _final_state(resumed, step)
+    assert [k for k, _ in a] == [k for k, _ in b]
+    for (k, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), k
+    # not vacuous: training moved the parameters after the interruption
+    mid = dict(_final_state(resumed, mid_step))
+    assert any(not np.array_equal(mid[k], x) for k, x in a if k.startswith("['params']"))
+    # the same data in the same batches, all on-policy
+    draws = [[(e["step"], e["draws"], e["lags"]) for e in read_data_ledger(d).events("consume")] for d in (whole, resumed)]
+    assert draws[0] == draws[1] and all(lag == 0 for _, _, lags in draws[0] for lag in lags)
+
+
+def test_eta0_resume_after_crash_is_bitwise_identical(tmp_path, jax_cache):
+    """eta = 0, fixed seed and devices: resuming from the periodic checkpoint of step 2 (taken while the
+    generator was already producing step 3's groups) and training to 4 gives the parameters and
+    optimizer state of the uninterrupted run, bit for bit. The crash is made by copying the run
+    directory as it was after step 2 (every later checkpoint removed) and resuming the copy."""
+    import shutil
+
+    whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+    args = ["rollout.max_head_offpolicyness=0", "trainer.total_steps=4", "checkpoint.every_steps=2",
+            "checkpoint.keep_last=3"]
+    a = Attempt(whole, args, jax_cache, "whole")
+    if a.wait(START_TIMEOUT_S + 120) != 0:
+        a.fail(f"exit code {a.proc.returncode}")
+    assert _committed(whole) == [2, 4]
+    shutil.copytree(whole, resumed, ignore=shutil.ignore_patterns("4", "summary.json"))
+    a = Attempt(resumed, args, jax_cache, "resumed")
+    if a.wait(START_TIMEOUT_S + 120) != 0:
+        a.fail(f"exit code {a.proc.returncode}")
+    assert [r["step"] for r in read_data_ledger(resumed).resumes] == [2]
+    _assert_bitwise_equal_runs(whole, resumed, 4, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_eta0_stopped_and_resumed_run_is_bitwise_identical(tmp_path, jax_cache, mode):
+    """eta = 0 (async with eta 0, or rollout.mode=sync): 2 steps, stop, resume to 4 == 4 steps in one go."""
+    common = ["rollout.max_head_offpolicyness=0", f"rollout.mode={mode}", "checkpoint.every_steps=None"]
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    for run_dir, steps, name in ((whole, 4, "whole"), (split, 2, "split_a"), (split, 4, "split_b")):
+        a = Attempt(run_dir, common + [f"trainer.total_steps={steps}"], jax_cache, name)
+        if a.wait(START_TIMEOUT_S + 120) != 0:
+            a.fail(f"exit code {a.proc.returncode}")
+    _assert_bitwise_equal_runs(whole, split, 4, 2)
