@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-train", type=int, default=2000)
     ap.add_argument("--num-eval", type=int, default=200)
     ap.add_argument("--data-seed", type=int, default=0)
+    ap.add_argument("--styles", nargs="+", default=["steps"], help="completion styles (data.arithmetic.styles)")
+    ap.add_argument("--style-weights", type=float, nargs="*", default=[], help="one weight per style")
     ap.add_argument("--steps", type=int, nargs="+", default=[50, 100, 200])
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--batch", type=int, default=32)
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
         tok = AutoTokenizer.from_pretrained(build_tokenizer(d, kind="arithmetic"))
     task = ArithmeticConfig(min_digits=args.min_digits, max_digits=args.max_digits, operators=tuple(args.operators),
                             min_operands=args.operands, max_operands=args.operands, num_train=args.num_train,
-                            num_eval=args.num_eval, seed=args.data_seed)
+                            num_eval=args.num_eval, seed=args.data_seed, styles=tuple(args.styles), style_weights=tuple(args.style_weights))
     train, held = build_splits(task)
     examples = encode_examples([sft_example(p, tok) for p in train], tok)
     section = ModelConfigSection(hidden_size=args.hidden, intermediate_size=args.intermediate or 3 * args.hidden,
@@ -102,7 +104,12 @@ def main(argv=None) -> int:
         jax.block_until_ready(params)
         t1 = time.perf_counter()
         comps = greedy_completions(params, model_cfg, tok, prompts, max_new_tokens=args.max_new_tokens)
-        acc = sum(reward(p, c, prob.answer) for p, c, prob in zip(prompts, comps, held)) / len(held)
+        greedy_hits = [reward(p, c, prob.answer) for p, c, prob in zip(prompts, comps, held)]
+        acc = sum(greedy_hits) / len(held)
+        by_style = {}  # completion style -> (share of greedy completions, accuracy within it)
+        for c, h in zip(comps, greedy_hits):
+            by_style.setdefault("direct" if c.startswith("The answer") else "worked", []).append(h)
+        by_style = {k: (len(v) / len(comps), sum(v) / len(v)) for k, v in sorted(by_style.items())}
         t2 = time.perf_counter()
         sample_acc = pass_k = float("nan")
         if args.samples > 0:
@@ -112,15 +119,22 @@ def main(argv=None) -> int:
             hits = [[reward(p, c, prob.answer) > 0 for c in cs] for p, cs, prob in zip(prompts, outs, sub)]
             sample_acc = sum(map(sum, hits)) / (len(sub) * args.samples)
             pass_k = sum(map(any, hits)) / len(sub)
+            flat = [(c.startswith("The answer"), h) for cs, hs in zip(outs, hits) for c, h in zip(cs, hs)]
+            for name, is_direct in (("sampled_direct", True), ("sampled_worked", False)):
+                hs = [h for d, h in flat if d == is_direct]
+                by_style[name] = (len(hs) / len(flat), sum(hs) / len(hs) if hs else float("nan"))
         loss = sum(h["loss"] for h in hist[-5:]) / len(hist[-5:])
         row = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                    head_dim=args.head_dim, params=n_params, task=task_name, sft_steps=steps, lr=args.lr,
                    batch=args.batch, warmup=cfg.warmup_steps, sft_s=t1 - t0, eval_s=t2 - t1,
                    wall_s=setup_s + t2 - t0, final_loss=loss, held_out_acc=acc, sample_acc=sample_acc,
-                   pass_at_k=pass_k, k=args.samples, compilations=hist[-1]["compilations"])
+                   pass_at_k=pass_k, k=args.samples, compilations=hist[-1]["compilations"],
+                   styles=task.styles, style_weights=task.style_weights, by_style=by_style)
         print(f"{args.hidden:>6} {args.layers:>6} {args.heads:>5} {task_name:>14} {steps:>5} {args.lr:>7.1e} "
               f"{args.batch:>5} {row['sft_s']:>6.1f} {row['eval_s']:>6.1f} {row['wall_s']:>6.1f} {loss:>6.3f} "
               f"{acc:>6.3f} {sample_acc:>6.3f} {pass_k:>6.3f}", flush=True)
+        if len(task.styles) > 1:
+            print("    by style (share, accuracy): " + ", ".join(f"{k} {v[0]:.2f} {v[1]:.3f}" for k, v in by_style.items()))
         for prob, c in list(zip(held, comps))[:args.show]:
             print(f"    {prob.expression} = {prob.answer}: {c!r}")
         if args.out:

@@ -27,7 +27,8 @@ def get_config() -> RunConfig:
                                  head_dim=16, max_position_embeddings=256),
         data=DataConfig(task="arithmetic", arithmetic=ArithmeticConfig(
             min_digits=1, max_digits=2, operators=("+", "-"), min_operands=2, max_operands=2,
-            num_train=2000, num_eval=200), max_prompt_len=64),
+            num_train=10000, num_eval=200, styles=("direct", "columns"), style_weights=(0.5, 0.5)),
+            max_prompt_len=64),
         rollout=RolloutConfig(
             mode="async", max_head_offpolicyness=2, n_samples=8,
             sampling=SamplingConfig(temperature=1.0, max_new_tokens=64),
@@ -35,7 +36,7 @@ def get_config() -> RunConfig:
                                 page_size=16),
             reward="math", reward_workers=2, group_timeout_s=300.0),
         trainer=TrainerConfig(
-            batch_size=8, total_steps=150, lr=3e-4, weight_decay=0.0, max_grad_norm=1.0,
+            batch_size=8, total_steps=150, lr=1e-4, weight_decay=0.0, max_grad_norm=1.0,
             loss=PolicyLossConfig(eps_clip=0.2), advantage=AdvantageConfig(preset="grpo", adv_norm=False),
             packing=PackingConfig(tokens_per_micro=8192, row_len_buckets=(64, 128)),
             sft=SFTConfig(steps=1000, batch_size=32, lr=3e-3, warmup_steps=10)),

@@ -9,6 +9,22 @@ is held-out iff ``bucket(e) < held_out_fraction``, where
 ``bucket(e) = int(sha256(e)[:8 hex]) / 16**8`` is a fixed hash in [0, 1). Train and held-out sets are
 therefore disjoint for *any* seeds/configs (the same expression can never land in both), and each split is
 filled by rejection sampling from a ``random.Random(seed)`` stream (deterministic by seed).
+
+Completion styles (what the supervised warm start imitates; the reward only reads the boxed answer):
+
+* ``steps`` (default): the reduction steps, ``"37+58 = 95"``, then the boxed answer.
+* ``direct``: only ``"The answer is \\boxed{95}."`` (a terse teacher: the answer without work).
+* ``columns``: two-operand ``+``/``-`` worked column by column, units first, the carry/borrow written
+  into the next column (``"7+8 = 15\n3+5+1 = 9"``; ``"12-7 = 5\n5-1-1 = 3"``; ``a < b`` is rewritten as
+  ``-(b-a)``), then the boxed answer: every step is a one-digit fact, which a tiny model learns far
+  more reliably than the whole sum at once.
+
+``styles``/``style_weights`` mix teachers: each problem's completion style is drawn from the weights by
+a fixed hash of (expression, seed), so a dataset is deterministic and a problem always has one style.
+The embedded default warm-starts on a mixture of ``direct`` and ``columns`` demonstrations: the
+policy knows both, greedy decoding prefers the more frequent terse style, and RL has to discover that
+working the columns pays (the mixture setting of "Echo Chamber: RL post-training amplifies behaviors
+learned in pretraining", Zhao et al. 2025).
 """
 from __future__ import annotations
 
@@ -20,6 +36,7 @@ import random
 from collections.abc import Sequence
 
 OPERATORS = ("+", "-", "*")
+STYLES = ("steps", "direct", "columns")
 BOXED_ANSWER_FORMAT = "The answer is \\boxed{{{value}}}."
 
 
@@ -37,6 +54,8 @@ class ArithmeticConfig:
       held_out_fraction: share of the problem space reserved for the held-out split (hash bucket).
       seed: sampling seed.
       prompt_template: prompt text, ``{expr}`` is replaced by the expression.
+      styles: completion styles of the gold completions (module docstring), mixed by ``style_weights``.
+      style_weights: one non-negative weight per style (empty = equal weights).
     """
 
     min_digits: int = 1
@@ -50,6 +69,8 @@ class ArithmeticConfig:
     held_out_fraction: float = 0.2
     seed: int = 0
     prompt_template: str = "What is {expr}?"
+    styles: tuple[str, ...] = ("steps",)
+    style_weights: tuple[float, ...] = ()
 
     def __post_init__(self):
         if not 1 <= self.min_digits <= self.max_digits:
@@ -67,6 +88,17 @@ class ArithmeticConfig:
             raise ValueError("ArithmeticConfig.num_train/num_eval must be >= 0")
         if "{expr}" not in self.prompt_template:
             raise ValueError("ArithmeticConfig.prompt_template must contain '{expr}'")
+        bad = [s for s in self.styles if s not in STYLES]
+        if not self.styles or bad:
+            raise ValueError(f"ArithmeticConfig.styles must be a non-empty subset of {STYLES}, got {self.styles}")
+        if self.style_weights and (len(self.style_weights) != len(self.styles) or min(self.style_weights) < 0
+                                   or sum(self.style_weights) <= 0):
+            raise ValueError(f"ArithmeticConfig.style_weights must be empty or one non-negative weight per style "
+                             f"(with a positive sum), got {self.style_weights} for styles {self.styles}")
+        if "columns" in self.styles and (self.max_operands != 2 or self.max_digits > 2 or "*" in self.operators):
+            raise ValueError("ArithmeticConfig.styles: 'columns' is defined for two operands of at most 2 digits "
+                             f"with + and -, got operands <= {self.max_operands}, digits <= {self.max_digits}, "
+                             f"operators {self.operators}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +162,54 @@ def evaluate_with_steps(operands: Sequence[int], ops: Sequence[str]) -> tuple[in
     return acc, steps
 
 
-def gold_completion(operands: Sequence[int], ops: Sequence[str]) -> tuple[int, str]:
-    """(value, completion text): the reduction steps, one per line, then the boxed answer."""
+def column_steps(a: int, op: str, b: int) -> list[str]:
+    """Column-by-column work for ``a op b`` with 0 <= a, b <= 99 and op in ``+ -`` (units, then tens).
+
+    Addition: ``"a0+b0 = s0"`` then ``"a1+b1+c = s1"`` with c = s0 // 10 (the carry, always written);
+    the answer is s1 followed by the last digit of s0 (s1 omitted when 0). Subtraction with a >= b:
+    ``"(a0 + 10 w)-b0 = d0"`` then ``"a1-b1-w = d1"`` with w = [a0 < b0] (the borrow); answer d1 d0.
+    a < b: first the line ``"-(b-a)"``, then the work for b - a. E.g. 47+85 -> ["7+5 = 12", "4+8+1 = 13"];
+    52-17 -> ["12-7 = 5", "5-1-1 = 3"]; 17-52 -> ["-(52-17)", "12-7 = 5", "5-1-1 = 3"].
+    """
+    if not (0 <= a <= 99 and 0 <= b <= 99) or op not in "+-":
+        raise ValueError(f"column_steps: needs 0 <= a, b <= 99 and op in '+-', got {a}{op}{b}")
+    if op == "-" and a < b:
+        return [f"-({b}-{a})"] + column_steps(b, "-", a)
+    a1, a0, b1, b0 = a // 10, a % 10, b // 10, b % 10
+    if op == "+":
+        s0 = a0 + b0
+        return [f"{a0}+{b0} = {s0}", f"{a1}+{b1}+{s0 // 10} = {a1 + b1 + s0 // 10}"]
+    w = int(a0 < b0)
+    return [f"{a0 + 10 * w}-{b0} = {a0 + 10 * w - b0}", f"{a1}-{b1}-{w} = {a1 - b1 - w}"]
+
+
+def gold_completion(operands: Sequence[int], ops: Sequence[str], style: str = "steps") -> tuple[int, str]:
+    """(value, completion text) in ``style`` (module docstring), ending with the boxed answer."""
     value, steps = evaluate_with_steps(operands, ops)
+    if style == "direct":
+        steps = []
+    elif style == "columns":
+        if len(operands) != 2:
+            raise ValueError(f"style 'columns' needs two operands, got {len(operands)}")
+        steps = column_steps(operands[0], ops[0], operands[1])
+    elif style != "steps":
+        raise ValueError(f"unknown completion style {style!r} (one of {STYLES})")
     return value, "\n".join(steps + [BOXED_ANSWER_FORMAT.format(value=value)])
+
+
+def style_for(expression: str, cfg: "ArithmeticConfig") -> str:
+    """The completion style of one problem: drawn from ``cfg.style_weights`` by a fixed hash of
+    (seed, expression), independent of sampling order."""
+    if len(cfg.styles) == 1:
+        return cfg.styles[0]
+    w = cfg.style_weights or (1.0,) * len(cfg.styles)
+    u = int(hashlib.sha256(f"style:{cfg.seed}:{expression}".encode()).hexdigest()[:8], 16) / 16**8
+    acc, total = 0.0, float(sum(w))
+    for style, wi in zip(cfg.styles, w):
+        acc += wi / total
+        if u < acc:
+            return style
+    return cfg.styles[-1]
 
 
 def held_out_bucket(expression: str) -> float:
@@ -145,9 +221,10 @@ def is_held_out(expression: str, held_out_fraction: float) -> bool:
     return held_out_bucket(expression) < held_out_fraction
 
 
-def make_problem(operands: Sequence[int], ops: Sequence[str], prompt_template: str = "What is {expr}?") -> ArithmeticProblem:
+def make_problem(operands: Sequence[int], ops: Sequence[str], prompt_template: str = "What is {expr}?",
+                 style: str = "steps") -> ArithmeticProblem:
     expr = _fmt(operands, ops)
-    value, completion = gold_completion(operands, ops)
+    value, completion = gold_completion(operands, ops, style)
     return ArithmeticProblem(
         id=f"arith:{expr}", expression=expr, prompt=prompt_template.format(expr=expr), answer=str(value), completion=completion
     )
@@ -200,7 +277,7 @@ def build_splits(cfg: ArithmeticConfig) -> tuple[list[ArithmeticProblem], list[A
         if len(target) >= limit:
             continue
         seen.add(expr)
-        target.append(make_problem(operands, ops, cfg.prompt_template))
+        target.append(make_problem(operands, ops, cfg.prompt_template, style_for(expr, cfg)))
     return train, held
 
 

@@ -95,3 +95,61 @@ def test_sft_example(arith_tok):
     assert prompt == "<|im_start|>user\nWhat is 37+58?<|im_end|>\n<|im_start|>assistant\n"
     assert completion == p.completion + "<|im_end|>"
     assert sft_example(p) == (p.prompt, p.completion)
+
+
+@pytest.mark.parametrize("a,op,b,lines", [
+    (47, "+", 85, ["7+5 = 12", "4+8+1 = 13"]),
+    (52, "-", 17, ["12-7 = 5", "5-1-1 = 3"]),
+    (17, "-", 52, ["-(52-17)", "12-7 = 5", "5-1-1 = 3"]),
+    (50, "-", 8, ["10-8 = 2", "5-0-1 = 4"]),
+    (3, "+", 4, ["3+4 = 7", "0+0+0 = 0"]),
+    (99, "+", 99, ["9+9 = 18", "9+9+1 = 19"]),
+])
+def test_column_steps(a, op, b, lines):
+    from jaxrl_async.data.arithmetic import column_steps
+
+    assert column_steps(a, op, b) == lines
+
+
+def test_columns_style_exhaustive_and_scored():
+    """Every 2-operand +/- problem with operands 0..99: the column work is internally consistent
+    (each line's arithmetic holds) and the boxed answer is the true value."""
+    from jaxrl_async.data.arithmetic import gold_completion
+
+    for a in range(100):
+        for b in range(100):
+            for op in "+-":
+                value, text = gold_completion((a, b), (op,), "columns")
+                assert value == (a + b if op == "+" else a - b)
+                assert last_boxed_content(text) == str(value)
+                for line in text.split("\n")[:-1]:
+                    if line.startswith("-("):
+                        continue
+                    lhs, rhs = line.split(" = ")
+                    assert eval(lhs) == int(rhs), (a, op, b, line)
+    assert gold_completion((4, 5), ("+",), "direct")[1] == "The answer is \\boxed{9}."
+
+
+def test_style_mixture_deterministic_by_problem():
+    cfg = ArithmeticConfig(num_train=2000, num_eval=100, styles=("direct", "columns"), style_weights=(0.5, 0.5))
+    train, held = build_splits(cfg)
+    direct = [p.completion.startswith("The answer") for p in train]
+    assert 0.45 < sum(direct) / len(direct) < 0.55
+    # the style is a function of the problem, not of the sampling order
+    small, _ = build_splits(dataclasses.replace(cfg, num_train=300, num_eval=0))
+    by_expr = {p.expression: p.completion for p in train}
+    assert all(by_expr[p.expression] == p.completion for p in small if p.expression in by_expr)
+    only = build_splits(dataclasses.replace(cfg, style_weights=(0.0, 1.0)))[0]
+    assert not any(p.completion.startswith("The answer") for p in only)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(styles=("cot",)), "styles"),
+    (dict(styles=("direct", "columns"), style_weights=(1.0,)), "style_weights"),
+    (dict(styles=("direct", "columns"), style_weights=(-1.0, 2.0)), "style_weights"),
+    (dict(styles=("columns",), max_digits=3), "columns"),
+    (dict(styles=("columns",), operators=("+", "*")), "columns"),
+])
+def test_style_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ArithmeticConfig(**kw)
