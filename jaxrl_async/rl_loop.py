@@ -543,6 +543,25 @@ class RLLoop:
         kw = {k: v for k, v in (("tokenizer", self.tokenizer), ("reward_fn", reward_fn)) if k in params}
         return cls(**kw)
 
+    # -- the generator role (hooks: ``jaxrl_async.distributed.controller`` runs it in other processes) --
+    def _start_generator(self, params: Any, version: int) -> Any:
+        """The generator for ``params`` (trainer layout, policy ``version``): engine on the generator
+        mesh, weights copied device-to-device, compiled; returns an unstarted ``Generator``. A
+        multi-process run overrides this (and ``_build_pusher``) with a remote generator; the rest of
+        the loop only uses the ``Generator`` interface (submit/stats/error/start/stop)."""
+        from jaxrl_async.rollout.orchestrator import Generator
+
+        ro = self.cfg.rollout
+        generator = self._start_generator(state.params, version)
+
+    def _build_pusher(self, generator: Any, *, on_applied: Callable[[int], None], timeout_s: float,
+                      initial_version: int) -> Any:
+        """The weight pusher onto the generator of ``_start_generator`` (``weight_sync.WeightPusher``)."""
+        from jaxrl_async.weight_sync import WeightPusher
+
+        return WeightPusher(generator, self._engine.param_shardings, dtype=jnp.dtype(self.model_cfg.dtype),
+                            on_applied=on_applied, timeout_s=timeout_s, initial_version=initial_version)
+
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self, generator: Any, reward_fn: Any, pool: cf.Executor, version: int) -> dict[str, Any]:
         """Greedy (eval.temperature) pass@1 on the held-out records with the generator's current weights."""
@@ -576,10 +595,8 @@ class RLLoop:
         from jaxrl_async.data.datasets import make_train_iterator
         from jaxrl_async.metrics import METRICS_FILE, MetricsLogger
         from jaxrl_async.rewards.registry import make_reward
-        from jaxrl_async.rollout.orchestrator import Generator
         from jaxrl_async.rollout.staleness import StalenessClosedError, StalenessManager
         from jaxrl_async.rollout.workflow import RolloutDispatcher, derive_seed
-        from jaxrl_async.weight_sync import WeightPusher
 
         c, ro, tr = self.cfg, self.cfg.rollout, self.cfg.trainer
         eta = ro.effective_max_head_offpolicyness
@@ -670,8 +687,8 @@ class RLLoop:
             max_consecutive_failures=ro.max_consecutive_failures, tokenizer=self.tokenizer,
             group_seed=lambda t, item: derive_seed(c.seed, ledger.draw_index(t)),
             on_draw=ledger.on_draw, on_reject=ledger.on_reject)
-        pusher = WeightPusher(generator, engine.param_shardings, dtype=gen_dtype, on_applied=staleness.set_version,
-                              timeout_s=max(300.0, ro.group_timeout_s or 0), initial_version=version)
+        pusher = self._build_pusher(generator, on_applied=staleness.set_version,
+                                    timeout_s=max(300.0, ro.group_timeout_s or 0), initial_version=version)
         metrics = MetricsLogger(self.run_dir, tr.total_steps, tensorboard=c.logging.tensorboard,
                                 progress=c.logging.progress, start_step=start_step)
         if resumed_from is not None:
