@@ -4,23 +4,10 @@ Architecture (Qwen/Qwen3-0.6B config.json, ``models.config.PRESETS["qwen3-0.6b"]
 layers, 16 query / 8 kv heads, head_dim 128, intermediate 3072, vocab 151936, tied embeddings,
 rope_theta 1e6, rms_norm_eps 1e-6, q/k RMSNorm; ``model.path=None`` plans it without weights.
 
-Recipe: ``jaxrl_async.recipes.qwen3_math_rl``, AReaL's published math-RL hyper-parameters (the
-recipe module's docstring tabulates every setting with its source: AReaL boba_grpo.yaml,
-gsm8k_grpo.yaml and the AReaL paper):
-
-* rollout: 16 samples per prompt [boba, paper], eta = max_head_offpolicyness 4 [boba], temperature
-  1.0 [boba], prompts <= 1024 tokens and 1024 new tokens [gsm8k], math-verify reward with the
-  ``\\boxed{}`` instruction [AReaL math datasets/reward], AReaL's interruptible re-prefill on weight
-  updates (recompute_kv).
-* update: 32 prompt groups x 16 = 512 sequences per step in 4 PPO minibatches [boba, paper];
-  decoupled PPO with the proximal policy recomputed before the update [boba], clip eps 0.2
-  [paper], behaviour-ratio token mask at 5 [boba behav_imp_weight_cap], global token-mean loss;
-  GRPO group mean/std reward normalisation + batch advantage normalisation, reward (r - 0.5) x 10,
-  no KL [boba].
-* optimizer: Adam lr 1e-5 constant, weight decay 0.01, betas (0.9, 0.999), eps 1e-8, clip 1.0
-  [boba]; the AReaL paper used 2e-5; ``trainer.lr=1e-6`` is the cautious choice for large models.
-* numerics: bf16 compute [boba dtype], fp32 master weights and Adam moments, full remat [boba
-  gradient_checkpointing].
+Recipe: ``jaxrl_async.recipes.qwen3_math_rl``: AReaL's published math-RL hyper-parameters (16
+samples per prompt, eta 4, 32 x 16 sequences per step in 4 PPO minibatches, decoupled PPO, Adam lr
+1e-5, bf16 compute with fp32 master weights, full remat); its docstring tabulates every setting
+with its source (AReaL boba_grpo.yaml, gsm8k_grpo.yaml, the AReaL paper).
 
 Layout ``h100x8``: one node of 8 H100; devices 0-5 generate (6 data-parallel decode replicas,
 AReaL's 3:1 generation/training split), devices 6-7 train (FSDP 2). Sizing (checked with
