@@ -1,11 +1,11 @@
 """`python -m jaxrl_async.evaluate`: pass@k arithmetic, evaluate_params on a scripted generator with the math
 reward, the CLI end to end on a tiny exported model, and clear errors for bad paths/rows/options."""
-import dataclasses
 import json
 import shutil
 
 import pytest
 
+from fakes import DoneHandle, request, sample
 from jaxrl_async import evaluate
 from jaxrl_async.evaluate import EvalResult, ItemResult, evaluate_params, pass_at_k, report_ks
 from jaxrl_async.rewards.math_reward import MathReward
@@ -40,34 +40,6 @@ def test_eval_result_summary_and_table():
 
 
 # -- evaluate_params on a scripted generator ------------------------------------------------------------
-@dataclasses.dataclass
-class Sample:
-    sample_index: int
-    completion_ids: list
-    versions: list
-    finish_reason: str
-    text: str
-
-
-class Handle:
-    def __init__(self, out):
-        self.out = out
-
-    def done(self):
-        return True
-
-    def result(self, timeout=None):
-        return self.out
-
-    def abort(self):
-        pass
-
-
-@dataclasses.dataclass
-class Out:
-    samples: list
-
-
 class ScriptedGenerator:
     """Answers request i (the i-th record) with the texts script[i]; all tokens tagged version 7."""
 
@@ -81,8 +53,9 @@ class ScriptedGenerator:
         self.requests.append((i, list(prompt_ids), sampling))
         texts = self.script[i]
         assert len(texts) == sampling.n
-        return Handle(Out([Sample(k, [5] * (k + 1), [7] * (k + 1), "stop" if k else "length", t)
-                           for k, t in enumerate(texts)]))
+        return DoneHandle(request([sample(k, list(prompt_ids), [5] * (k + 1), versions=[7] * (k + 1),
+                                          finish_reason="stop" if k else "length", text=t)
+                                   for k, t in enumerate(texts)]))
 
 
 def test_evaluate_params_math_reward_pass_at_k():

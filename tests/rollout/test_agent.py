@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from fakes import DoneHandle, request, sample
 from jaxrl_async.rewards.math_reward import MathReward
 from jaxrl_async.rollout.agent import AgentWorkflow, EnvStep, MultiTurnMathWorkflow, discounted_return
 from jaxrl_async.rollout.engine_api import SamplingParams
@@ -62,33 +63,6 @@ def make_item(tok, question="What is 2+3?", answer="5", id="q0"):
     return Item(id, text, enc(tok, text), answer, {"raw_prompt": question})
 
 
-@dataclasses.dataclass
-class Sample:
-    sample_index: int
-    prompt_ids: list
-    completion_ids: list
-    logprobs: list
-    versions: list
-    finish_reason: str
-    text: str | None = None
-
-
-class Done:
-    def __init__(self, out):
-        self.out = out
-
-    def result(self, timeout=None):
-        return self.out
-
-    def abort(self):
-        pass
-
-
-@dataclasses.dataclass
-class Out:
-    samples: list
-
-
 class ScriptedGenerator:
     """Turn k of sample s answers script[s][k] = (text, finish_reason); "stop" appends EOS. Token j of a
     turn gets logprob -(k + 1) - j / 100 and the generator's version at that turn (version = k + 10)."""
@@ -105,7 +79,7 @@ class ScriptedGenerator:
         text, finish = self.script[s][k]
         ids = enc(self.tok, text) + ([EOS] if finish == "stop" else [])
         lps = [-(k + 1) - j / 100 for j in range(len(ids))]
-        return Done(Out([Sample(0, list(prompt_ids), ids, lps, [k + 10] * len(ids), finish)]))
+        return DoneHandle(request([sample(0, list(prompt_ids), ids, lps, [k + 10] * len(ids), finish)]))
 
 
 def make_ctx(gen, max_new_tokens=64, **kw):

@@ -14,35 +14,7 @@ from jaxrl_async.rollout.workflow import (
 )
 import concurrent.futures as cf
 
-
-@dataclasses.dataclass
-class Sample:
-    sample_index: int
-    prompt_ids: list
-    completion_ids: list
-    logprobs: list
-    versions: list
-    finish_reason: str
-    text: str | None = None
-
-
-@dataclasses.dataclass
-class Output:
-    samples: list
-
-
-class Handle:
-    def __init__(self, out=None, never=False):
-        self.out, self.never, self.aborted = out, never, False
-
-    def result(self, timeout=None):
-        if self.never:
-            time.sleep(timeout or 0)
-            raise TimeoutError("not done")
-        return self.out
-
-    def abort(self):
-        self.aborted = True
+from fakes import DoneHandle, request, sample
 
 
 class FakeGenerator:
@@ -56,9 +28,9 @@ class FakeGenerator:
     def submit(self, prompt_ids, sampling=None, request_id=None, metadata=None):
         with self.lock:
             self.requests.append((list(prompt_ids), sampling, request_id))
-        samples = [Sample(i, list(prompt_ids), [sampling.seed % 50 + 10 + i, 2], [-0.5, -0.25],
+        samples = [sample(i, list(prompt_ids), [sampling.seed % 50 + 10 + i, 2], [-0.5, -0.25],
                           [self.version, self.version], "stop") for i in range(sampling.n)]
-        h = Handle(Output(samples), never=self.never)
+        h = DoneHandle(request(samples), never=self.never)
         self.handles.append(h)
         return h
 
@@ -109,8 +81,8 @@ def test_trajectory_validation(kw, match):
 
 
 def test_trajectory_from_turns():
-    s1 = Sample(0, [1, 2], [3, 4], [-0.1, -0.2], [0, 1], "stop")
-    s2 = Sample(0, [1, 2, 3, 4, 9, 9], [5], [-0.3], [2], "length")
+    s1 = sample(0, [1, 2], [3, 4], [-0.1, -0.2], [0, 1], "stop")
+    s2 = sample(0, [1, 2, 3, 4, 9, 9], [5], [-0.3], [2], "length")
     t = Trajectory.from_turns([1, 2], [s1, ([9, 9], False), s2], reward=1.0)
     np.testing.assert_array_equal(t.tokens, [1, 2, 3, 4, 9, 9, 5])
     np.testing.assert_array_equal(t.loss_mask, [0, 0, 1, 1, 0, 0, 1])
