@@ -66,6 +66,7 @@ def run_mode(mode: str, out: str, steps: int, extra: list[str]) -> dict:
     args = [sys.executable, "-m", "jaxrl_async.main", f"run_dir={run_dir}", f"rollout.mode={mode}",
             f"trainer.total_steps={steps}", "rollout.workflow=bench_async_vs_sync:LongTailWorkflow",
             "rollout.sampling.max_new_tokens=256", "rollout.engine.max_sequence_length=320",
+            "model.max_position_embeddings=320", "trainer.packing.row_len_buckets=(64,128,320)",
             "checkpoint.resume=never", "checkpoint.export_hf=false", "logging.progress=false",
             "logging.print_config=false", "eval.every_steps=0"]
     if mode == "async":
