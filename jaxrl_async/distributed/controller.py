@@ -1,0 +1,570 @@
+"""The controller + trainer role: ``RLLoop`` with its generator in other processes.
+
+``python -m jaxrl_async.distributed.controller --listen HOST:PORT [--generators N]
+[--generator-devices G] [--cpu-devices T] [--config FILE] [key=value ...]``
+
+The controller (data ledger, staleness manager, rollout dispatcher, workflows and rewards,
+checkpoints, metrics) lives in the trainer process, as AReaL's controller lives on the trainer's
+rank 0: a checkpoint must hold the trainer state and the data/rollout state of the same moment,
+and the trainer is the consumer every batch goes to. Everything else is the unchanged single-process
+loop (``rl_loop.RLLoop``); this module only replaces its two generator hooks:
+
+* ``_start_generator``: accept ``N`` generator processes (``generator_role``), send them the engine
+  spec, plan the cross-process push against their parameter layouts, push the initial weights and
+  start them; returns a ``RemoteGenerator`` (the ``Generator`` interface over RPC: ``submit`` ->
+  handle with ``result(timeout)``, ``abort``, ``stats``, ``error``), so workflows, the dispatcher
+  and eval run unchanged;
+* ``_build_pusher``: a ``TransferPusher`` (the ``WeightPusher`` interface): weights travel
+  device-to-device through ``jax.experimental.transfer`` (``distributed.transfer``), checksummed,
+  with a disk fallback; the version is advertised to the staleness manager only after EVERY
+  generator applied it (the invariant the staleness bound rests on).
+
+A generator process that dies or hangs is named in the error (``PeerLostError`` via the dispatcher's
+fatal-error check and the pusher), the run stops with an emergency checkpoint instead of hanging, and
+running the same command again resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures as cf
+import dataclasses
+import itertools
+import json
+import os
+import secrets
+import shutil
+import sys
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from jaxrl_async.distributed import rpc
+from jaxrl_async.rl_loop import RLLoop
+
+PUSH_LOG = "weight_push.jsonl"
+
+
+# =============================================================================================
+# Remote generator (Generator interface over RPC)
+# =============================================================================================
+class RemoteHandle:
+    def __init__(self, request_id: str, future: cf.Future, gen: "RemoteGenerator", peer_index: int):
+        self.request_id, self._future, self._gen, self._peer = request_id, future, gen, peer_index
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        from jaxrl_async.rollout.orchestrator import GeneratorError
+
+        try:
+            return self._future.result(timeout)
+        except cf.TimeoutError:
+            raise TimeoutError(f"request {self.request_id!r} not finished after {timeout} s "
+                               f"(on {self._gen.peers[self._peer].name})") from None
+        except (rpc.PeerLostError, rpc.RemoteError) as e:
+            raise GeneratorError(f"request {self.request_id!r} failed: {e}") from e
+
+    def abort(self) -> None:
+        self._gen.abort(self.request_id)
+
+
+class RemoteGenerator:
+    """``rollout.orchestrator.Generator``'s caller API over generator processes.
+
+    Requests go to the generator with the fewest in flight. ``error`` is the first lost peer
+    (``PeerLostError`` naming it): the dispatcher checks it and stops the run.
+    """
+
+    def __init__(self, peers: Sequence[rpc.Peer], *, call_timeout_s: float = 120.0):
+        self.peers = list(peers)
+        self.call_timeout_s = call_timeout_s
+        self._lock = threading.Lock()
+        self._inflight = [0] * len(self.peers)
+        self._where: dict[str, int] = {}
+        self._ids = itertools.count()
+        self._version = 0
+        self._last_stats = None
+        self.start_info: list[dict] = []
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((p.error for p in self.peers if p.error is not None), None)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def start(self) -> "RemoteGenerator":
+        return self  # started in DistributedRLLoop._start_generator (after the first weights)
+
+    def submit(self, prompt_ids: Sequence[int], sampling: Any = None, request_id: str | None = None,
+               metadata: Any = None, *, stream: bool = False) -> RemoteHandle:
+        from jaxrl_async.rollout.orchestrator import GeneratorError
+
+        if stream:
+            raise NotImplementedError("streaming requests are not served across processes")
+        err = self.error
+        if err is not None:
+            raise GeneratorError(f"generator lost: {err}") from err
+        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        with self._lock:
+            i = min(range(len(self.peers)), key=lambda k: self._inflight[k])
+            self._inflight[i] += 1
+            self._where[rid] = i
+        fut = self.peers[i].call_async("submit", rid, [int(t) for t in prompt_ids], sampling, metadata)
+
+        def done(_f: cf.Future, i: int = i, rid: str = rid) -> None:
+            with self._lock:
+                self._inflight[i] -= 1
+                self._where.pop(rid, None)
+
+        fut.add_done_callback(done)
+        return RemoteHandle(rid, fut, self, i)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            i = self._where.get(str(request_id))
+        if i is not None and self.peers[i].error is None:
+            self.peers[i].call_async("abort", str(request_id))
+
+    def stats(self) -> Any:
+        """The generators' ``GeneratorStats`` summed (version: the minimum). A failed call keeps the
+        last value (the peer loss itself is reported through ``error``)."""
+        from jaxrl_async.rollout.orchestrator import GeneratorStats
+
+        try:
+            got = [p.call("stats", timeout=self.call_timeout_s)[0] for p in self.peers]
+        except (rpc.PeerLostError, rpc.PeerTimeoutError, rpc.RemoteError):
+            if self._last_stats is None:
+                raise
+            return self._last_stats
+        if len(got) == 1:
+            s = got[0]
+        else:
+            f = {k.name: None for k in dataclasses.fields(GeneratorStats)}
+            summed = {k: sum(getattr(g, k) for g in got) for k in f if k not in ("version",)}
+            summed["slot_utilisation"] = sum(g.slot_utilisation for g in got) / len(got)
+            s = GeneratorStats(version=min(g.version for g in got), **summed)
+        self._last_stats = s
+        return s
+
+    def stop(self) -> None:
+        for p in self.peers:
+            if p.error is None:
+                try:
+                    p.call("stop", timeout=60.0)
+                except (rpc.PeerLostError, rpc.PeerTimeoutError, rpc.RemoteError):
+                    pass
+            p.close()
+
+
+# =============================================================================================
+# Weight pusher across processes
+# =============================================================================================
+@dataclasses.dataclass
+class CrossPushStats:
+    version: int
+    bytes: int
+    dispatch_s: float  # trainer-thread time in push()
+    transfer_s: float = 0.0  # total_s - apply_s: dispatch, checksums, pulls (or disk fallback), verification
+    apply_s: float = 0.0  # the slowest generator's hand-over to its decode thread
+    total_s: float = 0.0
+    transport: str = ""  # "transfer" or "disk" (any generator needed the fallback)
+    checksum: int = 0  # xor of the per-leaf checksums (the full list is in weight_push.jsonl)
+    fallback_reason: str | None = None
+
+
+class TransferPusher:
+    """``weight_sync.WeightPusher``'s interface across processes (see ``distributed.transfer``).
+
+    ``push`` (trainer thread): cast to the generator dtype (fresh buffers: the next step may donate
+    the trainer's) and, for ``via_trainer`` leaves, reshard on the trainer devices; dispatch only.
+    The push thread then computes the checksums on device, registers the shards with the transfer
+    server once per generator (fresh uuid), asks each generator to pull, and waits for the replies
+    (timeout); a generator whose pull failed or whose checksum differed gets the disk fallback.
+    ``on_applied(version)`` runs once every generator uses the version. Newest wins: a push that
+    arrives while one is in flight replaces a waiting one.
+    """
+
+    def __init__(self, remote: RemoteGenerator, plans: Sequence[Any], src_shardings: Sequence[Any], *, dtype: Any,
+                 server: Any, on_applied: Callable[[int], None] | None, timeout_s: float, initial_version: int | None,
+                 fallback_dir: str, log_path: str | None = None, guard: bool = True):
+        import jax.numpy as jnp
+
+        from jaxrl_async.distributed.transfer import WireSender
+
+        self.remote, self.plans = remote, list(plans)
+        self.keys = [p.key for p in self.plans]
+        self.sender = WireSender(self.plans, src_shardings)
+        self.dtype = jnp.dtype(dtype)
+        self.server = server
+        self.on_applied = on_applied
+        self.timeout_s = float(timeout_s)
+        self.fallback_dir = fallback_dir
+        self.log_path = log_path
+        self.guard = guard
+        self._cond = threading.Condition()
+        self._mailbox = None
+        self._closed = False
+        self.error: BaseException | None = None
+        self.history: list[CrossPushStats] = []
+        self.skipped_versions: list[int] = []
+        self.applied_version = initial_version
+        self.routes = collections.Counter(p.route for p in self.plans)
+        self._uuid = itertools.count(secrets.randbits(40) << 16)
+        self._thread = threading.Thread(target=self._main, name="weight-push-remote", daemon=True)
+        self._thread.start()
+
+    def _prepare(self, params: Any) -> list:
+        import jax
+
+        from jaxrl_async.weight_sync import _guard
+
+        with _guard(self.guard):
+            leaves = jax.tree.leaves(params)
+            cast = _CAST(leaves, self.dtype)
+            return self.sender.prepare(cast)
+
+    def push(self, params: Any, version: int) -> CrossPushStats:
+        from jaxrl_async.weight_sync import WeightPushError
+
+        self._raise_if_failed()
+        t0 = time.perf_counter()
+        wire = self._prepare(params)
+        nbytes = int(sum(x.size * x.dtype.itemsize for x in wire))
+        stats = CrossPushStats(version=int(version), bytes=nbytes, dispatch_s=time.perf_counter() - t0)
+        with self._cond:
+            if self._closed:
+                raise WeightPushError("TransferPusher is closed")
+            if self._mailbox is not None:
+                self.skipped_versions.append(self._mailbox[1].version)
+            self._mailbox = (wire, stats, t0)
+            self._cond.notify_all()
+        return stats
+
+    def push_now(self, params: Any, version: int) -> CrossPushStats:
+        """Push synchronously (the initial weights, before the push thread's consumer exists)."""
+        t0 = time.perf_counter()
+        wire = self._prepare(params)
+        stats = CrossPushStats(version=int(version), bytes=int(sum(x.size * x.dtype.itemsize for x in wire)),
+                               dispatch_s=time.perf_counter() - t0)
+        self._deliver(wire, stats, t0)
+        return stats
+
+    def wait(self, version: int | None = None, timeout: float | None = None) -> None:
+        timeout = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            target = version
+            if target is None:
+                target = self._mailbox[1].version if self._mailbox is not None else self.applied_version
+            while self.error is None:
+                if target is None or (self.applied_version is not None and self.applied_version >= target):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"weight push of version {target} not applied by the generators after "
+                                       f"{timeout:.0f} s (applied: {self.applied_version})")
+                self._cond.wait(min(left, 0.5))
+        self._raise_if_failed()
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _raise_if_failed(self) -> None:
+        from jaxrl_async.weight_sync import WeightPushError
+
+        if self.error is not None:
+            raise WeightPushError(f"weight push failed: {type(self.error).__name__}: {self.error}") from self.error
+
+    def _main(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while self._mailbox is None and not self._closed:
+                        self._cond.wait(0.5)
+                    if self._mailbox is None:
+                        return
+                    wire, stats, t0 = self._mailbox
+                    self._mailbox = None
+                self._deliver(wire, stats, t0)
+                if self.on_applied is not None:
+                    self.on_applied(stats.version)
+                with self._cond:
+                    self.applied_version = stats.version
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - reported through push()/wait()
+            with self._cond:
+                self.error = e
+                self._cond.notify_all()
+
+    def _deliver(self, wire: list, stats: CrossPushStats, t0: float) -> None:
+        from jaxrl_async.distributed.transfer import checksum_fn, write_weights
+
+        v = stats.version
+        sums = checksum_fn(wire)
+        shards = self.sender.shards(wire)
+        address = self.server.address()
+        futs = []
+        for p in self.remote.peers:
+            uuid = next(self._uuid)
+            self.server.await_pull(uuid, shards)
+            futs.append(p.call_async("pull_weights", v, uuid, address, sums, self.timeout_s))
+        replies = [self._reply(f, p, "pull_weights", v) for f, p in zip(futs, self.remote.peers)]
+        t1 = time.perf_counter()
+        failed = [i for i, r in enumerate(replies) if not r["ok"]]
+        path = None
+        if failed:
+            stats.fallback_reason = "; ".join(f"{self.remote.peers[i].name}: {replies[i]['reason']}" for i in failed)
+            path = write_weights(self.fallback_dir, v, self.keys, wire, sums)
+            for i in failed:
+                p = self.remote.peers[i]
+                replies[i] = self._reply(p.call_async("load_weights", v, path, sums, self.timeout_s), p, "load_weights", v)
+            shutil.rmtree(path, ignore_errors=True)
+        t2 = time.perf_counter()
+        # the generators reply after applying: apply_s is theirs (slowest), transfer_s the rest
+        stats.apply_s = max(float(r.get("apply_s") or 0.0) for r in replies)
+        stats.total_s = t2 - t0
+        stats.transfer_s = stats.total_s - stats.apply_s
+        stats.transport = "disk" if failed else "transfer"
+        x = 0
+        for s in sums:
+            x ^= s
+        stats.checksum = x
+        self.history.append(stats)
+        if self.log_path is not None:
+            rec = {**dataclasses.asdict(stats), "checksums": sums, "routes": dict(self.routes),
+                   "generators": [{"name": p.name, **{k: r.get(k) for k in ("transport", "pull_s", "verify_s",
+                                                                         "apply_s", "load_s", "shards")},
+                                   "checksums_match": r.get("checksums") == sums}
+                                  for p, r in zip(self.remote.peers, replies)]}
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def _reply(self, fut: cf.Future, peer: rpc.Peer, method: str, version: int) -> dict:
+        try:
+            r = fut.result(self.timeout_s + 30.0)
+        except cf.TimeoutError:
+            raise rpc.PeerTimeoutError(f"{peer.name}: {method} of version {version} not answered within "
+                                       f"{self.timeout_s + 30:.0f} s") from None
+        if r.get("ok") and r.get("checksums") is not None and len(r["checksums"]) != len(self.keys):
+            raise RuntimeError(f"{peer.name}: {method} of version {version} verified {len(r['checksums'])} leaves, "
+                               f"{len(self.keys)} were sent")
+        return r
+
+
+def _cast_impl():
+    import jax
+
+    return jax.jit(lambda leaves, dtype: [x.astype(dtype) + jax.numpy.zeros((), dtype) for x in leaves],
+                   static_argnums=1)
+
+
+class _LazyCast:
+    """Jitted cast to the generator dtype that always returns fresh buffers (``+ 0`` defeats input
+    forwarding when the dtypes agree), so the trainer may donate its parameters right after."""
+
+    fn = None
+
+    def __call__(self, leaves, dtype):
+        if self.fn is None:
+            self.fn = _cast_impl()
+        return self.fn(leaves, dtype)
+
+
+_CAST = _LazyCast()
+
+
+# =============================================================================================
+# The loop
+# =============================================================================================
+def role_config(cfg: Any, generator_devices: int, trainer_devices: int) -> Any:
+    """``cfg`` for the multi-process roles: each role's mesh spans its own process's devices
+    (``mesh.generator`` per generator process, ``mesh.trainer`` on the trainer's), so explicit
+    device indices and the simulated device count of the single-process layout do not apply."""
+    from jaxrl_async.config import validate
+
+    m = cfg.mesh
+    G, T = int(generator_devices), int(trainer_devices)
+    mesh = dataclasses.replace(m, generator=dataclasses.replace(m.generator, devices=tuple(range(G))),
+                               trainer=dataclasses.replace(m.trainer, devices=tuple(range(G, G + T))),
+                               num_generator_devices=None, colocate=False, cpu_devices=None, layout=None)
+    return validate(dataclasses.replace(cfg, mesh=mesh), num_devices=G + T)
+
+
+class DistributedRLLoop(RLLoop):
+    """``RLLoop`` whose generator role runs in ``generator_role`` processes (module docstring)."""
+
+    def __init__(self, cfg: Any, *, listener: Any, num_generators: int = 1, accept_timeout_s: float = 300.0,
+                 call_timeout_s: float = 600.0, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0,
+                 transfer_host: str = "127.0.0.1", **kw: Any):
+        self.listener, self.num_generators = listener, int(num_generators)
+        self.accept_timeout_s, self.call_timeout_s = accept_timeout_s, call_timeout_s
+        self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
+        self.transfer_host = transfer_host
+        self._peers: list[rpc.Peer] = []
+        super().__init__(cfg, **kw)
+
+    def _setup_devices(self) -> None:
+        import jax
+
+        from jaxrl_async.config import _resolve_shape
+        from jaxrl_async.sharding.mesh import make_mesh
+
+        m = self.cfg.mesh
+        devs = jax.devices()
+        if jax.process_count() > 1:
+            raise NotImplementedError("a trainer group of several processes (jax.distributed) needs the batch "
+                                      "broadcast to every trainer process and one transfer server per process; "
+                                      "not implemented yet (NOTES.md, Multi-process)")
+        shape = _resolve_shape(m.trainer.shape, len(devs), "mesh.trainer.shape")
+        self.trainer_mesh = make_mesh(shape, m.trainer.axis_names, devices=devs)
+        self.gen_mesh, self.gen_ids, self.trainer_ids, self.colocated = None, (), tuple(range(len(devs))), False
+        self._say(f"trainer devices: {len(devs)} x {devs[0].platform}, mesh {dict(self.trainer_mesh.shape)}; "
+                  f"generators: {self.num_generators} process(es), listening on {self.listener.address}")
+
+    def _accept_generators(self) -> list[rpc.Peer]:
+        peers = []
+        for k in range(self.num_generators):
+            conn = rpc.accept(self.listener, self.accept_timeout_s, f"generator process ({k + 1} of {self.num_generators})")
+            hello: dict[str, Any] = {}
+            got = threading.Event()
+
+            def handler(method: str, args: tuple, reply: Callable, hello=hello, got=got) -> None:
+                if method != "register":
+                    raise ValueError(f"controller: unexpected call {method!r} from a generator")
+                hello.update(args[0])
+                got.set()
+                reply(True, None)
+
+            peer = rpc.Peer(conn, f"generator process #{k}", handler=handler, heartbeat_s=self.heartbeat_s,
+                            heartbeat_timeout_s=self.heartbeat_timeout_s)
+            if not got.wait(60.0):
+                raise TimeoutError(f"generator connection #{k} did not register within 60 s")
+            peer.name = f"{hello['name']} (pid {hello['pid']} on {hello['host']})"
+            self._say(f"generator connected: {peer.name}")
+            peers.append(peer)
+        return peers
+
+    def _start_generator(self, params: Any, version: int) -> Any:
+        import jax
+        from jax.experimental import transfer as jtransfer
+
+        from jaxrl_async.distributed.transfer import layout_of, plan_transfer, tree_keys
+
+        c, ro = self.cfg, self.cfg.rollout
+        self._peers = peers = self._accept_generators()
+        gen_cfg = self._gen_model_cfg()
+        leaves = jax.tree.leaves(params)
+        spec = {"model_config": gen_cfg, "engine": ro.engine, "mesh_shape": tuple(c.mesh.generator.shape),
+                "mesh_axes": tuple(c.mesh.generator.axis_names), "tokenizer_dir": self.tokenizer_dir,
+                "param_shapes": [tuple(x.shape) for x in leaves], "n_samples": ro.n_samples,
+                "kv_update_policy": ro.kv_update_policy, "max_prefills_per_step": ro.engine.max_prefills_per_step}
+        infos = [f.result(self.call_timeout_s) for f in [p.call_async("init", spec) for p in peers]]
+        keys = tree_keys(params)
+        dtype = str(jax.numpy.dtype(self.model_cfg.dtype))
+        src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
+        for p, info in zip(peers, infos):
+            if info["keys"] != keys:
+                raise RuntimeError(f"{p.name}: its engine has different parameters than the trainer "
+                                   f"({len(info['keys'])} vs {len(keys)} leaves)")
+        self._plans = plan_transfer(keys, [x.shape for x in leaves], dtype, src_layouts, infos[0]["layouts"])
+        for p, info in zip(peers[1:], infos[1:]):
+            if info["layouts"] != infos[0]["layouts"]:
+                raise RuntimeError(f"{p.name}: generator layouts differ between generator processes")
+        self._src_shardings = [x.sharding for x in leaves]
+        self._transfer_server = jtransfer.start_transfer_server(jax.local_devices()[0].client, f"{self.transfer_host}:0",
+                                                                [f"{self.transfer_host}:0"])
+        for p in peers:
+            p.call("configure_push", src_layouts, dtype, self.transfer_host, timeout=self.call_timeout_s)
+        self.remote = RemoteGenerator(peers, call_timeout_s=min(self.call_timeout_s, 120.0))
+        self._initial_pusher = self._make_pusher(None, self.call_timeout_s, None)
+        st = self._initial_pusher.push_now(params, version)
+        self._initial_pusher.close()
+        self._say(f"initial weights (version {version}, {st.bytes / 2**20:.1f} MiB) pushed to {len(peers)} generator(s) "
+                  f"via {st.transport} in {st.total_s:.2f} s (routes {dict(self._initial_pusher.routes)})")
+        self.remote.start_info = [p.call("start", timeout=self.call_timeout_s) for p in peers]
+        self.remote._version = version
+        return self.remote
+
+    def _make_pusher(self, on_applied, timeout_s, initial_version) -> TransferPusher:
+        import jax
+
+        return TransferPusher(self.remote, self._plans, self._src_shardings, dtype=jax.numpy.dtype(self.model_cfg.dtype),
+                              server=self._transfer_server, on_applied=on_applied, timeout_s=timeout_s,
+                              initial_version=initial_version, fallback_dir=os.path.join(self.run_dir, "weight_push"),
+                              log_path=os.path.join(self.run_dir, PUSH_LOG))
+
+    def _build_pusher(self, generator: Any, *, on_applied: Callable[[int], None], timeout_s: float,
+                      initial_version: int) -> Any:
+        def applied(v: int) -> None:
+            self.remote._version = v
+            on_applied(v)
+
+        return self._make_pusher(applied, timeout_s, initial_version)
+
+
+# =============================================================================================
+# CLI
+# =============================================================================================
+def _split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    ap = argparse.ArgumentParser(prog="python -m jaxrl_async.distributed.controller", add_help=False)
+    ap.add_argument("--listen", required=True, help="HOST:PORT the generator processes connect to")
+    ap.add_argument("--generators", type=int, default=1)
+    ap.add_argument("--generator-devices", type=int, required=True, help="devices of each generator process")
+    ap.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices of this process")
+    ap.add_argument("--accept-timeout", type=float, default=300.0)
+    ap.add_argument("--heartbeat-timeout", type=float, default=60.0)
+    ap.add_argument("--transfer-host", default=None, help="address of this host for transfer pulls (default: the "
+                    "--listen host)")
+    return ap.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    a, rest = _split_argv(argv)
+    import jax
+
+    from jaxrl_async.config import ConfigError
+
+    if a.cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", int(a.cpu_devices))
+    try:
+        from jaxrl_async.main import _peek_config
+
+        cfg = role_config(_peek_config(rest), a.generator_devices, jax.device_count())
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    from jaxrl_async.rl_loop import FatalRunError
+
+    authkey = rpc.authkey_from_env()
+    listener = rpc.listen(a.listen, authkey)
+    host = a.transfer_host or rpc.parse_address(a.listen)[0]
+    try:
+        loop = DistributedRLLoop(cfg, listener=listener, num_generators=a.generators, accept_timeout_s=a.accept_timeout,
+                                 heartbeat_timeout_s=a.heartbeat_timeout, transfer_host=host)
+        result = loop.run()
+    except FatalRunError as e:
+        print(f"[jaxrl_async] run failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    except (TimeoutError, ConnectionError, rpc.RemoteError) as e:
+        print(f"[jaxrl_async] run failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        listener.close()
+    print(f"[jaxrl_async] done: {result.steps} steps, version {result.version} ({result.stopped_by})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Start the roles of a multi-process run on this host and supervise them.
+
+``python -m jaxrl_async.distributed.launch [--generators N] [--trainer-cpu-devices T]
+[--generator-cpu-devices G] [--port P] [--config FILE] [key=value ...]``
+
+Spawns the controller (``distributed.controller``: controller + trainer) and ``N`` generator
+processes (``distributed.generator_role``) with a fresh ``$JAXRL_RPC_AUTHKEY``, streams their
+output with a role prefix, and exits with the controller's status. On a GPU node, give each role its
+devices with ``--trainer-env CUDA_VISIBLE_DEVICES=4,5,6,7 --generator-env CUDA_VISIBLE_DEVICES=0,1,2,3``
+(TPU: ``TPU_VISIBLE_CHIPS``); on several nodes start the role modules directly from the cluster's
+launcher (``docs/launch.md``).
+
+Supervision: a generator that exits while the controller runs makes the controller fail with an
+error naming it (and an emergency checkpoint); the launcher then waits for the controller (timeout)
+and kills what is left. The controller exiting stops the generators (they exit when its connection
+closes; killed after ``--grace`` seconds otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pump(proc: subprocess.Popen, prefix: str) -> threading.Thread:
+    def run() -> None:
+        for line in iter(proc.stdout.readline, b""):
+            sys.stderr.write(f"{prefix} {line.decode(errors='replace')}")
+            sys.stderr.flush()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def role_commands(args: argparse.Namespace, rest: list[str], port: int) -> tuple[list[str], list[list[str]]]:
+    py = sys.executable
+    addr = f"127.0.0.1:{port}"
+    ctrl = [py, "-m", "jaxrl_async.distributed.controller", "--listen", addr, "--generators", str(args.generators),
+            "--generator-devices", str(args.generator_devices)]
+    if args.trainer_cpu_devices:
+        ctrl += ["--cpu-devices", str(args.trainer_cpu_devices)]
+    gens = []
+    for k in range(args.generators):
+        g = [py, "-m", "jaxrl_async.distributed.generator_role", "--controller", addr, "--name", f"generator-{k}"]
+        if args.generator_cpu_devices:
+            g += ["--cpu-devices", str(args.generator_cpu_devices)]
+        gens.append(g)
+    return ctrl + rest, gens
+
+
+def _env(extra: list[str]) -> dict[str, str]:
+    env = dict(os.environ)
+    for kv in extra:
+        k, _, v = kv.partition("=")
+        env[k] = v
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxrl_async.distributed.launch", add_help=False)
+    ap.add_argument("--generators", type=int, default=1)
+    ap.add_argument("--trainer-cpu-devices", type=int, default=None)
+    ap.add_argument("--generator-cpu-devices", type=int, default=None)
+    ap.add_argument("--generator-devices", type=int, default=None,
+                    help="devices per generator process (default: --generator-cpu-devices, else 1)")
+    ap.add_argument("--trainer-env", action="append", default=[], help="KEY=VALUE for the controller process")
+    ap.add_argument("--generator-env", action="append", default=[], help="KEY=VALUE for the generator processes")
+    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--grace", type=float, default=60.0)
+    ap.add_argument("-h", "--help", action="store_true")
+    args, rest = ap.parse_known_args(argv)
+    if args.help:
+        print(__doc__)
+        return 0
+    if args.generator_devices is None:
+        args.generator_devices = args.generator_cpu_devices or 1
+    port = args.port or free_port()
+    os.environ.setdefault("JAXRL_RPC_AUTHKEY", secrets.token_hex(16))
+    ctrl_cmd, gen_cmds = role_commands(args, rest, port)
+    ctrl = subprocess.Popen(ctrl_cmd, env=_env(args.trainer_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pumps = [_pump(ctrl, "[controller]")]
+    gens = []
+    for k, cmd in enumerate(gen_cmds):
+        p = subprocess.Popen(cmd, env=_env(args.generator_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        gens.append(p)
+        pumps.append(_pump(p, f"[generator-{k}]"))
+    reported = set()
+    try:
+        while ctrl.poll() is None:
+            for k, p in enumerate(gens):
+                if p.poll() is not None and k not in reported:
+                    reported.add(k)
+                    print(f"[launch] generator-{k} (pid {p.pid}) exited with status {p.returncode}; waiting for the "
+                          "controller to stop", file=sys.stderr, flush=True)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        ctrl.terminate()
+    rc = ctrl.wait()
+    deadline = time.monotonic() + args.grace
+    for p in gens:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for t in pumps:
+        t.join(5.0)
+    print(f"[launch] controller exited with status {rc}; generators: {[p.returncode for p in gens]}", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""Cross-process weight push: device-to-device with ``jax.experimental.transfer``, checksummed, disk fallback.
+
+Two JAX programs (the trainer's and a generator's, each possibly an SPMD group of its own) share no
+devices and no runtime, so ``jax.device_put`` cannot move arrays between them. The trainer process
+runs a transfer server (``start_transfer_server``); for each push it registers the arrays under a
+fresh uuid (``await_pull``) and tells the generator (RPC) to pull them; the generator pulls them
+straight onto its devices (``TransferConnection.pull``) when its handler gets to it, between decode
+steps of its own schedule, and swaps them in.
+
+What the transfer API moves is **raw shard buffers, matched by position**: pulling into a different
+sharding silently returns scrambled values (measured: a ``P('fsdp', None)`` source pulled as
+``P(None, 'fsdp')`` comes back wrong without an error). So this module never relies on layout
+agreement: the trainer registers, per leaf, one *single-device* array per distinct shard of a
+*wire layout*, and the generator pulls each of them as a single-device array onto a device of its
+*landing layout* (the shard with that index), then assembles the global array with
+``jax.make_array_from_single_device_arrays``. The routes mirror the single-process ones
+(``weight_sync.plan_push``), decided by the same pure function on both sides:
+
+* ``direct``: every distinct shard of the generator's target sharding is a shard of the trainer's
+  layout: land in the target;
+* ``via_generator`` (n_trainer | n_generator): land in the trainer's layout on the generator's
+  devices (plus a replica axis), then reshard there (jitted identity, XLA collectives);
+* ``via_trainer`` (n_generator | n_trainer): reshard on the trainer first into the target spec on a
+  generator-shaped mesh of trainer devices (plus a replica axis), then land in the target.
+
+Every push carries a **checksum** per leaf: a position-weighted sum of the raw bits modulo 2^32
+(integer arithmetic, so it is independent of the sharding and of the reduction order), computed on
+device by the trainer over what it registered and by the generator over what it is about to use.
+A failed pull or a mismatch falls back to **disk**: the trainer writes the weights
+(``RUN/weight_push/v<version>/``: one raw file per leaf and a manifest, renamed into place when
+complete; a shared filesystem across hosts) and the generator loads and verifies them. That path
+gathers through host memory, so it is for recovery, not for speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import shutil
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+__all__ = ["Layout", "LeafPlan", "plan_transfer", "layout_of", "tree_keys", "checksum_fn", "WireSender",
+           "WireReceiver", "ChecksumMismatch", "write_weights", "read_weights"]
+
+REPLICA_AXIS = "_push_replica"
+
+
+class ChecksumMismatch(RuntimeError):
+    """The weights a generator received differ from what the trainer sent."""
+
+
+# =============================================================================================
+# Layouts and the plan (pure; computed identically on both sides)
+# =============================================================================================
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A NamedSharding without devices: mesh axes ``((name, size), ...)`` and the spec (one entry per
+    dimension: None, an axis name or a tuple of names). Picklable, so it crosses processes."""
+
+    axes: tuple[tuple[str, int], ...]
+    spec: tuple[Any, ...]
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+
+def layout_of(sharding: NamedSharding, ndim: int) -> Layout:
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    norm = tuple(None if e is None else (tuple(e) if isinstance(e, (tuple, list)) else (e,)) for e in spec)
+    return Layout(tuple((str(k), int(v)) for k, v in sharding.mesh.shape.items()), norm)
+
+
+def distinct_indices(shape: Sequence[int], layout: Layout, what: str = "") -> list[tuple[tuple[int, int], ...]]:
+    """The distinct shard index boxes ``((start, stop) per dim)`` of ``layout`` for ``shape``, sorted."""
+    sizes = dict(layout.axes)
+    per_dim = []
+    for d, (n, entry) in enumerate(zip(shape, layout.spec)):
+        k = 1 if entry is None else math.prod(sizes[a] for a in entry)
+        if n % k:
+            raise ValueError(f"weight push: {what} dimension {d} of size {n} is not divisible by its {k} shards "
+                             f"({entry}); uneven shards cannot be transferred")
+        step = n // k
+        per_dim.append([(i * step, (i + 1) * step) for i in range(k)])
+    boxes = [()]
+    for opts in per_dim:
+        boxes = [b + (o,) for b in boxes for o in opts]
+    return sorted(boxes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    route: str  # direct | via_generator | via_trainer
+    wire: Layout  # the trainer-side layout it registers shards of
+    landing: Layout  # the generator-side layout it pulls into
+    indices: tuple[tuple[tuple[int, int], ...], ...]  # distinct shard boxes pulled, in wire order
+
+
+def plan_transfer(keys: Sequence[str], shapes: Sequence[Sequence[int]], dtype: str, src: Sequence[Layout],
+                  dst: Sequence[Layout]) -> list[LeafPlan]:
+    """Per leaf: route, wire and landing layouts (see the module docstring). ValueError names the leaf."""
+    out = []
+    for key, shape, s, d in zip(keys, shapes, src, dst):
+        shape = tuple(int(x) for x in shape)
+        n_s, n_d = s.num_devices, d.num_devices
+        if set(distinct_indices(shape, d, key)) <= set(distinct_indices(shape, s, key)):
+            route, wire, landing = "direct", s, d
+        elif n_d % n_s == 0:
+            route, wire = "via_generator", s
+            landing = Layout(s.axes + ((REPLICA_AXIS, n_d // n_s),), s.spec)
+        elif n_s % n_d == 0:
+            route, landing = "via_trainer", d
+            wire = Layout(d.axes + ((REPLICA_AXIS, n_s // n_d),), d.spec)
+        else:
+            raise ValueError(f"weight push: no route for {key} from {n_s} trainer devices to {n_d} generator devices "
+                             "(one count must divide the other)")
+        out.append(LeafPlan(key, shape, str(dtype), route, wire, landing,
+                            tuple(distinct_indices(shape, landing, key))))
+    return out
+
+
+def tree_keys(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _sharding_on(devices: Sequence[Any], layout: Layout) -> NamedSharding:
+    """``layout`` realised on ``devices`` (in order; their count must match)."""
+    sizes = tuple(s for _, s in layout.axes)
+    devs = np.asarray(list(devices), dtype=object).reshape(sizes)
+    mesh = Mesh(devs, tuple(n for n, _ in layout.axes), axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+    spec = jax.sharding.PartitionSpec(*[e if e is None or len(e) > 1 else e[0] for e in layout.spec])
+    return NamedSharding(mesh, spec)
+
+
+def _box(index: tuple, shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    return tuple((0 if sl.start is None else int(sl.start), int(n) if sl.stop is None else int(sl.stop))
+                 for sl, n in zip(index, shape))
+
+
+# =============================================================================================
+# Checksum
+# =============================================================================================
+_GOLDEN = np.uint32(2654435761)  # Knuth's multiplicative hash constant
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    itemsize = jnp.dtype(x.dtype).itemsize
+    if itemsize == 4:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif itemsize == 2:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    elif itemsize == 1:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+    else:
+        raise TypeError(f"weight push checksum: unsupported dtype {x.dtype} (1, 2 or 4 bytes per element)")
+    pos = jnp.zeros(x.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(x.ndim)):
+        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= x.shape[d]
+    weight = pos * _GOLDEN + jnp.uint32(1)
+    return jnp.sum(bits * weight, dtype=jnp.uint32)
+
+
+_CHECKSUM = jax.jit(lambda leaves: jnp.stack([_leaf_checksum(x) for x in leaves]) if leaves else jnp.zeros((0,), jnp.uint32))
+
+
+def checksum_fn(leaves: Sequence[jax.Array]) -> list[int]:
+    """Per-leaf checksums (host ints). Leaves must share one device set (one jitted reduction); the
+    4 bytes per leaf come to the host explicitly (allowed under the push's transfer guard)."""
+    with jax.transfer_guard("allow"):
+        return [int(v) for v in np.asarray(jax.device_get(_CHECKSUM(list(leaves))))]
+
+
+# =============================================================================================
+# Trainer side
+# =============================================================================================
+class WireSender:
+    """Trainer side of the plan: cast/copy + (via_trainer) reshard on the trainer devices, then the
+    single-device shard arrays to register with ``TransferServer.await_pull``."""
+
+    def __init__(self, plans: Sequence[LeafPlan], src_shardings: Sequence[NamedSharding]):
+        self.plans = list(plans)
+        self._wire = []
+        for p, s in zip(self.plans, src_shardings):
+            if p.route == "via_trainer":
+                devs = list(np.asarray(s.mesh.devices).reshape(-1))
+                self._wire.append(_sharding_on(devs, p.wire))
+            else:
+                self._wire.append(None)
+        vt = [i for i, p in enumerate(self.plans) if p.route == "via_trainer"]
+        self._vt = vt
+        self._reshard = (jax.jit(lambda xs: [x + jnp.zeros((), x.dtype) for x in xs],
+                                 out_shardings=[self._wire[i] for i in vt]) if vt else None)
+
+    def prepare(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
+        """Wire arrays (fresh buffers: the caller's may be donated right after). Dispatch only."""
+        leaves = list(leaves)
+        if self._vt:
+            for i, y in zip(self._vt, self._reshard([leaves[i] for i in self._vt])):
+                leaves[i] = y
+        return leaves
+
+    def shards(self, wire: Sequence[jax.Array]) -> list[jax.Array]:
+        """The flat list of single-device shard arrays, in the order the receiver pulls them."""
+        out = []
+        for p, x in zip(self.plans, wire):
+            if not x.is_fully_addressable:
+                raise NotImplementedError(f"weight push: {p.key} spans several trainer processes; a multi-process "
+                                          "trainer group needs one transfer server per process (not implemented)")
+            by_box: dict = {}
+            for sh in x.addressable_shards:
+                by_box.setdefault(_box(sh.index, x.shape), sh.data)
+            for box in p.indices:
+                if box not in by_box:
+                    raise RuntimeError(f"weight push: {p.key}: shard {box} missing from the wire layout (plan bug)")
+                out.append(by_box[box])
+        return out
+
+
+# =============================================================================================
+# Generator side
+# =============================================================================================
+class WireReceiver:
+    """Generator side: pull the shards onto the landing layout, assemble, reshard, verify."""
+
+    def __init__(self, plans: Sequence[LeafPlan], dst_shardings: Sequence[NamedSharding]):
+        self.plans = list(plans)
+        self.dst = list(dst_shardings)
+        self.landing: list[NamedSharding] = []
+        self.specs: list[jax.ShapeDtypeStruct] = []
+        self._placement: list[list[tuple[Any, int]]] = []  # per leaf: (device, index into the flat pull)
+        flat = 0
+        for p, d in zip(self.plans, self.dst):
+            if p.route == "via_generator":
+                devs = list(np.asarray(d.mesh.devices).reshape(-1))
+                land = _sharding_on(devs, p.landing)
+            else:
+                land = d
+            self.landing.append(land)
+            first: dict = {}
+            placement = []
+            pos = {box: k for k, box in enumerate(p.indices)}
+            dmap = land.devices_indices_map(p.shape)
+            for dev, idx in dmap.items():
+                box = _box(idx, p.shape)
+                if box not in pos:
+                    raise RuntimeError(f"weight push: {p.key}: landing shard {box} is not on the wire (plan bug)")
+                if box not in first:
+                    first[box] = dev
+                placement.append((dev, flat + pos[box]))
+            for box in p.indices:
+                shard_shape = tuple(b - a for a, b in box)
+                self.specs.append(jax.ShapeDtypeStruct(shard_shape, jnp.dtype(p.dtype),
+                                                       sharding=SingleDeviceSharding(first[box])))
+            self._placement.append(placement)
+            flat += len(p.indices)
+        vg = [i for i, p in enumerate(self.plans) if p.route == "via_generator"]
+        self._vg = vg
+        self._reshard = (jax.jit(lambda xs: [x + jnp.zeros((), x.dtype) for x in xs],
+                                 out_shardings=[self.dst[i] for i in vg]) if vg else None)
+
+    def pull(self, conn: Any, uuid: int, timeout_s: float) -> list[jax.Array]:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=float(timeout_s))
+        pulled = conn.pull(int(uuid), list(self.specs), timeout=deadline)
+        wait_ready(pulled, float(timeout_s), f"pull of uuid {uuid}")
+        return self.assemble(pulled)
+
+    def assemble(self, pulled: Sequence[jax.Array]) -> list[jax.Array]:
+        leaves = []
+        for p, land, placement in zip(self.plans, self.landing, self._placement):
+            arrays = []
+            for dev, k in placement:
+                a = pulled[k]
+                arrays.append(a if a.devices() == {dev} else jax.device_put(a, dev, may_alias=False))
+            leaves.append(jax.make_array_from_single_device_arrays(p.shape, land, arrays))
+        if self._vg:
+            for i, y in zip(self._vg, self._reshard([leaves[i] for i in self._vg])):
+                leaves[i] = y
+        return leaves
+
+
+def wait_ready(leaves: Sequence[jax.Array], timeout_s: float, what: str) -> None:
+    """Poll ``is_ready`` (a pull completes asynchronously) with a timeout instead of blocking forever."""
+    deadline = time.monotonic() + timeout_s
+    for x in leaves:
+        while not x.is_ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight push: {what} not complete after {timeout_s:.0f} s")
+            time.sleep(0.001)
+
+
+def verify(leaves: Sequence[jax.Array], expected: Sequence[int], keys: Sequence[str], version: int) -> list[int]:
+    got = checksum_fn(leaves)
+    bad = [k for k, a, b in zip(keys, got, expected) if a != b]
+    if bad:
+        raise ChecksumMismatch(f"weight push of version {version}: checksum mismatch on {len(bad)} of {len(keys)} "
+                               f"leaves (first: {bad[0]})")
+    return got
+
+
+# =============================================================================================
+# Disk fallback
+# =============================================================================================
+def write_weights(directory: str, version: int, keys: Sequence[str], leaves: Sequence[jax.Array],
+                  checksums: Sequence[int]) -> str:
+    """Write ``leaves`` (gathered to the host) under ``directory/v<version>``; atomic (rename)."""
+    final = os.path.join(directory, f"v{version:08d}")
+    tmp = final + f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    manifest = {"version": int(version), "leaves": []}
+    with jax.transfer_guard("allow"):
+        for i, (k, x) in enumerate(zip(keys, leaves)):
+            arr = np.asarray(jax.device_get(x))
+            name = f"{i:05d}.bin"
+            arr.tofile(os.path.join(tmp, name))
+            manifest["leaves"].append({"key": k, "file": name, "shape": list(arr.shape), "dtype": str(arr.dtype),
+                                       "checksum": int(checksums[i])})
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def read_weights(path: str, keys: Sequence[str], shardings: Sequence[NamedSharding]) -> tuple[list[jax.Array], list[int]]:
+    """Read a ``write_weights`` directory onto ``shardings``; returns (leaves, manifest checksums)."""
+    mpath = os.path.join(path, "manifest.json")
+    if not os.path.isfile(mpath):
+        raise FileNotFoundError(f"weight push fallback: {mpath} does not exist (is {os.path.dirname(path)} on a "
+                                "filesystem both processes see?)")
+    with open(mpath) as f:
+        manifest = json.load(f)
+    entries = manifest["leaves"]
+    if [e["key"] for e in entries] != list(keys):
+        raise ValueError(f"weight push fallback: {mpath} holds different parameters than this generator expects")
+    leaves = []
+    with jax.transfer_guard("allow"):
+        for e, s in zip(entries, shardings):
+            arr = np.fromfile(os.path.join(path, e["file"]), dtype=jnp.dtype(e["dtype"])).reshape(e["shape"])
+            leaves.append(jax.device_put(arr, s))
+    return leaves, [int(e["checksum"]) for e in entries]
+
+
+def now() -> float:
+    return time.perf_counter()

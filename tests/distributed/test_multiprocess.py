@@ -1,0 +1,127 @@
+"""Multi-process run on localhost: controller+trainer process and a generator process, each with its
+own simulated CPU devices (tests/loop/tiny_config.py's tiny run).
+
+Two scenarios, sequentially, sharing a persistent compilation cache (the second compiles nothing):
+* the generator process is killed with SIGKILL mid-run: the controller stops with an error naming
+  it (name and pid), within a bounded time, instead of hanging;
+* a short async run completes; every weight push crossed processes through jax.experimental.transfer
+  with matching per-leaf checksums on both sides, except version 2 whose pull is corrupted on purpose
+  (fault injection) and goes through the disk fallback; lag <= eta for every trained group.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+from jaxrl_async.distributed.launch import free_port
+from jaxrl_async.rl_loop import read_data_ledger
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = os.path.join(os.path.dirname(HERE), "loop", "tiny_config.py")
+ETA = 2
+
+
+def _env(cache_dir):
+    env = dict(os.environ)
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    env.pop("XLA_FLAGS", None)  # each role sets its own simulated device count
+    env["JAXRL_RPC_AUTHKEY"] = secrets.token_hex(16)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _start(run_dir, log_dir, steps, extra_gen=(), extra_cfg=()):
+    port, env = free_port(), _env(log_dir.parent / "jax_cache")
+    addr = f"127.0.0.1:{port}"
+    ctrl_log, gen_log = open(log_dir / "controller.log", "wb"), open(log_dir / "generator.log", "wb")
+    ctrl = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.controller", "--listen", addr,
+                             "--generator-devices", "1", "--cpu-devices", "2", "--accept-timeout", "120",
+                             "--heartbeat-timeout", "30", "--config", TINY, f"run_dir={run_dir}",
+                             f"trainer.total_steps={steps}", f"rollout.max_head_offpolicyness={ETA}",
+                             "checkpoint.every_steps=null", *extra_cfg],
+                            env=env, stdout=ctrl_log, stderr=subprocess.STDOUT)
+    gen = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.generator_role", "--controller", addr,
+                            "--name", "generator-0", "--cpu-devices", "1", *extra_gen],
+                           env=env, stdout=gen_log, stderr=subprocess.STDOUT)
+    return ctrl, gen
+
+
+def _wait(proc, timeout):
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"pid {proc.pid} still running after {timeout} s (a hang)")
+
+
+def test_controller_trainer_and_generator_processes(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run_a, run_b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    procs = []
+    try:
+        # B: kill -9 the generator once the trainer has finished a step
+        ctrl_b, gen_b = _start(run_b, tmp_path / "b", steps=50)
+        procs += [ctrl_b, gen_b]
+        deadline = time.monotonic() + 240
+        metrics = run_b / "metrics.jsonl"
+        while not (metrics.exists() and "train/loss" in metrics.read_text()):
+            assert time.monotonic() < deadline, "run B made no training step"
+            assert ctrl_b.poll() is None, (tmp_path / "b" / "controller.log").read_text()
+            time.sleep(0.5)
+        os.kill(gen_b.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        rc_b = _wait(ctrl_b, 120)
+        stop_s = time.monotonic() - t_kill
+        # A: a complete run (compiled executables come from B's persistent cache)
+        ctrl_a, gen_a = _start(run_a, tmp_path / "a", steps=3, extra_gen=("--inject-corrupt-pull", "2"))
+        procs += [ctrl_a, gen_a]
+        rc_a = _wait(ctrl_a, 240)
+        _wait(gen_a, 60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    log_a = (tmp_path / "a" / "controller.log").read_text()
+    log_b = (tmp_path / "b" / "controller.log").read_text()
+
+    # --- A: completed, pushes crossed processes via the transfer API, checksums agree -------------
+    assert rc_a == 0, log_a[-3000:]
+    summary = json.loads((run_a / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["stopped_by"] == "completed"
+    assert summary["counts"]["balanced"], summary["counts"]
+    pushes = [json.loads(line) for line in (run_a / "weight_push.jsonl").read_text().splitlines()]
+    by_version = {p["version"]: p for p in pushes}
+    assert 0 in by_version and max(by_version) == 3, sorted(by_version)
+    for v, p in by_version.items():
+        g = p["generators"][0]
+        assert g["checksums_match"], p  # the generator's checksum of what it uses == the trainer's
+        assert len(p["checksums"]) == g["shards"] or g["transport"] == "disk"
+        if v == 2:  # corrupted after the pull on purpose: caught by the checksum, recovered from disk
+            assert p["transport"] == "disk" and g["transport"] == "disk", p
+            assert "ChecksumMismatch" in p["fallback_reason"] and "generator-0 (pid" in p["fallback_reason"]
+        else:
+            assert p["transport"] == "transfer" and g["transport"] == "jax.experimental.transfer", p
+            assert g["pull_s"] is not None and g["shards"] >= len(p["checksums"])
+    assert 2 in by_version, "the fault-injected version was skipped (newest wins); the fallback was not exercised"
+    assert not any(n.startswith("v") for n in os.listdir(run_a / "weight_push")), "fallback files left behind"
+    # staleness bound per trained group
+    consumes = read_data_ledger(str(run_a)).events("consume")
+    lags = [lag for e in consumes for lag in e["lags"]]
+    assert len(lags) == 3 * 4 and max(lags) <= ETA, lags
+
+    # --- B: killed generator -> clear error naming it, no hang -----------------------------------
+    assert rc_b == 1, log_b[-3000:]
+    assert re.search(rf"run failed: .*generator-0 \(pid {gen_b.pid} on [^)]*\) closed the connection", log_b), \
+        log_b[-3000:]
+    assert stop_s < 90, stop_s
