@@ -359,6 +359,13 @@ class TransferPusher:
         return r
 
 
+def _result(fut: cf.Future, peer: rpc.Peer, method: str, timeout: float) -> Any:
+    try:
+        return fut.result(timeout)
+    except cf.TimeoutError:
+        raise rpc.PeerTimeoutError(f"{peer.name}: no reply to {method!r} within {timeout:.0f} s") from None
+
+
 def _cast_impl():
     import jax
 
@@ -466,7 +473,8 @@ class DistributedRLLoop(RLLoop):
                 "mesh_axes": tuple(c.mesh.generator.axis_names), "tokenizer_dir": self.tokenizer_dir,
                 "param_shapes": [tuple(x.shape) for x in leaves], "n_samples": ro.n_samples,
                 "kv_update_policy": ro.kv_update_policy, "max_prefills_per_step": ro.engine.max_prefills_per_step}
-        infos = [f.result(self.call_timeout_s) for f in [p.call_async("init", spec) for p in peers]]
+        futs = [p.call_async("init", spec) for p in peers]  # the generators build their engines in parallel
+        infos = [_result(f, p, "init", self.call_timeout_s) for f, p in zip(futs, peers)]
         keys = tree_keys(params)
         dtype = str(jax.numpy.dtype(self.model_cfg.dtype))
         src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
