@@ -552,7 +552,17 @@ class RLLoop:
         from jaxrl_async.rollout.orchestrator import Generator
 
         ro = self.cfg.rollout
-        generator = self._start_generator(state.params, version)
+        engine = self._build_engine()
+        gen_dtype = jnp.dtype(self.model_cfg.dtype)
+        gen_params = jax.device_put(jax.tree.map(lambda x: x.astype(gen_dtype), params), engine.param_shardings,
+                                    may_alias=False)
+        t0 = time.monotonic()
+        engine.warmup(gen_params, max_samples=ro.n_samples)
+        self._say(f"engine: {engine.max_concurrent_decodes} slots, {engine.num_pages} KV pages of "
+                  f"{engine.page_size}; compiled in {time.monotonic() - t0:.1f} s")
+        self._engine = engine
+        return Generator(engine, gen_params, version=version, tokenizer=self.tokenizer,
+                         kv_update_policy=ro.kv_update_policy, max_prefills_per_step=ro.engine.max_prefills_per_step)
 
     def _build_pusher(self, generator: Any, *, on_applied: Callable[[int], None], timeout_s: float,
                       initial_version: int) -> Any:
@@ -591,7 +601,7 @@ class RLLoop:
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> RunResult:
         from jaxrl_async.checkpoint import (CheckpointConfig, Checkpointer, NonFiniteTracker, SignalHandler,
-                                            TrainMeta, abstract_like)
+                                            TrainingDivergedError, TrainMeta, abstract_like)
         from jaxrl_async.data.datasets import make_train_iterator
         from jaxrl_async.metrics import METRICS_FILE, MetricsLogger
         from jaxrl_async.rewards.registry import make_reward
@@ -655,16 +665,7 @@ class RLLoop:
             return RunResult(self.run_dir, start_step, version, 0.0, [], {}, [], {}, checkpoint_step=latest,
                              stopped_by="already_complete")
 
-        engine = self._build_engine()
-        gen_dtype = jnp.dtype(self.model_cfg.dtype)
-        gen_params = jax.device_put(jax.tree.map(lambda x: x.astype(gen_dtype), state.params), engine.param_shardings,
-                                    may_alias=False)
-        t0 = time.monotonic()
-        engine.warmup(gen_params, max_samples=n)
-        self._say(f"engine: {engine.max_concurrent_decodes} slots, {engine.num_pages} KV pages of "
-                  f"{engine.page_size}; compiled in {time.monotonic() - t0:.1f} s")
-        generator = Generator(engine, gen_params, version=version, tokenizer=self.tokenizer,
-                              kv_update_policy=ro.kv_update_policy, max_prefills_per_step=ro.engine.max_prefills_per_step)
+        generator = self._start_generator(state.params, version)
         staleness = StalenessManager(eta, B, ro.effective_max_concurrent(B), version=version)
         reward_fn = make_reward(ro.reward)
         workflow = self._build_workflow(reward_fn)
@@ -770,9 +771,6 @@ class RLLoop:
                 # batch order = draw order: independent of finish timing and of ticket numbering after a
                 # resume (part of the eta = 0 bitwise resume determinism)
                 groups.sort(key=lambda g: ledger.draw_index(g.ticket))
-                ledger.consumed([g.ticket.id for g in groups], step=step + 1, version=version,
-                                lags=[g.lag for g in groups])
-                result.lag_by_group.extend((step, g.ticket.id, g.lag) for g in groups)
                 # 2. advantages, proximal log-probs, update(s)
                 trajs, row = build_training_batch(groups, tr.advantage, n)
                 t_train = time.monotonic()
@@ -782,8 +780,18 @@ class RLLoop:
                 push = pusher.push(state.params, version)
                 m0 = {k: float(v) for k, v in jax.device_get(mstats[-1]).items() if np.ndim(v) == 0}
                 train_s = time.monotonic() - t_train
-                if not nonfinite.update(step, loss=m0["loss"], grad_norm=m0["grad_norm"]):
-                    metrics.message(f"step {step}: non-finite loss/gradient, update skipped")
+                try:
+                    finite = nonfinite.update(step + 1, loss=m0["loss"], grad_norm=m0["grad_norm"])
+                except TrainingDivergedError as e:  # stop with a checkpoint of the last finite state
+                    raise FatalRunError(f"training diverged: {e}") from e
+                if not finite:
+                    metrics.message(f"step {step + 1}: non-finite loss/gradient, update skipped "
+                                    f"({nonfinite.consecutive} in a row, {nonfinite.total_skipped} in total)")
+                # the step happened (update applied, or skipped as non-finite): its data is consumed. A
+                # batch whose step failed stays outstanding in the ledger and is replayed after a resume.
+                ledger.consumed([g.ticket.id for g in groups], step=step + 1, version=version - 1,
+                                lags=[g.lag for g in groups])
+                result.lag_by_group.extend((step, g.ticket.id, g.lag) for g in groups)
                 step += 1
                 # 4. metrics
                 now = time.monotonic()
@@ -831,7 +839,7 @@ class RLLoop:
             ledger.freeze()
             self._shutdown(dispatcher, staleness, pusher, generator, eval_pool, metrics, signals)
             if step > max(start_step, ckpt.last_saved_step):
-                self._emergency_save(save, state, step, version)
+                self._emergency_save(save, state, step, step)  # a resumed run uses version = step
             ckpt.close()
             ledger.close()
             raise

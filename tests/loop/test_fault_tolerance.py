@@ -37,7 +37,7 @@ from jaxrl_async.rl_loop import LEDGER_LOG, read_data_ledger
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 CONFIG = os.path.join(HERE, "tiny_config.py")
-PROBE = os.path.join(HERE, "resume_probe.py")
+INSTRUMENTED = os.path.join(HERE, "instrumented_main.py")
 B = 4  # trainer.batch_size of tiny_config.py
 START_TIMEOUT_S = 300  # start (a cold compile on a loaded 2-core machine) to the first trained step
 STOP_TIMEOUT_S = 120  # signal to exit
@@ -71,12 +71,12 @@ def _unfinished(run_dir: str) -> list[str]:
 class Attempt:
     """One ``python -m jaxrl_async.main`` process of a run, in its own session (kill -9 takes the group)."""
 
-    def __init__(self, run_dir: str, args: list[str], cache: str, name: str, probe_dir: str | None = None):
+    def __init__(self, run_dir: str, args: list[str], cache: str, name: str, instrument: list[str] | None = None):
         self.run_dir, self.name = run_dir, name
         self.log_path = os.path.join(os.path.dirname(run_dir), f"{name}.log")
         metrics = os.path.join(run_dir, "metrics.jsonl")
         self._offset = os.path.getsize(metrics) if os.path.exists(metrics) else 0
-        head = [PROBE, probe_dir] if probe_dir else ["-m", "jaxrl_async.main"]
+        head = [INSTRUMENTED, *instrument, "--"] if instrument else ["-m", "jaxrl_async.main"]
         cmd = [sys.executable, *head, "--config", CONFIG, f"run_dir={run_dir}", *args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(cache), stdout=self._log, stderr=subprocess.STDOUT,
@@ -164,6 +164,57 @@ def _check_signal_stop(a: Attempt, rc: int, sig: signal.Signals) -> int:
     return step
 
 
+def _audit(run: str, T: int, etas: list[int], expected_resume: list[int]) -> list[list[dict]]:
+    """Check a finished run's history from its own records; returns the ledger events per process.
+
+    * the run completed T steps, and each restart resumed from the checkpoint the test expected
+      (the last committed one when it was killed, the one before when the latest was damaged);
+    * the surviving history trains steps 1..T with B groups each, no data item twice, and every
+      drawn item is trained, rejected with a reason or still outstanding (none skipped);
+    * the only redone work is the steps a process trained after the checkpoint its successor resumed from;
+    * a draw index always names the same item (replays are faithful);
+    * every trained group's lag is <= the eta of the process that trained it (metrics agree).
+    """
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["stopped_by"] == "completed" and summary["steps"] == T, summary
+    h = read_data_ledger(run)
+    assert [r["step"] for r in h.resumes] == expected_resume, (h.resumes, expected_resume)
+    effective = h.events("consume")
+    assert [e["step"] for e in effective] == list(range(1, T + 1))
+    assert all(len(e["draws"]) == B for e in effective)
+    trained = [d for e in effective for d in e["draws"]]
+    assert len(trained) == len(set(trained)), "a data item was trained twice in the run's history"
+    rejected = [e["draw"] for e in h.events("reject")]
+    outstanding = summary["data"]["outstanding_draws"]
+    assert sorted(trained + rejected + outstanding) == list(range(summary["data"]["next_draw"])), \
+        "a data item was skipped or duplicated"
+    raw = [json.loads(line) for line in open(os.path.join(run, LEDGER_LOG)) if line.strip()]
+    segments: list[list[dict]] = [[]]
+    for ev in raw:
+        if ev["event"] == "resume":
+            segments.append([])
+        else:
+            segments[-1].append(ev)
+    assert len(segments) == len(etas)
+    redone = sum(max([e["step"] for e in seg if e["event"] == "consume"], default=r["step"]) - r["step"]
+                 for seg, r in zip(segments[:-1], h.resumes))
+    assert len(h.events("consume", effective=False)) == redone
+    assert len(effective) + redone == sum(1 for ev in raw if ev["event"] == "consume")
+    item_of: dict[int, str] = {}
+    for ev in raw:
+        for d, i in zip(ev.get("draws", [ev.get("draw")]), ev.get("ids", [ev.get("id")])):
+            if d is not None and i is not None:
+                assert item_of.setdefault(d, i) == i, (d, i, item_of[d])
+    for k, (seg, eta_k) in enumerate(zip(segments, etas)):
+        lags = [lag for e in seg if e["event"] == "consume" for lag in e["lags"]]
+        assert max(lags, default=0) <= eta_k, (k, lags)
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if line.strip()]
+    assert all(r["staleness/max"] <= max(etas) for r in rows if "train/loss" in r)
+    print(f"audit: {len(etas)} processes, {redone} steps redone, {len(trained)} items trained, "
+          f"{len(rejected)} rejected, {len(outstanding)} outstanding")
+    return segments
+
+
 def test_kill_signal_resume_chain(tmp_path, jax_cache):
     run = str(tmp_path / "run")
     T, eta = 12, 2
@@ -211,7 +262,7 @@ def test_kill_signal_resume_chain(tmp_path, jax_cache):
 
     # 4. SIGTERM on 8 devices with other generator/trainer meshes (the probe records the restored params)
     probe = str(tmp_path / "probe")
-    a = Attempt(run, base + EIGHT_DEVICES, jax_cache, "a4_sigterm_8dev", probe_dir=probe)
+    a = Attempt(run, base + EIGHT_DEVICES, jax_cache, "a4_sigterm_8dev", instrument=["--record-restore", probe])
     attempts.append((a, eta))
     a.wait_for(lambda: len(a.trained_steps()) >= 1, "trained step", START_TIMEOUT_S, poll_s=0.02)
     sigterm_step = _check_signal_stop(a, a.stop(signal.SIGTERM), signal.SIGTERM)
@@ -242,55 +293,50 @@ def test_kill_signal_resume_chain(tmp_path, jax_cache):
         a.fail(f"exit code {a.proc.returncode}")
     wall = time.monotonic() - t_start
 
-    # ---- audit from the run's own records ---------------------------------------------------------
-    summary = json.load(open(os.path.join(run, "summary.json")))
-    assert summary["stopped_by"] == "completed" and summary["steps"] == T, summary
-    h = read_data_ledger(run)
-    assert [r["step"] for r in h.resumes] == expected_resume, (h.resumes, expected_resume)
-    effective = h.events("consume")
-    assert [e["step"] for e in effective] == list(range(1, T + 1))
-    trained = [d for e in effective for d in e["draws"]]
-    assert all(len(e["draws"]) == B for e in effective)
-    assert len(trained) == len(set(trained)), "a data item was trained twice in the run's history"
-    rejected = [e["draw"] for e in h.events("reject")]
-    outstanding = summary["data"]["outstanding_draws"]
-    accounted = trained + rejected + outstanding
-    assert sorted(accounted) == list(range(summary["data"]["next_draw"])), "a data item was skipped or duplicated"
-    # redone work is exactly the steps a killed/fallen-back process trained after the checkpoint it resumed from
-    raw = [json.loads(line) for line in open(os.path.join(run, LEDGER_LOG)) if line.strip()]
-    segments, cur = [], []
-    for ev in raw:
-        if ev["event"] == "resume":
-            segments.append(cur)
-            cur = []
-        else:
-            cur.append(ev)
-    segments.append(cur)
-    assert len(segments) == len(attempts)
-    redone = sum(max([e["step"] for e in seg if e["event"] == "consume"], default=r["step"]) - r["step"]
-                 for seg, r in zip(segments[:-1], h.resumes))
-    assert len(h.events("consume", effective=False)) == redone
-    assert len(effective) + redone == sum(1 for ev in raw if ev["event"] == "consume")
-    # every record names the same item for a draw index (replays are faithful), and the staleness of
-    # every trained group, also in discarded work, is within the eta of the process that trained it
-    item_of: dict[int, str] = {}
-    for ev in raw:
-        for d, i in zip(ev.get("draws", [ev.get("draw")]), ev.get("ids", [ev.get("id")])):
-            if d is not None and i is not None:
-                assert item_of.setdefault(d, i) == i, (d, i, item_of[d])
-    for seg, (att, eta_i) in zip(segments, attempts):
-        lags = [lag for e in seg if e["event"] == "consume" for lag in e["lags"]]
-        assert max(lags, default=0) <= eta_i, (att.name, lags)
-    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if line.strip()]
-    assert all(r["staleness/max"] <= eta for r in rows if "train/loss" in r)
+    segments = _audit(run, T, [eta_i for _, eta_i in attempts], expected_resume)
     # checkpointed finished groups: reused after the signal stops, dropped with a reason when too old
-    assert any(any(e["restored"]) for seg in segments[1:5] for e in seg if e["event"] == "consume")
+    assert any(any(e["restored"]) for seg in segments[1:] for e in seg if e["event"] == "consume")
     last_seg = segments[-1]
     assert {e["draw"] for e in last_seg if e["event"] == "drop"} == {d for d, lag in saved_groups.items() if lag > 0}
     assert all(e["reason"] == "stale_on_restore" for e in last_seg if e["event"] == "drop")
     assert {e["draw"] for e in last_seg if e["event"] == "restore"} == {d for d, lag in saved_groups.items() if lag == 0}
-    print(f"chain: seed {seed}, {len(attempts)} processes, {redone} steps redone, {len(saved_groups)} groups in the "
-          f"last checkpoint, {wall:.0f} s")
+    print(f"chain: seed {seed}, {len(attempts)} processes, {len(saved_groups)} groups in the last checkpoint, "
+          f"{wall:.0f} s")
+
+
+def test_repeated_non_finite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(tmp_path, jax_cache):
+    """From the 2nd batch on one advantage is NaN: the train step's guard skips each update (params and
+    optimizer state untouched), the loop counts it (metrics ``train/skipped``, messages), and the 5th
+    non-finite step in a row stops the run: exit 1 with a message, no traceback, and an emergency
+    checkpoint holding the last finite state."""
+    run = str(tmp_path / "run")
+    a = Attempt(run, ["trainer.total_steps=8", "checkpoint.every_steps=2", "checkpoint.keep_last=5",
+                      "trainer.packing.check_finite=False"], jax_cache, "nan", instrument=["--nan-advantages-from-batch", "2"])
+    rc = a.wait(START_TIMEOUT_S + 120)
+    out = a.output()
+    if rc != 1:
+        a.fail(f"exit code {rc}, expected 1")
+    assert "run failed: training diverged: 5 consecutive non-finite steps (2..6" in out, out[-3000:]
+    assert "Traceback" not in out
+    assert out.count("non-finite loss/gradient, update skipped") == 4
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if line.strip()]
+    assert [(r["step"], r["train/skipped"]) for r in rows if "train/loss" in r] == [(1, 0), (2, 1), (3, 1), (4, 1), (5, 1)]
+    assert _committed(run) == [2, 4, 5]
+    ck = Checkpointer(run, read_only=True)
+    meta = ck.read_meta(5)
+    assert meta["extra"]["why"] == "emergency" and meta["policy_version"] == 5
+    assert meta["extra"]["nonfinite"]["consecutive"] == meta["extra"]["nonfinite"]["total_skipped"] == 5
+    # steps 1-5 consumed their data; the 6th batch, whose step failed, is outstanding (replayed on resume)
+    consumed = read_data_ledger(run).events("consume")
+    assert [e["step"] for e in consumed] == [1, 2, 3, 4, 5]
+    trained = [d for e in consumed for d in e["draws"]]
+    outstanding = [o["draw"] for o in meta["data_state"]["outstanding"]]
+    rejected = [e["draw"] for e in read_data_ledger(run).events("reject")]
+    assert sorted(trained + outstanding + rejected) == list(range(meta["data_state"]["next_draw"]))
+    assert len(outstanding) >= B
+    # every skipped update left the state as the one finite step made it
+    s2, s5 = dict(_final_state(run, 2)), dict(_final_state(run, 5))
+    assert s2.keys() == s5.keys() and all(s2[k].tobytes() == s5[k].tobytes() for k in s2 if "count" not in k)
 
 
 def _final_state(run_dir: str, step: int) -> list[tuple[str, np.ndarray]]:
@@ -346,3 +392,29 @@ def test_eta0_stopped_and_resumed_run_is_bitwise_identical(tmp_path, jax_cache, 
         if a.wait(START_TIMEOUT_S + 120) != 0:
             a.fail(f"exit code {a.proc.returncode}")
     _assert_bitwise_equal_runs(whole, split, 4, 2)
+
+
+@pytest.mark.slow
+def test_many_random_kills(tmp_path, jax_cache):
+    """kill -9 at random moments, eight times (every step checkpointed, so many kills land in a write),
+    then a last process finishes the run; the audit of the chain test holds."""
+    run = str(tmp_path / "run")
+    T, eta, kills = 40, 2, 8
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    args = [f"trainer.total_steps={T}", f"rollout.max_head_offpolicyness={eta}", "checkpoint.every_steps=1",
+            "checkpoint.keep_last=2"]
+    expected_resume, mid_write = [], 0
+    for k in range(kills):
+        a = Attempt(run, args, jax_cache, f"kill_{k}")
+        a.wait_for(lambda: len(a.trained_steps()) >= 1 and bool(_committed(run)), "trained step", START_TIMEOUT_S,
+                   poll_s=0.02)
+        time.sleep(rng.uniform(0.0, 2.0))
+        a.kill9()
+        mid_write += bool(_unfinished(run))
+        expected_resume.append(_committed(run)[-1])
+    a = Attempt(run, args, jax_cache, "finish")
+    if a.wait(START_TIMEOUT_S + 120) != 0:
+        a.fail(f"exit code {a.proc.returncode}")
+    _audit(run, T, [eta] * (kills + 1), expected_resume)
+    print(f"seed {seed}: {kills} kills, {mid_write} inside a checkpoint write")
