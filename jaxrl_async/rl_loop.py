@@ -38,8 +38,11 @@ Threads and queues
   wait for the longest sequence, train).
 
 Data accounting: ``DataLedger`` records every drawn item. At a checkpoint the items drawn but not
-yet consumed (running or buffered groups) are saved with their draw indices and replayed first
-after a resume (with the same group seeds), so resuming loses and duplicates nothing.
+yet consumed (running or buffered groups) are saved with their draw indices, and the finished
+groups themselves are saved too. A resume puts the finished groups back into the staleness buffer
+(or drops them with a reason when their lag under the restored version exceeds η) and replays the
+other items first (with the same group seeds), so resuming loses and duplicates nothing; the event
+log ``RUN/data_ledger.jsonl`` (``read_data_ledger``) is the audit trail that shows it.
 """
 
 from __future__ import annotations
@@ -407,7 +410,8 @@ class RLLoop:
 
     ``cfg`` must be validated (``config.validate``). Everything the run writes lives in
     ``cfg.resolved_run_dir``: ``config.json``, ``tokenizer/``, ``data/`` (generated tasks),
-    ``metrics.jsonl``, ``tb/``, ``curves.png``, ``checkpoints/``, ``hf/`` (export), ``summary.json``.
+    ``metrics.jsonl``, ``data_ledger.jsonl``, ``tb/``, ``curves.png``, ``checkpoints/``, ``hf/`` (export),
+    ``summary.json``.
     """
 
     def __init__(self, cfg: RunConfig, *, log_fn: Callable[[str], None] | None = None):
