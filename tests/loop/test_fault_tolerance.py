@@ -10,9 +10,12 @@ resumed, audited afterwards from the run's own records (``data_ledger.jsonl``, `
   checkpoint; no data item is skipped or trained twice beyond the steps redone after a kill; every
   group's staleness stays <= eta of its process; checkpointed finished groups are reused, or dropped
   with a reason when their lag exceeds the new eta; the params restored on another mesh equal the saved ones.
+* ``test_repeated_non_finite_steps_...``: NaN advantages from the 2nd batch: updates skipped and counted,
+  the 5th in a row stops the run (exit 1, message) with an emergency checkpoint of the last finite state.
 * ``test_eta0_resume_after_crash_is_bitwise_identical``: eta = 0, same seed and devices: a run resumed
   from its periodic checkpoint of step 2 reaches the parameters and optimizer state of the
   uninterrupted run at step 4, bit for bit (slow variant: stopped after 2 steps, async and sync mode).
+* ``test_many_random_kills`` (slow): eight kill -9 at random moments, then the same audit.
 
 Compilation dominates a process's start, so the processes share a persistent JAX compilation cache.
 Every wait has a timeout; a failing wait kills the process group and shows its log.
@@ -115,6 +118,7 @@ class Attempt:
     def kill9(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
         assert self.proc.wait(30) == -signal.SIGKILL
+        self._log.close()
 
     def stop(self, sig: int) -> int:
         os.kill(self.proc.pid, sig)
@@ -122,9 +126,11 @@ class Attempt:
 
     def wait(self, timeout: float) -> int:
         try:
-            return self.proc.wait(timeout)
+            rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.fail(f"did not exit within {timeout:.0f} s")
+        self._log.close()
+        return rc
 
 
 def _kill_during_checkpoint_write(run_dir, args, cache, name):
