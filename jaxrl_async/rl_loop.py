@@ -71,7 +71,7 @@ from jaxrl_async.config import RunConfig, format_config, resolve_device_split, s
 log = logging.getLogger("jaxrl_async")
 
 __all__ = ["RLLoop", "RunResult", "DataLedger", "LedgerHistory", "build_training_batch", "read_data_ledger",
-           "run"]
+           "restore_buffered_groups", "run"]
 
 
 # =============================================================================================
@@ -678,7 +678,11 @@ class RLLoop:
                             log_records=log_records or 0)
         if resumed_from is not None:
             ledger.log_resume(start_step, version, log_records, checkpoint=resumed_from)
-        restore_info = self._restore_buffered_groups(saved_groups, staleness, ledger, version, eta)
+        restore_info = restore_buffered_groups(saved_groups, staleness, ledger, version, eta, B)
+        if saved_groups:
+            self._say(f"checkpointed finished groups: {restore_info['restored_groups']} reused, "
+                      f"{restore_info['dropped_groups']} dropped (too stale for eta={eta} or unusable; their "
+                      "prompts are regenerated)")
         should_accept = None
         if ro.filter_zero_signal_groups:
             from jaxrl_async.rl.advantages import group_has_signal
@@ -894,43 +898,6 @@ class RLLoop:
                   f"accounting: {result.counts}")
         return result
 
-    def _restore_buffered_groups(self, saved: Sequence[Mapping[str, Any]], staleness: Any, ledger: DataLedger,
-                                 version: int, eta: int) -> dict[str, int]:
-        """Put the finished groups of the checkpoint back into the staleness buffer (reused, not
-        regenerated). A group whose head lag under the restored version exceeds η (e.g. the run
-        resumes with a smaller η) is dropped with reason ``stale_on_restore`` and its prompt is
-        replayed (regenerated with fresh weights): staleness stays bounded after a resume (the
-        regression of AReaL issue #1388). Every decision is in the data ledger."""
-        from jaxrl_async.rollout.staleness import StalenessViolation
-
-        kept = dropped = 0
-        for rec in saved:
-            draw, m, h = int(rec["draw"]), int(rec["admit_version"]), int(rec["head_version"])
-            lag = version - h
-            item = ledger.replay_item(draw)
-            reason = None
-            if item is None:
-                reason = "not_outstanding"  # inconsistent checkpoint: the ledger does not hold its item
-            elif lag > eta:
-                reason = "stale_on_restore"
-            else:
-                try:
-                    group = _group_from_record(rec, item)
-                    ticket = staleness.restore_buffered(group, m, h)
-                except (ValueError, KeyError, TypeError, StalenessViolation) as e:
-                    reason = f"invalid:{type(e).__name__}"
-                    log.warning("checkpointed group of draw %d not reused: %s", draw, e)
-                else:
-                    ledger.restore(ticket, draw, admit_version=m, head_version=h, lag=lag)
-                    kept += 1
-            if reason is not None:
-                ledger.drop_restored(draw, reason, admit_version=m, head_version=h, lag=lag, eta=eta)
-                dropped += 1
-        if saved:
-            self._say(f"checkpointed finished groups: {kept} reused, {dropped} dropped "
-                      f"(lag > eta={eta} or unusable; their prompts are regenerated)")
-        return {"restored_groups": kept, "dropped_groups": dropped}
-
     def _emergency_save(self, save: Callable, state: Any, step: int, version: int) -> None:
         try:
             leaves = jax.tree.leaves(state)
@@ -954,6 +921,48 @@ class RLLoop:
             metrics.close(plot=False)
         if signals is not None:
             signals.__exit__(None, None, None)
+
+
+def restore_buffered_groups(saved: Sequence[Mapping[str, Any]], staleness: Any, ledger: DataLedger, version: int,
+                            eta: int, batch_size: int) -> dict[str, int]:
+    """Put the finished groups of a checkpoint back into the staleness buffer (reused, not regenerated).
+
+    The restored groups keep their admission versions, so earliest-deadline-first consumes them before
+    any group admitted after the resume, in (admission version, head version, draw) order: the j-th
+    kept group is trained at version ``version + j // batch_size``. A group is kept only if its lag
+    then is <= eta; otherwise (e.g. the run resumes with a smaller eta, or more groups are that old
+    than one batch holds) it is dropped with reason ``stale_on_restore`` and its prompt replayed, i.e.
+    regenerated with fresh weights. So staleness stays bounded after a resume (the regression of
+    AReaL issue #1388) and no StalenessViolation can come from a restored group. Every decision is an
+    event of the data ledger (``restore`` / ``drop``).
+    """
+    from jaxrl_async.rollout.staleness import StalenessViolation
+
+    kept = dropped = 0
+    order = sorted(saved, key=lambda r: (int(r["admit_version"]), int(r["head_version"]), int(r["draw"])))
+    for rec in order:
+        draw, m, h = int(rec["draw"]), int(rec["admit_version"]), int(rec["head_version"])
+        trained_at = version + kept // batch_size
+        info = dict(admit_version=m, head_version=h, lag=version - h, lag_when_trained=trained_at - h)
+        item = ledger.replay_item(draw)
+        reason = None
+        if item is None:
+            reason = "not_outstanding"  # inconsistent checkpoint: the ledger does not hold its item
+        elif trained_at - h > eta:
+            reason = "stale_on_restore"
+        else:
+            try:
+                ticket = staleness.restore_buffered(_group_from_record(rec, item), m, h)
+            except (ValueError, KeyError, TypeError, StalenessViolation) as e:
+                reason = f"invalid:{type(e).__name__}"
+                log.warning("checkpointed group of draw %d not reused: %s", draw, e)
+            else:
+                ledger.restore(ticket, draw, **info)
+                kept += 1
+        if reason is not None:
+            ledger.drop_restored(draw, reason, eta=eta, **info)
+            dropped += 1
+    return {"restored_groups": kept, "dropped_groups": dropped}
 
 
 def _jsonable(value: Any) -> Any:

@@ -288,10 +288,12 @@ def test_kill_signal_resume_chain(tmp_path, jax_cache):
         assert restored[k].dtype == v.dtype and np.array_equal(restored[k], v), k
         assert shardings[k]["devices"] == [4, 5, 6, 7] and shardings[k]["mesh"] == {"fsdp": 2, "tensor": 2}, k
 
-    # 5. resume (8 devices) with eta = 0 and run to the end: checkpointed groups older than the
-    #    restored version are dropped (stale_on_restore) and regenerated, the others reused
-    last = Checkpointer(run, read_only=True).restore(sigterm_step, items=[])
-    saved_groups = {g["draw"]: sigterm_step - g["head_version"] for g in last.trajectories or []}
+    # 5. resume (8 devices) with eta = 0 and run to the end: of the checkpointed groups only those the
+    #    first batch can train on-policy are reused, the others are dropped (stale_on_restore) and regenerated
+    saved_groups = Checkpointer(run, read_only=True).restore(sigterm_step, items=[]).trajectories or []
+    reuse, drop = set(), set()
+    for g in sorted(saved_groups, key=lambda g: (g["admit_version"], g["head_version"], g["draw"])):
+        (reuse if sigterm_step + len(reuse) // B - g["head_version"] <= 0 else drop).add(g["draw"])
     a = Attempt(run, base[:1] + ["rollout.max_head_offpolicyness=0", "checkpoint.every_steps=1",
                                  "checkpoint.keep_last=2"] + EIGHT_DEVICES, jax_cache, "a5_finish_eta0")
     attempts.append((a, 0))
@@ -303,9 +305,9 @@ def test_kill_signal_resume_chain(tmp_path, jax_cache):
     # checkpointed finished groups: reused after the signal stops, dropped with a reason when too old
     assert any(any(e["restored"]) for seg in segments[1:] for e in seg if e["event"] == "consume")
     last_seg = segments[-1]
-    assert {e["draw"] for e in last_seg if e["event"] == "drop"} == {d for d, lag in saved_groups.items() if lag > 0}
+    assert {e["draw"] for e in last_seg if e["event"] == "drop"} == drop
     assert all(e["reason"] == "stale_on_restore" for e in last_seg if e["event"] == "drop")
-    assert {e["draw"] for e in last_seg if e["event"] == "restore"} == {d for d, lag in saved_groups.items() if lag == 0}
+    assert {e["draw"] for e in last_seg if e["event"] == "restore"} == reuse
     print(f"chain: seed {seed}, {len(attempts)} processes, {len(saved_groups)} groups in the last checkpoint, "
           f"{wall:.0f} s")
 

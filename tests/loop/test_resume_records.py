@@ -5,6 +5,7 @@ markers, shutdown aborts, partial last lines of a killed writer)."""
 from __future__ import annotations
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
 from jaxrl_async.rl_loop import (
     LEDGER_LOG, DataLedger, _group_from_record, _group_record, _repair_jsonl_tail, read_data_ledger,
+    restore_buffered_groups,
 )
 from jaxrl_async.rollout.staleness import StalenessManager, StalenessViolation
 from jaxrl_async.rollout.workflow import Trajectory, TrajectoryGroup
@@ -78,6 +80,33 @@ def test_restore_buffered_keeps_deadline_order_and_refuses_lag_beyond_eta():
     batch = sm.get_batch(version=5, timeout=1)
     assert [g.item for g in batch] == ["g3", "g5"] and [g.lag for g in batch] == [2, 0]
     assert [g.ticket.id for g in batch] == [t_old.id, t_new.id]
+
+
+def test_restore_buffered_groups_keeps_only_groups_trainable_within_eta(tmp_path):
+    """Resumed at version 5 with eta = 1 (the saving run had a larger eta), B = 2: a group is kept only if
+    it will be trained with lag <= eta, counting the batches the kept groups before it fill."""
+    eta, B, v = 1, 2, 5
+    specs = {10: (3, 3), 11: (4, 4), 12: (4, 4), 13: (4, 4), 14: (5, 5)}  # draw -> (admission, head) version
+    saved = [_group_record(types.SimpleNamespace(item=_group(d, head=h), ticket=types.SimpleNamespace(admit_version=m),
+                                                 head_version=h), d) for d, (m, h) in specs.items()]
+    led = DataLedger(iter([]), replay=[(d, {"id": f"d{d}"}) for d in specs], next_draw=15,
+                     log_path=str(tmp_path / LEDGER_LOG))
+    sm = StalenessManager(eta, B, version=v)
+    info = restore_buffered_groups(saved[::-1], sm, led, v, eta, B)
+    assert info == {"restored_groups": 3, "dropped_groups": 2}
+    led.close()
+    h = read_data_ledger(str(tmp_path))
+    # draw 10: lag 2 already; draw 13: the third group of lag 1 would be trained at version 6 (lag 2)
+    assert [(e["draw"], e["reason"], e["lag_when_trained"]) for e in h.events("drop")] == [
+        (10, "stale_on_restore", 2), (13, "stale_on_restore", 2)]
+    assert [(e["draw"], e["lag_when_trained"]) for e in h.events("restore")] == [(11, 1), (12, 1), (14, 1)]
+    assert [o["draw"] for o in led.state()["outstanding"]] == [10, 11, 12, 13, 14]  # 10 and 13 are replayed
+    assert [g.item.group_id for g in sm.get_batch(version=v, timeout=1)] == [11, 12]
+    sm.set_version(v + 1)
+    t = sm.acquire(timeout=1)
+    sm.accept(t, "fresh", head_version=v + 1)
+    batch = sm.get_batch(version=v + 1, timeout=1)  # no StalenessViolation
+    assert [g.lag for g in batch] == [1, 0] and batch[0].item.group_id == 14
 
 
 def test_ledger_log_resume_markers_define_the_surviving_history(tmp_path):
