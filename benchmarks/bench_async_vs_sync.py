@@ -61,14 +61,14 @@ class LongTailWorkflow(RLVRWorkflow):
         return tok.decode(list(ids), skip_special_tokens=True)
 
 
-def run_mode(mode: str, out: str, steps: int, extra: list[str]) -> dict:
+def run_mode(mode: str, out: str, steps: int, extra: list[str], eval_every: int = 0, target: float = 0.7) -> dict:
     run_dir = os.path.join(out, mode)
     args = [sys.executable, "-m", "jaxrl_async.main", f"run_dir={run_dir}", f"rollout.mode={mode}",
             f"trainer.total_steps={steps}", "rollout.workflow=bench_async_vs_sync:LongTailWorkflow",
             "rollout.sampling.max_new_tokens=256", "rollout.engine.max_sequence_length=320",
             "model.max_position_embeddings=320", "trainer.packing.row_len_buckets=(64,128,320)",
             "checkpoint.resume=never", "checkpoint.export_hf=false", "logging.progress=false",
-            "logging.print_config=false", "eval.every_steps=0"]
+            "logging.print_config=false", f"eval.every_steps={eval_every}"]
     if mode == "async":
         args.append("rollout.max_head_offpolicyness=4")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__)) + os.pathsep
@@ -88,6 +88,9 @@ def run_mode(mode: str, out: str, steps: int, extra: list[str]) -> dict:
         "steps": len(train),
         "eval_start": evals[0]["eval/accuracy"] if evals else None,
         "eval_end": evals[-1]["eval/accuracy"] if evals else None,
+        # RL wall seconds until held-out accuracy first reaches `target` (None: never)
+        "time_to_target_s": next((e["wall_time"] - first_t for e in evals if e["eval/accuracy"] >= target), None),
+        "eval_curve": [(e["step"], round(e["wall_time"] - first_t, 1), e["eval/accuracy"]) for e in evals],
         "reward_last5": float(np.mean([r["reward/mean"] for r in train[-5:]])),
         "slot_util": float(np.mean([r["gen/slot_utilisation"] for r in train])),
         "gen_busy": float(np.mean([r["gen/busy_fraction"] for r in train])),
@@ -102,14 +105,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="/tmp/bench_async_vs_sync")
     ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation period (steps); 0 = start/end")
+    ap.add_argument("--target", type=float, default=0.7, help="accuracy for the time-to-accuracy column")
     args, extra = ap.parse_known_args()
-    results = [run_mode(m, args.out, args.steps, extra) for m in args.modes.split(",")]
-    print("| mode | RL wall s | speedup | eval acc start -> end | reward (last 5) | slot util (per step) | "
+    results = [run_mode(m, args.out, args.steps, extra, args.eval_every, args.target) for m in args.modes.split(",")]
+    print(f"| mode | RL wall s | speedup | s to acc >= {args.target} | eval acc start -> end | reward (last 5) | slot util (per step) | "
           "generator busy | trainer idle | gen tok/s | max lag |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     base = next((r for r in results if r["mode"] == "sync"), results[0])
     for r in results:
-        print(f"| {r['mode']} | {r['rl_wall_s']:.1f} | {base['rl_wall_s'] / r['rl_wall_s']:.2f}x | "
+        tt = "never" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
+        print(f"| {r['mode']} | {r['rl_wall_s']:.1f} | {base['rl_wall_s'] / r['rl_wall_s']:.2f}x | {tt} | "
               f"{r['eval_start']} -> {r['eval_end']} | {r['reward_last5']:.3f} | {r['slot_util']:.2f} | "
               f"{r['gen_busy']:.2f} | {r['trainer_idle']:.2f} | {r['gen_tok_s']:.0f} | {r['max_lag']} |")
     print(json.dumps(results, indent=1))
