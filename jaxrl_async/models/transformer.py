@@ -12,6 +12,10 @@ Design
 * The hot paths (trainer, generator) call the pure function `forward(params, cfg, ...)` on a
   plain dict of arrays (`nnx.state(model, nnx.Param).to_pure_dict()`), so new weights are
   just new arguments: no retrace, no NNX graph traversal per step.
+* Activations carry logical axis names (`RESIDUAL_AXES`, ...): `sharding.activations.constrain`
+  pins their layout when a caller traced the function under sharding rules (the trainer and the
+  generator engine do, on their meshes), and is a no-op otherwise. Without it GSPMD propagated
+  the FSDP weight sharding into the activations (every device ran the whole global batch).
 * Attention is pluggable: the layer computes q/k/v and calls
   `attend(q, k, v, layer_idx, state) -> (out, state)`. Training/scoring uses
   `segment_attention` (padded *and* packed batches via segment ids: no attention across
@@ -33,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_async.models.config import ModelConfig, llama3_inv_freq_scale
+from jaxrl_async.sharding.activations import constrain
 
 Params = dict[str, Any]
 AttendFn = Callable[..., tuple[jax.Array, Any]]
@@ -193,6 +198,18 @@ def segment_attention(segment_ids: jax.Array, scale: float) -> AttendFn:
     return attend
 
 
+# Logical axes of the activations (`jaxrl_async.sharding.activations`): no-ops unless a caller
+# activated sharding rules for the trace (the trainer and the engine do, on their meshes).
+RESIDUAL_AXES = ("batch", "length", "activation_embed")
+Q_AXES = ("batch", "length", "activation_heads", "head_dim")
+KV_AXES = ("batch", "length", "activation_kv_heads", "head_dim")
+MLP_AXES = ("batch", "length", "activation_mlp")
+# vocabulary projection (`token_logprobs_from_hidden`): vocabulary-parallel (Megatron) under the trainer
+# rules, i.e. the chunk's positions gathered and the logits split over the vocabulary
+LOGITS_HIDDEN_AXES = ("logits_batch", "length", "activation_embed")
+LOGITS_AXES = ("logits_batch", "length", "activation_vocab")
+
+
 def _remat(fn, policy: str):
     if policy == "none":
         return fn
@@ -205,10 +222,11 @@ def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: A
     """One pre-norm block: x + Attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x)). Returns (x, state)."""
     dt = x.dtype
     eps = cfg.rms_norm_eps
+    x = constrain(x, *RESIDUAL_AXES)
     h = rms_norm(x, p["attn_norm"], eps)
-    q = jnp.einsum("btd,dhe->bthe", h, p["q"].astype(dt))
-    k = jnp.einsum("btd,dke->btke", h, p["k"].astype(dt))
-    v = jnp.einsum("btd,dke->btke", h, p["v"].astype(dt))
+    q = constrain(jnp.einsum("btd,dhe->bthe", h, p["q"].astype(dt)), *Q_AXES)
+    k = constrain(jnp.einsum("btd,dke->btke", h, p["k"].astype(dt)), *KV_AXES)
+    v = constrain(jnp.einsum("btd,dke->btke", h, p["v"].astype(dt)), *KV_AXES)
     if cfg.qkv_bias:
         q = q + p["q_bias"].astype(dt)
         k = k + p["k_bias"].astype(dt)
@@ -219,27 +237,29 @@ def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: A
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     a, state = attend(q, k, v, layer_idx, state)
+    a = constrain(a, *Q_AXES)
     out = jnp.einsum("bthe,hed->btd", a, p["o"].astype(dt))
     if cfg.o_bias:
         out = out + p["o_bias"].astype(dt)
-    x = x + out
+    x = constrain(x + out, *RESIDUAL_AXES)
     h = rms_norm(x, p["mlp_norm"], eps)
     g = jnp.einsum("btd,df->btf", h, p["gate"].astype(dt))
     u = jnp.einsum("btd,df->btf", h, p["up"].astype(dt))
     if cfg.mlp_bias:
         g = g + p["gate_bias"].astype(dt)
         u = u + p["up_bias"].astype(dt)
+    g, u = constrain(g, *MLP_AXES), constrain(u, *MLP_AXES)
     y = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["down"].astype(dt))
     if cfg.mlp_bias:
         y = y + p["down_bias"].astype(dt)
-    return x + y, state
+    return constrain(x + y, *RESIDUAL_AXES), state
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             attend: AttendFn, state: Any = None) -> tuple[jax.Array, Any]:
     """Embeddings -> L decoder layers -> final RMSNorm. Returns (hidden [B, T, D], state)."""
     dt = jnp.dtype(cfg.dtype)
-    x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
+    x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(dt), *RESIDUAL_AXES)
     cos, sin = rope_cos_sin(cfg, positions)
 
     def body(carry, xs):
@@ -256,7 +276,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         for i in range(cfg.num_layers):
             p_i = jax.tree.map(lambda a: a[i], layers)
             (x, state), _ = body((x, state), (p_i, i))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), state
+    return constrain(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), *RESIDUAL_AXES), state
 
 
 def unembed_matrix(params: Params) -> jax.Array:
@@ -290,33 +310,48 @@ def token_logprobs_from_hidden(params: Params, hidden: jax.Array, targets: jax.A
                                chunk: int = 2048) -> tuple[jax.Array, jax.Array]:
     """log softmax(logits / temperature)[target] and the entropy of that distribution, per position.
 
-    hidden [N, D] (flattened positions), targets [N] -> (logprobs [N], entropy [N]), float32.
-    The vocabulary projection runs over chunks of `chunk` positions inside a scan so that the
-    [N, V] float32 logits never exist at once (rematerialised in the backward pass).
+    hidden [B, T, D], targets [B, T] -> (logprobs [B, T], entropy [B, T]), float32.
+    The vocabulary projection runs over chunks inside a scan so that the [B, T, V] float32 logits
+    never exist at once (rematerialised in the backward pass). A chunk is `tc = max(1, chunk // B)`
+    consecutive positions of *every* row (about `chunk` positions in all; each device holds its
+    batch shard of them): chunking along time keeps the batch dimension whole in every chunk, so
+    batch-sharded activations stay batch-sharded. (Chunks of the flattened positions cut across
+    the batch shards: each device then computed every chunk's logits with a partial contraction
+    and all-reduced [chunk, V] float32 logits.)
+
+    Under the trainer's activation rules the projection is vocabulary-parallel (Megatron): the
+    unembedding matrix is resharded once per call from its FSDP layout to vocabulary shards over
+    tensor x fsdp (an all-to-all, no device holds all of it), each chunk's positions are gathered
+    over fsdp, and the log-sum-exp and the target logit combine the vocabulary shards with
+    all-reduces of [rows, tc] scalars (GSPMD partitions the target gather by masking). The cast
+    to the compute dtype stays inside the chunk, so the unembedding gradient is accumulated over
+    chunks in float32.
     """
-    N, D = hidden.shape
-    c = min(chunk, N)
-    n_chunks = -(-N // c)
-    pad = n_chunks * c - N
-    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n_chunks, c, D)
-    t = jnp.pad(targets, (0, pad)).reshape(n_chunks, c)
-    w = unembed_matrix(params)
+    B, T, D = hidden.shape
+    tc = max(1, min(T, chunk // B))
+    n_chunks = -(-T // tc)
+    pad = n_chunks * tc - T
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n_chunks, tc, D).swapaxes(0, 1)
+    t = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n_chunks, tc).swapaxes(0, 1)
+    w = constrain(unembed_matrix(params), "activation_embed", "activation_vocab")
 
     @jax.checkpoint
     def one(h_c, t_c):
-        logits = jnp.einsum("nd,dv->nv", h_c, w.astype(h_c.dtype), preferred_element_type=jnp.float32)
-        logits = logits / temperature
+        h_c = constrain(h_c, *LOGITS_HIDDEN_AXES)
+        logits = jnp.einsum("btd,dv->btv", h_c, w.astype(h_c.dtype), preferred_element_type=jnp.float32)
+        logits = constrain(logits / temperature, *LOGITS_AXES)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        lp = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0] - lse
-        probs = jnp.exp(logits - lse[:, None])
+        lp = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0] - lse
+        probs = jnp.exp(logits - lse[..., None])
         ent = lse - jnp.sum(probs * logits, axis=-1)
-        return lp, ent
+        return constrain(lp, *LOGITS_AXES[:2]), constrain(ent, *LOGITS_AXES[:2])
 
     if n_chunks == 1:
         lp, ent = one(h[0], t[0])
-    else:
-        lp, ent = jax.lax.map(lambda ht: one(*ht), (h, t))
-    return lp.reshape(-1)[:N], ent.reshape(-1)[:N]
+        return lp, ent
+    lp, ent = jax.lax.map(lambda ht: one(*ht), (h, t))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n_chunks * tc)[:, :T]  # noqa: E731
+    return unchunk(lp), unchunk(ent)
 
 
 def sequence_logprobs(params: Params, cfg: ModelConfig, tokens: jax.Array, segment_ids: jax.Array,
@@ -328,19 +363,21 @@ def sequence_logprobs(params: Params, cfg: ModelConfig, tokens: jax.Array, segme
     the first token of its segment; 0 elsewhere (first tokens and padding). The entropy at
     [b, t] is that of the distribution that predicted tokens[b, t]. This is the one log-prob
     computation shared by the trainer, the `score` CLI and the generator parity checks.
+    `chunk`: positions per chunk of the vocabulary projection (`token_logprobs_from_hidden`).
     """
     B, T = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     hidden, _ = forward(params, cfg, tokens, positions, segment_attention(segment_ids, cfg.head_dim ** -0.5))
-    lp, ent = token_logprobs_from_hidden(
-        params, hidden[:, :-1].reshape(B * (T - 1), -1), tokens[:, 1:].reshape(-1), temperature, chunk)
-    lp = lp.reshape(B, T - 1)
-    ent = ent.reshape(B, T - 1)
+    # position t predicts tokens[t + 1]; the last position's (dummy) target is dropped below. Projecting
+    # all T positions avoids a sliced copy of the hidden states and keeps power-of-two row lengths
+    # whole multiples of the chunk (no padding).
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
+    lp, ent = token_logprobs_from_hidden(params, hidden, targets, temperature, chunk)
     valid = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
     zero = jnp.zeros((B, 1), jnp.float32)
-    lp = jnp.concatenate([zero, jnp.where(valid, lp, 0.0)], axis=1)
-    ent = jnp.concatenate([zero, jnp.where(valid, ent, 0.0)], axis=1)
+    lp = jnp.concatenate([zero, jnp.where(valid, lp[:, :-1], 0.0)], axis=1)
+    ent = jnp.concatenate([zero, jnp.where(valid, ent[:, :-1], 0.0)], axis=1)
     return lp, ent
 
 

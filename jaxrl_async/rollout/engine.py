@@ -58,6 +58,7 @@ from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params, forward, logits_from_hidden
 from jaxrl_async.rollout import kv_cache, sampling
 from jaxrl_async.rollout.engine_api import Engine, Prefix, SamplingParams, StepResult
+from jaxrl_async.sharding.activations import traced_with_activation_rules
 from jaxrl_async.sharding.mesh import make_mesh
 from jaxrl_async.sharding.rules import logical_to_spec, model_shardings
 
@@ -284,14 +285,18 @@ class PagedEngine(Engine):
         cfg, ss = self.cfg, self.state_shardings
         kv_sh = self._named(("layers", "length", "cache_kv_heads", "head_dim"),
                             (cfg.num_layers, self.buckets[-1], cfg.num_kv_heads, cfg.head_dim))
-        self._prefill = jax.jit(functools.partial(prefill_fn, cfg=cfg), out_shardings=(kv_sh, kv_sh, self.replicated))
+        # the model's activations follow the generator rules (decode slots over `data`, heads and MLP
+        # width over `tensor`) instead of whatever GSPMD propagates from the weights
+        traced = lambda fn: traced_with_activation_rules(fn, self.mesh, "generator")  # noqa: E731
+        self._prefill = jax.jit(traced(functools.partial(prefill_fn, cfg=cfg)),
+                                out_shardings=(kv_sh, kv_sh, self.replicated))
         self._sample_first = jax.jit(sample_first_fn)
         self._insert = jax.jit(functools.partial(insert_fn, page_size=self.page_size), donate_argnums=0,
                                out_shardings=ss)
         self._release = jax.jit(release_fn, donate_argnums=0, out_shardings=ss)
         step_out = (ss, (self.slot_sharding,) * 4)
-        self._step = jax.jit(functools.partial(decode_step_fn, cfg=cfg, page_size=self.page_size,
-                                               max_seq=self._max_seq), donate_argnums=1, out_shardings=step_out)
+        self._step = jax.jit(traced(functools.partial(decode_step_fn, cfg=cfg, page_size=self.page_size,
+                                                      max_seq=self._max_seq)), donate_argnums=1, out_shardings=step_out)
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
         self._no_new_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
 

@@ -1,7 +1,9 @@
 """Logical-axis -> mesh-axis sharding rules, as data (MaxText style).
 
 Every parameter and activation dimension carries a *logical* name (`embed`, `vocab`,
-`heads`, `kv_heads`, `head_dim`, `mlp`, `layers`, `norm`, `batch`, ...). A rule set maps each
+`heads`, `kv_heads`, `head_dim`, `mlp`, `layers`, `norm`, `batch`, ...; activations inside the
+model use `activation_*` names, applied by `sharding/activations.py`, so that e.g. the residual
+stream's hidden dimension is not sharded over `fsdp` like the weights' `embed`). A rule set maps each
 logical name to an ordered tuple of candidate mesh axes. The same model tree therefore gets
 a different layout on each mesh by swapping the rules: the trainer shards weights fully
 (FSDP over `fsdp`, Megatron-style over `tensor`), the generator keeps weights replicated over
@@ -35,6 +37,18 @@ TRAINER_RULES: Rules = (
     ("mlp", ("tensor",)),
     ("layers", ()),
     ("norm", ()),
+    # activations (`sharding/activations.py`): batch over the data-parallel axes, the hidden
+    # dimension of the residual stream replicated (never over fsdp: FSDP shards weights, not
+    # activations), heads and the MLP width over `tensor` (Megatron)
+    ("activation_embed", ()),
+    ("activation_heads", ("tensor",)),
+    ("activation_kv_heads", ("tensor",)),
+    ("activation_mlp", ("tensor",)),
+    # vocabulary projection: positions gathered over fsdp, logits split over the vocabulary on tensor
+    # and fsdp (the FSDP-sharded unembedding is resharded, not all-gathered, and no device holds a
+    # full-vocabulary gradient)
+    ("logits_batch", ("data",)),
+    ("activation_vocab", ("tensor", "fsdp")),
 )
 
 # Generator: weights replicated over `data` (independent decode replicas), split over `tensor`.
@@ -49,6 +63,13 @@ GENERATOR_RULES: Rules = (
     ("mlp", ("tensor",)),
     ("layers", ()),
     ("norm", ()),
+    # activations: decode slots over `data` (one replica each), heads and MLP width over `tensor`
+    ("activation_embed", ()),
+    ("activation_heads", ("tensor",)),
+    ("activation_kv_heads", ("tensor",)),
+    ("activation_mlp", ("tensor",)),
+    ("logits_batch", ("data",)),
+    ("activation_vocab", ("tensor",)),
     # KV cache
     ("cache_pages", ()),
     ("cache_page", ()),

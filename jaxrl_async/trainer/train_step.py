@@ -17,6 +17,10 @@ update (clip_by_global_norm + AdamW, `optimizer.py`).
   happen inside the model). Micro-batch rows are sharded over the batch axes (data, fsdp), so the
   gradient is reduced over data-parallel shards by GSPMD: the global normaliser makes that sum
   the global token mean (as AReaL's loss scale local_weight / all-reduced total_weight).
+* The jitted functions are traced under the trainer's activation rules
+  (`sharding/activations.py`): inside the model the activations stay split over the batch axes
+  and the FSDP weights are all-gathered per layer (FSDP proper); the vocabulary projection is
+  vocabulary-parallel over tensor x fsdp.
 * The state is donated: the step updates parameters and Adam moments in place.
 * Non-finite guard, without host sync: if the loss or the gradient global norm is not finite,
   `params' = where(ok, new, old)` and likewise for the optimizer state, the step counter only
@@ -45,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params, sequence_logprobs
 from jaxrl_async.sharding import activation_sharding, make_mesh, model_shardings
+from jaxrl_async.sharding.activations import traced_with_activation_rules
 from jaxrl_async.trainer.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from jaxrl_async.trainer.packing import (
     DEVICE_FIELDS, PackedBatch, PackedMinibatch, PackingConfig, PackingError, Trajectory, pack, split_minibatches,
@@ -70,7 +75,8 @@ class TrainerConfig:
         "loglinear" (log pi_prox ~ log pi_behav + alpha (log pi_theta - log pi_behav) from the
         per-token versions, no extra forward) or "given" (trajectories carry proximal_logprobs).
     temperature: log-probs of logits / temperature (must match the generator's sampling temperature).
-    logprob_chunk: positions per chunk of the vocabulary projection in `sequence_logprobs`.
+    logprob_chunk: positions per chunk of the vocabulary projection in `sequence_logprobs`, over all
+        rows of a micro-batch (chunk // rows consecutive positions of every row).
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -230,9 +236,17 @@ class Trainer:
         self.state_shardings = self._state_shardings()
         self._traces = {"step": 0, "logprobs": 0}
         self._jit_steps: dict[int, Any] = {}  # one jitted step per static num_seqs (i.e. per row_len bucket)
-        self._jit_logprobs = jax.jit(self._logprobs_impl, in_shardings=(self.param_shardings, self.batch_sharding),
+        self._jit_logprobs = jax.jit(self._traced(self._logprobs_impl),
+                                     in_shardings=(self.param_shardings, self.batch_sharding),
                                      out_shardings=(self.batch_sharding, self.batch_sharding))
-        self._jit_grads = jax.jit(self._grads_impl, static_argnames=("num_seqs",))
+        self._jit_grads = jax.jit(self._traced(self._grads_impl), static_argnames=("num_seqs",))
+
+    def _traced(self, fn):
+        """`fn` traced under the trainer's activation sharding rules: the model keeps its activations
+        split over the batch axes (data, fsdp) and all-gathers the FSDP weights per layer, instead of
+        GSPMD propagating the weights' `embed` sharding into them (every device then ran the whole
+        global batch; see `sharding/activations.py`)."""
+        return traced_with_activation_rules(fn, self.mesh, "trainer")
 
     # -- state ---------------------------------------------------------------------------
     def _state_shardings(self) -> TrainState:
@@ -318,7 +332,7 @@ class Trainer:
     def _step_fn(self, num_seqs: int):
         fn = self._jit_steps.get(num_seqs)
         if fn is None:
-            fn = jax.jit(functools.partial(self._step_impl, num_seqs=num_seqs), donate_argnums=(0,),
+            fn = jax.jit(self._traced(functools.partial(self._step_impl, num_seqs=num_seqs)), donate_argnums=(0,),
                          in_shardings=(self.state_shardings, self.batch_sharding, self.replicated, self.replicated),
                          out_shardings=(self.state_shardings, self.replicated))
             self._jit_steps[num_seqs] = fn
