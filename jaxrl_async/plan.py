@@ -212,27 +212,6 @@ def _model_config(cfg):
     return cfg.model.model_config(vocab_size=cfg.model.vocab_size or 0)
 
 
-def _build_trainer(cfg, model_cfg, mesh):
-    """The trainer exactly as ``RLLoop._build_trainer`` builds it."""
-    from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
-
-    tr = cfg.trainer
-    temp = cfg.rollout.sampling.temperature
-    tcfg = TrainerConfig(optimizer=tr.optimizer_config(), packing=tr.packing, ppo_n_minibatches=tr.ppo_n_minibatches,
-                         proximal=tr.proximal, temperature=temp if temp > 0 else 1.0, logprob_chunk=tr.logprob_chunk)
-    return Trainer(model_cfg, tcfg, mesh, loss_cfg=tr.loss)
-
-
-def _build_engine(cfg, gen_model_cfg, mesh, num_pages: int):
-    """The engine as ``RLLoop._build_engine`` builds it, with an explicit pool size."""
-    from jaxrl_async.rollout.engine import PagedEngine
-
-    e = cfg.rollout.engine
-    return PagedEngine(gen_model_cfg, mesh, max_concurrent_decodes=e.max_concurrent_decodes,
-                       max_sequence_length=e.max_sequence_length, max_prefill_length=e.max_prefill_length,
-                       page_size=e.page_size, num_pages=num_pages, cache_memory_fraction=e.cache_memory_fraction)
-
-
 def _batch_shape(cfg, trainer) -> tuple[int, int, int, int]:
     """(n_micro, rows, row_len, num_seqs) of the largest packed minibatch: every sequence at
     rollout.engine.max_sequence_length tokens."""
@@ -286,6 +265,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     import jax
     import jax.numpy as jnp
 
+    from jaxrl_async.components import build_engine, build_trainer, generator_model_config
     from jaxrl_async.config import ConfigError, _resolve_shape, resolve_device_split, validate
     from jaxrl_async.layouts import get_device_kind, get_layout
     from jaxrl_async.models.transformer import param_shapes
@@ -339,7 +319,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
                          m.trainer.axis_names, devices=[devices[i] for i in trn_ids])
 
     # -- trainer ----------------------------------------------------------------------------------
-    trainer = _build_trainer(cfg, compile_cfg, trn_mesh)
+    trainer = build_trainer(cfg, compile_cfg, trn_mesh)
     n_micro, rows, row_len, num_seqs = _batch_shape(cfg, trainer)
     state = _abstract_state(trainer)
     batch = _abstract_batch((n_micro, rows, row_len), trainer.batch_sharding)
@@ -363,10 +343,9 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     S = e.max_concurrent_decodes
     max_pages = kv_cache.pages_for(e.max_sequence_length, e.page_size)
     num_pages = e.num_pages if e.num_pages is not None else S * max_pages
-    gen_cfg = model_cfg.replace(param_dtype=model_cfg.dtype)
-    gen_compile_cfg = compile_cfg.replace(param_dtype=compile_cfg.dtype)
-    engine_c = _build_engine(cfg, gen_compile_cfg, gen_mesh, num_pages)
-    engine_r = engine_c if gen_compile_cfg == gen_cfg else _build_engine(cfg, gen_cfg, gen_mesh, num_pages)
+    gen_cfg, gen_compile_cfg = generator_model_config(model_cfg), generator_model_config(compile_cfg)
+    engine_c = build_engine(cfg, compile_cfg, gen_mesh, num_pages=num_pages)
+    engine_r = engine_c if gen_compile_cfg == gen_cfg else build_engine(cfg, model_cfg, gen_mesh, num_pages=num_pages)
     gen_params_c = _with_shardings(param_shapes(gen_compile_cfg), engine_c.param_shardings)
     arrays_c = _with_shardings(jax.eval_shape(engine_c._init_arrays), engine_c.state_shardings)
     new_pages = _sds((S,), jnp.int32, engine_c.slot_sharding)
@@ -523,7 +502,9 @@ def suggestions(cfg, r: dict[str, Any]) -> list[str]:
                            f"micro-batches, same gradient)")
             if cfg.model.remat == "none":
                 out.append("remat: model.remat=full keeps one layer's activations instead of all layers'")
-            logits = cfg.trainer.logprob_chunk * r["model"]["vocab"] * 4 * 3
+            # one chunk's float32 logits, probabilities and gradient; the chunk's positions are split
+            # over `data` and its vocabulary over `tensor` x `fsdp` (vocabulary-parallel projection)
+            logits = cfg.trainer.logprob_chunk * r["model"]["vocab"] * 4 * 3 / max(1, n_trn)
             if logits > 0.1 * budget:
                 out.append(f"trainer.logprob_chunk={max(256, cfg.trainer.logprob_chunk // 4)}: the float32 vocabulary "
                            f"projection of one chunk takes ~{gib(logits)}")

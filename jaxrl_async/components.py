@@ -1,0 +1,63 @@
+"""The run's trainer and generator engine, built from a `RunConfig` in one place.
+
+`RLLoop` (the run) and `plan` (its memory plan) must compile the *same* programs: a plan of a
+trainer or engine that the run does not build is worth nothing. Both therefore construct them
+here, from the run config, a model config and a mesh; nothing else about the run (data,
+tokenizer, checkpoints) is needed, so the planner can build them from abstract shapes on
+simulated devices.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # heavy imports stay lazy: `plan` sets the device count before JAX starts
+    from jax.sharding import Mesh
+
+    from jaxrl_async.config import RunConfig
+    from jaxrl_async.models.config import ModelConfig
+    from jaxrl_async.rollout.engine import PagedEngine
+    from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+
+__all__ = ["trainer_config", "build_trainer", "generator_model_config", "build_engine"]
+
+
+def trainer_config(run_cfg: "RunConfig") -> "TrainerConfig":
+    """The train-step configuration of `run_cfg.trainer`. Log-probs are taken at the sampling
+    temperature, so that pi_theta and the generator's behaviour log-probs are of the same
+    distribution (temperature 0, greedy, uses 1)."""
+    from jaxrl_async.trainer.train_step import TrainerConfig
+
+    tr = run_cfg.trainer
+    temp = run_cfg.rollout.sampling.temperature
+    return TrainerConfig(optimizer=tr.optimizer_config(), packing=tr.packing, ppo_n_minibatches=tr.ppo_n_minibatches,
+                         proximal=tr.proximal, temperature=temp if temp > 0 else 1.0, logprob_chunk=tr.logprob_chunk)
+
+
+def build_trainer(run_cfg: "RunConfig", model_cfg: "ModelConfig", mesh: "Mesh") -> "Trainer":
+    """The run's `Trainer` on the trainer mesh (fp32 master weights whatever `model_cfg.param_dtype`)."""
+    from jaxrl_async.trainer.train_step import Trainer
+
+    return Trainer(model_cfg, trainer_config(run_cfg), mesh, loss_cfg=run_cfg.trainer.loss)
+
+
+def generator_model_config(model_cfg: "ModelConfig") -> "ModelConfig":
+    """The generator holds its weights in the compute dtype (the trainer pushes them cast)."""
+    return model_cfg.replace(param_dtype=model_cfg.dtype)
+
+
+def build_engine(run_cfg: "RunConfig", model_cfg: "ModelConfig", mesh: "Mesh", *,
+                 num_pages: int | None = None) -> "PagedEngine":
+    """The run's `PagedEngine` on the generator mesh for `model_cfg` (the run's model config;
+    the engine gets `generator_model_config` of it).
+
+    num_pages: KV pool size; default `rollout.engine.num_pages` (None there: sized from the free
+    device memory). The planner passes the full reservation explicitly.
+    """
+    from jaxrl_async.rollout.engine import PagedEngine
+
+    e = run_cfg.rollout.engine
+    return PagedEngine(generator_model_config(model_cfg), mesh, max_concurrent_decodes=e.max_concurrent_decodes,
+                       max_sequence_length=e.max_sequence_length, max_prefill_length=e.max_prefill_length,
+                       page_size=e.page_size, num_pages=e.num_pages if num_pages is None else num_pages,
+                       cache_memory_fraction=e.cache_memory_fraction)
