@@ -12,8 +12,8 @@ with its source (AReaL boba_grpo.yaml, gsm8k_grpo.yaml, the AReaL paper).
 Layout ``h100x32``: 4 nodes of 8 H100 (needs one process per host: multi-process execution is
 not implemented yet, the layout is for planning); devices 0-23 generate (12 replicas x tensor 2),
 devices 24-31 train (FSDP 8, one node), AReaL's 3:1 split. Sizing (``jaxrl_async.plan``): 192
-decode slots (16 per replica; KV pool 30 GiB per device), trainer micro-batches of 32768 tokens
-(4096 per FSDP shard).
+decode slots (16 per replica; KV pool 30 GiB per device), trainer micro-batches of 65536 tokens
+(8192 per FSDP shard; 16384 per shard does not fit: trainer peak 74.4 of 72 GiB).
 
 Weights and data come from local paths; nothing downloads::
 
@@ -25,4 +25,4 @@ from jaxrl_async.recipes import qwen3_math_rl
 
 
 def get_config():
-    return qwen3_math_rl("qwen3-14b", layout="h100x32", max_concurrent_decodes=192, tokens_per_micro=32768)
+    return qwen3_math_rl("qwen3-14b", layout="h100x32", max_concurrent_decodes=192, tokens_per_micro=65536)

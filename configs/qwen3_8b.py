@@ -15,8 +15,8 @@ Layout ``h100x8-tp2``: one node of 8 H100 split 4+4 as AReaL's single-node examp
 half the kv heads per device), devices 4-7 train (FSDP 4: fp32 weights + Adam 22.9 GiB per
 device). The 3:1 split does not fit 8B on 80 GB: 2 trainer devices would hold 45.8 GiB of state
 plus 15 GiB of gradients each. Sizing (``jaxrl_async.plan``): 128 decode slots (64 per replica, KV
-pool 18 GiB per device), trainer micro-batches of 32768 tokens (8192 per FSDP shard; 16384 per
-shard does not fit, see the plan).
+pool 18 GiB per device), trainer micro-batches of 65536 tokens (16384 per FSDP shard, AReaL boba
+max_tokens_per_mb; plan: trainer peak 69.2 of 72 GiB, float32 temporaries as an upper bound).
 
 Weights and data come from local paths; nothing downloads::
 
@@ -28,4 +28,4 @@ from jaxrl_async.recipes import qwen3_math_rl
 
 
 def get_config():
-    return qwen3_math_rl("qwen3-8b", layout="h100x8-tp2", max_concurrent_decodes=128, tokens_per_micro=32768)
+    return qwen3_math_rl("qwen3-8b", layout="h100x8-tp2", max_concurrent_decodes=128, tokens_per_micro=65536)

@@ -40,7 +40,7 @@ Choices and where they come from:
 | trainer.advantage | grpo (group mean/std), batch adv norm, reward (r - 0.5) x 10 (binary -> +-5), kl 0 | [boba] |
 | model.remat | full | [boba] gradient_checkpointing |
 | model.dtype / param_dtype | bfloat16 compute, float32 master weights + Adam | [boba] dtype bf16 (master fp32 is ours) |
-| trainer.packing.tokens_per_micro | per config: 16384 per trainer data shard | [boba] max_tokens_per_mb (per rank) |
+| trainer.packing.tokens_per_micro | per data shard: 16384 (<= 8B), 8192 (14B), 4096 (32B) | [boba] max_tokens_per_mb; plan |
 
 ``model.path`` is None: the architecture fields are the published Qwen3 numbers
 (``models.config.PRESETS``) so the run can be planned without weights; for training set
