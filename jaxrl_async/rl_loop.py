@@ -515,24 +515,17 @@ class RLLoop:
         return ex
 
     def _build_trainer(self):
-        from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+        from jaxrl_async.components import build_trainer  # shared with `plan`: it compiles this trainer
 
-        tr = self.cfg.trainer
-        temp = self.cfg.rollout.sampling.temperature
-        tcfg = TrainerConfig(optimizer=tr.optimizer_config(), packing=tr.packing, ppo_n_minibatches=tr.ppo_n_minibatches,
-                             proximal=tr.proximal, temperature=temp if temp > 0 else 1.0, logprob_chunk=tr.logprob_chunk)
-        return Trainer(self.model_cfg, tcfg, self.trainer_mesh, loss_cfg=tr.loss)
+        return build_trainer(self.cfg, self.model_cfg, self.trainer_mesh)
 
     def _gen_model_cfg(self):
         return self.model_cfg.replace(param_dtype=self.model_cfg.dtype)
 
     def _build_engine(self):
-        from jaxrl_async.rollout.engine import PagedEngine
+        from jaxrl_async.components import build_engine  # shared with `plan`: it compiles this engine
 
-        e = self.cfg.rollout.engine
-        return PagedEngine(self._gen_model_cfg(), self.gen_mesh, max_concurrent_decodes=e.max_concurrent_decodes,
-                           max_sequence_length=e.max_sequence_length, max_prefill_length=e.max_prefill_length,
-                           page_size=e.page_size, num_pages=e.num_pages, cache_memory_fraction=e.cache_memory_fraction)
+        return build_engine(self.cfg, self.model_cfg, self.gen_mesh)
 
     def _build_workflow(self, reward_fn):
         from jaxrl_async.rollout.workflow import RLVRWorkflow, RolloutWorkflow
