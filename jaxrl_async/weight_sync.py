@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["WeightPusher", "PushStats", "WeightPushError", "plan_push", "PushPlan"]
+__all__ = ["NewestWinsPusher", "WeightPusher", "PushStats", "WeightPushError", "plan_push", "PushPlan"]
 
 
 class WeightPushError(RuntimeError):
@@ -144,7 +144,104 @@ def _reshard(xs: list, shardings: list) -> list:
     return fn(xs)
 
 
-class WeightPusher:
+class NewestWinsPusher:
+    """The push protocol shared by ``WeightPusher`` (one process) and
+    ``distributed.controller.TransferPusher`` (across processes).
+
+    The trainer thread posts ``(payload, stats)`` into a one-slot mailbox (``_post``): newest wins,
+    a version still waiting when a newer one arrives is skipped and recorded in
+    ``skipped_versions``. One push thread takes the mailbox and calls ``_deliver(payload, stats, t0)``
+    (the subclass: move the weights, fill the stats' times), then ``on_applied(version)``, and records
+    the stats in ``history`` and the version in ``applied_version``. The first error is kept and
+    re-raised (as ``WeightPushError``) by ``push`` and ``wait``. Subclasses set their own attributes
+    and then call ``_start()``.
+    """
+
+    _applier = "the generator"  # who applies the weights (``wait``'s timeout message)
+
+    def __init__(self, *, on_applied: Callable[[int], None] | None, timeout_s: float, guard: bool,
+                 initial_version: int | None, thread_name: str):
+        self.on_applied = on_applied
+        self.timeout_s = float(timeout_s)
+        self.guard = guard
+        self._cond = threading.Condition()
+        self._mailbox: tuple[Any, Any, float] | None = None
+        self._closed = False
+        self.error: BaseException | None = None
+        self.history: list[Any] = []
+        self.skipped_versions: list[int] = []
+        self.applied_version: int | None = initial_version
+        self._thread = threading.Thread(target=self._main, name=thread_name, daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    def _deliver(self, payload: Any, stats: Any, t0: float) -> None:
+        raise NotImplementedError
+
+    def _post(self, payload: Any, stats: Any, t0: float) -> None:
+        """Put a dispatched push into the mailbox (trainer thread)."""
+        with self._cond:
+            if self._closed:
+                raise WeightPushError(f"{type(self).__name__} is closed")
+            if self._mailbox is not None:
+                self.skipped_versions.append(self._mailbox[1].version)
+            self._mailbox = (payload, stats, t0)
+            self._cond.notify_all()
+
+    def wait(self, version: int | None = None, timeout: float | None = None) -> None:
+        """Block until ``version`` (default: the newest pushed) is applied by the generator."""
+        timeout = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            target = version
+            if target is None:
+                target = self._mailbox[1].version if self._mailbox is not None else self.applied_version
+            while self.error is None:
+                if target is None or (self.applied_version is not None and self.applied_version >= target):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"weight push of version {target} not applied by {self._applier} after "
+                                       f"{timeout:.0f} s (applied: {self.applied_version})")
+                self._cond.wait(min(left, 0.5))
+        self._raise_if_failed()
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise WeightPushError(f"weight push failed: {type(self.error).__name__}: {self.error}") from self.error
+
+    # -- push thread --------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while self._mailbox is None and not self._closed:
+                        self._cond.wait(0.5)
+                    if self._mailbox is None:
+                        return
+                    payload, stats, t0 = self._mailbox
+                    self._mailbox = None
+                self._deliver(payload, stats, t0)
+                if self.on_applied is not None:
+                    self.on_applied(stats.version)
+                with self._cond:
+                    self.history.append(stats)
+                    self.applied_version = stats.version
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - reported to the trainer through push()/wait()
+            with self._cond:
+                self.error = e
+                self._cond.notify_all()
+
+
+class WeightPusher(NewestWinsPusher):
     """Pushes trainer parameters to a generator (see the module docstring).
 
     Args:
@@ -160,25 +257,15 @@ class WeightPusher:
     def __init__(self, generator: Any, target_shardings: Any, *, dtype: Any = None,
                  on_applied: Callable[[int], None] | None = None, timeout_s: float = 300.0, guard: bool = True,
                  initial_version: int | None = None):
+        super().__init__(on_applied=on_applied, timeout_s=timeout_s, guard=guard, initial_version=initial_version,
+                         thread_name="weight-push")
         self.generator = generator
         self.target_shardings = target_shardings
         self.dtype = None if dtype is None else jnp.dtype(dtype)
-        self.on_applied = on_applied
-        self.timeout_s = float(timeout_s)
-        self.guard = guard
         self._cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p))
-        self._cond = threading.Condition()
-        self._mailbox: tuple[Any, PushStats, float] | None = None
-        self._busy = False
-        self._closed = False
-        self.error: BaseException | None = None
-        self.history: list[PushStats] = []
-        self.skipped_versions: list[int] = []
-        self.applied_version: int | None = initial_version
         self._plan: tuple[Any, PushPlan] | None = None
         self.routes: collections.Counter[str] = collections.Counter()
-        self._thread = threading.Thread(target=self._main, name="weight-push", daemon=True)
-        self._thread.start()
+        self._start()
 
     # -- trainer side -------------------------------------------------------------------------
     def push(self, params: Any, version: int) -> PushStats:
@@ -191,13 +278,7 @@ class WeightPusher:
                 src = self._cast(params)
             out = self._move(src)
         stats = PushStats(version=int(version), bytes=tree_bytes(out), dispatch_s=time.perf_counter() - t0)
-        with self._cond:
-            if self._closed:
-                raise WeightPushError("WeightPusher is closed")
-            if self._mailbox is not None:
-                self.skipped_versions.append(self._mailbox[1].version)
-            self._mailbox = (out, stats, t0)
-            self._cond.notify_all()
+        self._post(out, stats, t0)
         return stats
 
     def _move(self, src: Any) -> Any:
@@ -233,67 +314,15 @@ class WeightPusher:
                 out[i] = x
         return jax.tree.unflatten(treedef, out)
 
-    def wait(self, version: int | None = None, timeout: float | None = None) -> None:
-        """Block until ``version`` (default: the newest pushed) is applied by the generator."""
-        timeout = self.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            target = version
-            if target is None:
-                target = self._mailbox[1].version if self._mailbox is not None else self.applied_version
-            while True:
-                if self.error is not None:
-                    break
-                if target is None or (self.applied_version is not None and self.applied_version >= target):
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"weight push of version {target} not applied by the generator after "
-                                       f"{timeout:.0f} s (applied: {self.applied_version})")
-                self._cond.wait(min(left, 0.5))
-        self._raise_if_failed()
-
-    def close(self, timeout: float = 30.0) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
-
-    def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise WeightPushError(f"weight push failed: {type(self.error).__name__}: {self.error}") from self.error
-
-    # -- transfer thread ----------------------------------------------------------------------
-    def _main(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while self._mailbox is None and not self._closed:
-                        self._cond.wait(0.5)
-                    if self._mailbox is None:
-                        return
-                    params, stats, t0 = self._mailbox
-                    self._mailbox = None
-                    self._busy = True
-                with _guard(self.guard):
-                    self._wait_ready(params, stats.version)
-                t1 = time.perf_counter()
-                stats.transfer_s = t1 - t0
-                self.generator.update_params(params, stats.version, wait=True, timeout=self.timeout_s)
-                t2 = time.perf_counter()
-                stats.apply_s, stats.total_s = t2 - t1, t2 - t0
-                if self.on_applied is not None:
-                    self.on_applied(stats.version)
-                with self._cond:
-                    self.history.append(stats)
-                    self.applied_version = stats.version
-                    self._busy = False
-                    self._cond.notify_all()
-        except BaseException as e:  # noqa: BLE001 - reported to the trainer through push()/wait()
-            with self._cond:
-                self.error = e
-                self._busy = False
-                self._cond.notify_all()
+    # -- push thread --------------------------------------------------------------------------
+    def _deliver(self, params: Any, stats: PushStats, t0: float) -> None:
+        with _guard(self.guard):
+            self._wait_ready(params, stats.version)
+        t1 = time.perf_counter()
+        stats.transfer_s = t1 - t0
+        self.generator.update_params(params, stats.version, wait=True, timeout=self.timeout_s)
+        t2 = time.perf_counter()
+        stats.apply_s, stats.total_s = t2 - t1, t2 - t0
 
     def _wait_ready(self, params: Any, version: int) -> None:
         deadline = time.monotonic() + self.timeout_s

@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 
 from jaxrl_async.distributed import rpc
 from jaxrl_async.rl_loop import RLLoop
+from jaxrl_async.weight_sync import NewestWinsPusher
 
 PUSH_LOG = "weight_push.jsonl"
 
@@ -177,7 +178,7 @@ class CrossPushStats:
     fallback_reason: str | None = None
 
 
-class TransferPusher:
+class TransferPusher(NewestWinsPusher):
     """``weight_sync.WeightPusher``'s interface across processes (see ``distributed.transfer``).
 
     ``push`` (trainer thread): cast to the generator dtype (fresh buffers: the next step may donate
@@ -189,6 +190,8 @@ class TransferPusher:
     arrives while one is in flight replaces a waiting one.
     """
 
+    _applier = "the generators"
+
     def __init__(self, remote: RemoteGenerator, plans: Sequence[Any], src_shardings: Sequence[Any], *, dtype: Any,
                  server: Any, on_applied: Callable[[int], None] | None, timeout_s: float, initial_version: int | None,
                  fallback_dir: str, log_path: str | None = None, guard: bool = True):
@@ -196,27 +199,18 @@ class TransferPusher:
 
         from jaxrl_async.distributed.transfer import WireSender
 
+        super().__init__(on_applied=on_applied, timeout_s=timeout_s, guard=guard, initial_version=initial_version,
+                         thread_name="weight-push-remote")
         self.remote, self.plans = remote, list(plans)
         self.keys = [p.key for p in self.plans]
         self.sender = WireSender(self.plans, src_shardings)
         self.dtype = jnp.dtype(dtype)
         self.server = server
-        self.on_applied = on_applied
-        self.timeout_s = float(timeout_s)
         self.fallback_dir = fallback_dir
         self.log_path = log_path
-        self.guard = guard
-        self._cond = threading.Condition()
-        self._mailbox = None
-        self._closed = False
-        self.error: BaseException | None = None
-        self.history: list[CrossPushStats] = []
-        self.skipped_versions: list[int] = []
-        self.applied_version = initial_version
         self.routes = collections.Counter(p.route for p in self.plans)
         self._uuid = itertools.count(secrets.randbits(40) << 16)
-        self._thread = threading.Thread(target=self._main, name="weight-push-remote", daemon=True)
-        self._thread.start()
+        self._start()
 
     def _prepare(self, params: Any) -> list:
         import jax
@@ -228,81 +222,25 @@ class TransferPusher:
             cast = _CAST(leaves, self.dtype)
             return self.sender.prepare(cast)
 
-    def push(self, params: Any, version: int) -> CrossPushStats:
-        from jaxrl_async.weight_sync import WeightPushError
-
-        self._raise_if_failed()
-        t0 = time.perf_counter()
-        wire = self._prepare(params)
-        nbytes = int(sum(x.size * x.dtype.itemsize for x in wire))
-        stats = CrossPushStats(version=int(version), bytes=nbytes, dispatch_s=time.perf_counter() - t0)
-        with self._cond:
-            if self._closed:
-                raise WeightPushError("TransferPusher is closed")
-            if self._mailbox is not None:
-                self.skipped_versions.append(self._mailbox[1].version)
-            self._mailbox = (wire, stats, t0)
-            self._cond.notify_all()
-        return stats
-
-    def push_now(self, params: Any, version: int) -> CrossPushStats:
-        """Push synchronously (the initial weights, before the push thread's consumer exists)."""
+    def _dispatch(self, params: Any, version: int) -> tuple[list, CrossPushStats, float]:
         t0 = time.perf_counter()
         wire = self._prepare(params)
         stats = CrossPushStats(version=int(version), bytes=int(sum(x.size * x.dtype.itemsize for x in wire)),
                                dispatch_s=time.perf_counter() - t0)
-        self._deliver(wire, stats, t0)
+        return wire, stats, t0
+
+    def push(self, params: Any, version: int) -> CrossPushStats:
+        self._raise_if_failed()
+        wire, stats, t0 = self._dispatch(params, version)
+        self._post(wire, stats, t0)
         return stats
 
-    def wait(self, version: int | None = None, timeout: float | None = None) -> None:
-        timeout = self.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            target = version
-            if target is None:
-                target = self._mailbox[1].version if self._mailbox is not None else self.applied_version
-            while self.error is None:
-                if target is None or (self.applied_version is not None and self.applied_version >= target):
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"weight push of version {target} not applied by the generators after "
-                                       f"{timeout:.0f} s (applied: {self.applied_version})")
-                self._cond.wait(min(left, 0.5))
-        self._raise_if_failed()
-
-    def close(self, timeout: float = 30.0) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
-
-    def _raise_if_failed(self) -> None:
-        from jaxrl_async.weight_sync import WeightPushError
-
-        if self.error is not None:
-            raise WeightPushError(f"weight push failed: {type(self.error).__name__}: {self.error}") from self.error
-
-    def _main(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while self._mailbox is None and not self._closed:
-                        self._cond.wait(0.5)
-                    if self._mailbox is None:
-                        return
-                    wire, stats, t0 = self._mailbox
-                    self._mailbox = None
-                self._deliver(wire, stats, t0)
-                if self.on_applied is not None:
-                    self.on_applied(stats.version)
-                with self._cond:
-                    self.applied_version = stats.version
-                    self._cond.notify_all()
-        except BaseException as e:  # noqa: BLE001 - reported through push()/wait()
-            with self._cond:
-                self.error = e
-                self._cond.notify_all()
+    def push_now(self, params: Any, version: int) -> CrossPushStats:
+        """Push synchronously (the initial weights, before the push thread's consumer exists)."""
+        wire, stats, t0 = self._dispatch(params, version)
+        self._deliver(wire, stats, t0)
+        self.history.append(stats)
+        return stats
 
     def _deliver(self, wire: list, stats: CrossPushStats, t0: float) -> None:
         from jaxrl_async.distributed.transfer import checksum_fn, write_weights
@@ -317,7 +255,6 @@ class TransferPusher:
             self.server.await_pull(uuid, shards)
             futs.append(p.call_async("pull_weights", v, uuid, address, sums, self.timeout_s))
         replies = [self._reply(f, p, "pull_weights", v) for f, p in zip(futs, self.remote.peers)]
-        t1 = time.perf_counter()
         failed = [i for i, r in enumerate(replies) if not r["ok"]]
         path = None
         if failed:
@@ -337,7 +274,6 @@ class TransferPusher:
         for s in sums:
             x ^= s
         stats.checksum = x
-        self.history.append(stats)
         if self.log_path is not None:
             rec = {**dataclasses.asdict(stats), "checksums": sums, "routes": dict(self.routes),
                    "generators": [{"name": p.name, **{k: r.get(k) for k in ("transport", "pull_s", "verify_s",
