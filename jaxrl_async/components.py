@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # heavy imports stay lazy: `plan` sets the device count before JAX starts
     from jax.sharding import Mesh
 
-    from jaxrl_async.config import RunConfig
+    from jaxrl_async.config import EngineConfig, RunConfig
     from jaxrl_async.models.config import ModelConfig
     from jaxrl_async.rollout.engine import PagedEngine
     from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
@@ -54,10 +54,16 @@ def build_engine(run_cfg: "RunConfig", model_cfg: "ModelConfig", mesh: "Mesh", *
     num_pages: KV pool size; default `rollout.engine.num_pages` (None there: sized from the free
     device memory). The planner passes the full reservation explicitly.
     """
+    return engine_from_section(run_cfg.rollout.engine, generator_model_config(model_cfg), mesh, num_pages=num_pages)
+
+
+def engine_from_section(e: "EngineConfig", gen_model_cfg: "ModelConfig", mesh: "Mesh", *,
+                        num_pages: int | None = None) -> "PagedEngine":
+    """A `PagedEngine` from the `rollout.engine` config section and the generator's model config
+    (`generator_model_config`); also what a generator process builds from the controller's spec."""
     from jaxrl_async.rollout.engine import PagedEngine
 
-    e = run_cfg.rollout.engine
-    return PagedEngine(generator_model_config(model_cfg), mesh, max_concurrent_decodes=e.max_concurrent_decodes,
+    return PagedEngine(gen_model_cfg, mesh, max_concurrent_decodes=e.max_concurrent_decodes,
                        max_sequence_length=e.max_sequence_length, max_prefill_length=e.max_prefill_length,
                        page_size=e.page_size, num_pages=e.num_pages if num_pages is None else num_pages,
                        cache_memory_fraction=e.cache_memory_fraction)

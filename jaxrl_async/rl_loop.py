@@ -54,19 +54,18 @@ import importlib
 import inspect
 import json
 import logging
-import math
 import os
 import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_async.config import RunConfig, format_config, resolve_device_split, save_config, to_dict
+from jaxrl_async.config import RunConfig, resolve_device_split, save_config, to_dict
 
 log = logging.getLogger("jaxrl_async")
 
@@ -448,8 +447,7 @@ class RLLoop:
     def _setup_tokenizer_and_data(self) -> None:
         from transformers import AutoTokenizer
 
-        from jaxrl_async.data import (ArithmeticConfig, DatasetConfig, build_tokenizer, load_prompt_dataset,
-                                      write_arithmetic_dataset)
+        from jaxrl_async.data import DatasetConfig, build_tokenizer, load_prompt_dataset, write_arithmetic_dataset
 
         c = self.cfg
         tok_dir = c.model.tokenizer_path or c.model.path
@@ -518,9 +516,6 @@ class RLLoop:
         from jaxrl_async.components import build_trainer  # shared with `plan`: it compiles this trainer
 
         return build_trainer(self.cfg, self.model_cfg, self.trainer_mesh)
-
-    def _gen_model_cfg(self):
-        return self.model_cfg.replace(param_dtype=self.model_cfg.dtype)
 
     def _build_engine(self):
         from jaxrl_async.components import build_engine  # shared with `plan`: it compiles this engine
@@ -602,7 +597,7 @@ class RLLoop:
         from jaxrl_async.data.datasets import make_train_iterator
         from jaxrl_async.metrics import METRICS_FILE, MetricsLogger
         from jaxrl_async.rewards.registry import make_reward
-        from jaxrl_async.rollout.staleness import StalenessClosedError, StalenessManager
+        from jaxrl_async.rollout.staleness import StalenessManager
         from jaxrl_async.rollout.workflow import RolloutDispatcher, derive_seed
 
         c, ro, tr = self.cfg, self.cfg.rollout, self.cfg.trainer

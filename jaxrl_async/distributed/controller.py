@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from jaxrl_async.components import generator_model_config
 from jaxrl_async.distributed import rpc
 from jaxrl_async.rl_loop import RLLoop
 from jaxrl_async.weight_sync import NewestWinsPusher
@@ -403,7 +404,7 @@ class DistributedRLLoop(RLLoop):
 
         c, ro = self.cfg, self.cfg.rollout
         self._peers = peers = self._accept_generators()
-        gen_cfg = self._gen_model_cfg()
+        gen_cfg = generator_model_config(self.model_cfg)
         leaves = jax.tree.leaves(params)
         spec = {"model_config": gen_cfg, "engine": ro.engine, "mesh_shape": tuple(c.mesh.generator.shape),
                 "mesh_axes": tuple(c.mesh.generator.axis_names), "tokenizer_dir": self.tokenizer_dir,

@@ -84,20 +84,16 @@ class GeneratorServer:
         import jax
         from transformers import AutoTokenizer
 
+        from jaxrl_async.components import engine_from_section
         from jaxrl_async.config import _resolve_shape
         from jaxrl_async.distributed.transfer import layout_of, tree_keys
-        from jaxrl_async.rollout.engine import PagedEngine
         from jaxrl_async.sharding.mesh import make_mesh
 
         self.spec = spec
         devs = jax.local_devices()
         shape = _resolve_shape(tuple(spec["mesh_shape"]), len(devs), "mesh.generator.shape")
         mesh = make_mesh(shape, tuple(spec["mesh_axes"]), devices=devs)
-        e = spec["engine"]
-        self.engine = PagedEngine(spec["model_config"], mesh, max_concurrent_decodes=e.max_concurrent_decodes,
-                                  max_sequence_length=e.max_sequence_length, max_prefill_length=e.max_prefill_length,
-                                  page_size=e.page_size, num_pages=e.num_pages,
-                                  cache_memory_fraction=e.cache_memory_fraction)
+        self.engine = engine_from_section(spec["engine"], spec["model_config"], mesh)
         if spec.get("tokenizer_dir"):
             self.tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
         shardings = self.engine.param_shardings
