@@ -203,7 +203,7 @@ def style_for(expression: str, cfg: "ArithmeticConfig") -> str:
     if len(cfg.styles) == 1:
         return cfg.styles[0]
     w = cfg.style_weights or (1.0,) * len(cfg.styles)
-    u = int(hashlib.sha256(f"style:{cfg.seed}:{expression}".encode()).hexdigest()[:8], 16) / 16**8
+    u = _unit_hash(f"style:{cfg.seed}:{expression}")
     acc, total = 0.0, float(sum(w))
     for style, wi in zip(cfg.styles, w):
         acc += wi / total
@@ -212,9 +212,14 @@ def style_for(expression: str, cfg: "ArithmeticConfig") -> str:
     return cfg.styles[-1]
 
 
+def _unit_hash(text: str) -> float:
+    """Fixed hash in [0, 1): first 32 bits of sha256(text) / 2**32."""
+    return int(hashlib.sha256(text.encode("utf-8")).hexdigest()[:8], 16) / 16**8
+
+
 def held_out_bucket(expression: str) -> float:
     """Fixed hash of a problem in [0, 1): first 32 bits of sha256(expression) / 2**32."""
-    return int(hashlib.sha256(expression.encode("utf-8")).hexdigest()[:8], 16) / 16**8
+    return _unit_hash(expression)
 
 
 def is_held_out(expression: str, held_out_fraction: float) -> bool:
