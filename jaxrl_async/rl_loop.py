@@ -476,18 +476,14 @@ class RLLoop:
         self._say(f"data: {len(self.train_ds)} train prompts ({train_path}), {len(self.eval_records)} held-out")
 
     def _setup_model(self) -> None:
-        from jaxrl_async.models.hf_io import load_hf
-        from jaxrl_async.models.transformer import init_params
-
         c = self.cfg
         tok = self.tokenizer
         if c.model.path is not None:
-            self.model_cfg, params = load_hf(c.model.path, **c.model.numerics())
-            params = jax.device_get(params)
+            self.model_cfg, params = initial_params(c)
         else:
             self.model_cfg = c.model.model_config(len(tok), bos_token_id=tok.bos_token_id,
                                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            params = init_params(self.model_cfg.replace(param_dtype="float32"), jax.random.key(c.model.init_seed))
+            _, params = initial_params(c, self.model_cfg)
         if self.model_cfg.vocab_size < len(tok):
             raise ValueError(f"model.path: vocabulary {self.model_cfg.vocab_size} is smaller than the tokenizer's "
                              f"{len(tok)}")
@@ -564,6 +560,49 @@ class RLLoop:
         return WeightPusher(generator, self._engine.param_shardings, dtype=jnp.dtype(self.model_cfg.dtype),
                             on_applied=on_applied, timeout_s=timeout_s, initial_version=initial_version)
 
+    # -- trainer-side operations (hooks: a multi-process trainer group runs each on every process) --
+    def _initial_state(self, trainer: Any) -> Any:
+        """Fresh training state: ``init_params`` (+ the SFT warm start when ``trainer.sft.steps > 0``)."""
+        params = self.init_params
+        if self.cfg.trainer.sft.steps > 0:
+            params = self._warm_start(params, self._sft_examples())
+        return trainer.init_state(params)
+
+    def _warm_start(self, params: Any, examples: Sequence[Any]) -> Any:
+        from jaxrl_async.trainer.sft import run_sft
+
+        c, tr = self.cfg, self.cfg.trainer
+        t0 = time.monotonic()
+        params, hist = run_sft(params, self.model_cfg, examples, tr.sft, mesh=self.trainer_mesh, seed=c.seed,
+                               progress=c.logging.progress)
+        self._say(f"SFT warm start: {tr.sft.steps} steps in {time.monotonic() - t0:.1f} s, "
+                  f"loss {hist[0]['loss']:.3f} -> {hist[-1]['loss']:.3f}")
+        return params
+
+    def _restore_checkpoint(self, ckpt: Any, trainer: Any) -> Any:
+        """The newest usable checkpoint restored onto the trainer's shardings (``Restored``)."""
+        return restore_train_state(ckpt, trainer, self.init_params)
+
+    def _train_batch(self, trainer: Any, state: Any, trajs: Sequence[Any], version: int) -> tuple[Any, list]:
+        return trainer.train_batch(state, trajs, policy_version=version)
+
+    def _save_checkpoint(self, ckpt: Any, arrays: Mapping[str, Any], meta: Any, buffered: list) -> Any:
+        return ckpt.save(arrays, meta, trajectories=buffered)
+
+    def _build_checkpointer(self) -> Any:
+        return build_checkpointer(self.cfg, self.run_dir, self.model_cfg, self.tokenizer_dir)
+
+    def _wait_checkpoint(self, ckpt: Any) -> None:
+        ckpt.wait()
+
+    def _close_checkpoint(self, ckpt: Any) -> None:
+        ckpt.close()
+
+    def _export(self, ckpt: Any, step: int) -> Any:
+        from jaxrl_async.export import export_checkpoint
+
+        return export_checkpoint(ckpt, os.path.join(self.run_dir, "hf"), step=step)
+
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self, generator: Any, reward_fn: Any, pool: cf.Executor, version: int) -> dict[str, Any]:
         """Greedy (eval.temperature) pass@1 on the held-out records with the generator's current weights."""
@@ -592,8 +631,7 @@ class RLLoop:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> RunResult:
-        from jaxrl_async.checkpoint import (CheckpointConfig, Checkpointer, NonFiniteTracker, SignalHandler,
-                                            TrainingDivergedError, TrainMeta, abstract_like)
+        from jaxrl_async.checkpoint import NonFiniteTracker, SignalHandler, TrainingDivergedError, TrainMeta
         from jaxrl_async.data.datasets import make_train_iterator
         from jaxrl_async.metrics import METRICS_FILE, MetricsLogger
         from jaxrl_async.rewards.registry import make_reward
@@ -606,10 +644,7 @@ class RLLoop:
         trainer = self._build_trainer()
         self.trainer = trainer
         ck = c.checkpoint
-        ckpt = Checkpointer(self.run_dir, CheckpointConfig(every_steps=ck.every_steps, every_seconds=ck.every_seconds,
-                                                           keep_last=ck.keep_last, async_save=ck.async_save),
-                            model_config=self.model_cfg.replace(param_dtype="float32"),
-                            tokenizer_dir=self.tokenizer_dir)
+        ckpt = self._build_checkpointer()
         latest = ckpt.latest_committed_step()
         if ck.resume == "must" and latest is None:
             raise ValueError(f"checkpoint.resume='must' but {ckpt.directory} has no committed checkpoint")
@@ -619,8 +654,7 @@ class RLLoop:
         start_step, replay, next_draw, extra0, log_records, saved_groups = 0, [], 0, {}, 0, []
         resumed_from: int | None = None
         if resume:
-            abstract = abstract_like(jax.eval_shape(trainer.init_state, self.init_params), trainer.state_shardings)
-            r = ckpt.restore(targets=_state_items(abstract), fallback=True)
+            r = self._restore_checkpoint(ckpt, trainer)
             state = _state_from_items(r.arrays)
             start_step = int(r.meta.step)
             ds = r.meta.data_state or {}
@@ -638,20 +672,11 @@ class RLLoop:
                       f"{len(replay)} outstanding prompts ({len(saved_groups)} with finished groups in the checkpoint)"
                       + (f" (skipped unusable steps {[s for s, _ in r.skipped]})" if r.skipped else ""))
         else:
-            params = self.init_params
-            if tr.sft.steps > 0:
-                from jaxrl_async.trainer.sft import run_sft
-
-                t0 = time.monotonic()
-                params, hist = run_sft(params, self.model_cfg, self._sft_examples(), tr.sft, mesh=self.trainer_mesh,
-                                       seed=c.seed, progress=c.logging.progress)
-                self._say(f"SFT warm start: {tr.sft.steps} steps in {time.monotonic() - t0:.1f} s, "
-                          f"loss {hist[0]['loss']:.3f} -> {hist[-1]['loss']:.3f}")
-            state = trainer.init_state(params)
+            state = self._initial_state(trainer)
             self.init_params = None
         version = start_step
         if start_step >= tr.total_steps:
-            ckpt.close()
+            self._close_checkpoint(ckpt)
             self._say(f"{self.run_dir} is already complete at step {start_step} (trainer.total_steps="
                       f"{tr.total_steps}); raise trainer.total_steps to continue, or use a new run_dir")
             return RunResult(self.run_dir, start_step, version, 0.0, [], {}, [], {}, checkpoint_step=latest,
@@ -715,7 +740,7 @@ class RLLoop:
                              staleness=snapshot_stats(), config=to_dict(c),
                              extra={"nonfinite": nonfinite.state_dict(), "why": why,
                                     "wall_s": time.monotonic() - self.t_start})
-            st = ckpt.save(_state_items(state), meta, trajectories=buffered)
+            st = self._save_checkpoint(ckpt, _state_items(state), meta, buffered)
             result.checkpoint_step = step_
             metrics.message(f"checkpoint {ckpt.step_dir(step_)} ({why}; {len(buffered)} finished groups saved; "
                             f"blocking {st.blocking_s:.2f} s)")
@@ -770,7 +795,7 @@ class RLLoop:
                 # 2. advantages, proximal log-probs, update(s)
                 trajs, row = build_training_batch(groups, tr.advantage, n)
                 t_train = time.monotonic()
-                state, mstats = trainer.train_batch(state, trajs, policy_version=version)
+                state, mstats = self._train_batch(trainer, state, trajs, version)
                 version += 1
                 # 3. push the new weights (dispatch now, before the next step donates the params)
                 push = pusher.push(state.params, version)
@@ -836,7 +861,7 @@ class RLLoop:
             self._shutdown(dispatcher, staleness, pusher, generator, eval_pool, metrics, signals)
             if step > max(start_step, ckpt.last_saved_step):
                 self._emergency_save(save, state, step, step)  # a resumed run uses version = step
-            ckpt.close()
+            self._close_checkpoint(ckpt)
             ledger.close()
             raise
         # graceful end: stop rollouts, save, export
@@ -851,7 +876,7 @@ class RLLoop:
             # step already holds a consistent state
             if (ck.save_at_end or stop_reason != "completed") and step > max(start_step, ckpt.last_saved_step):
                 save(step, version, stop_reason)
-            ckpt.wait()
+            self._wait_checkpoint(ckpt)
             if stop_reason != "completed":
                 latest_now = ckpt.latest_committed_step()
                 self._say(f"stopped by {signal_name or stop_reason} after step {step}: "
@@ -859,13 +884,11 @@ class RLLoop:
                              else "no checkpoint (no step completed)")
                           + "; run the same command again to resume")
             if ck.export_hf and result.checkpoint_step is not None and stop_reason == "completed":
-                from jaxrl_async.export import export_checkpoint
-
-                ex = export_checkpoint(ckpt, os.path.join(self.run_dir, "hf"), step=result.checkpoint_step)
+                ex = self._export(ckpt, result.checkpoint_step)
                 result.export_dir = ex.out_dir
                 metrics.message(f"Hugging Face export: {ex.out_dir}")
         finally:
-            ckpt.close()
+            self._close_checkpoint(ckpt)
             plot = metrics.close()
             if signals is not None:
                 signals.__exit__(None, None, None)
@@ -909,6 +932,38 @@ class RLLoop:
             metrics.close(plot=False)
         if signals is not None:
             signals.__exit__(None, None, None)
+
+
+def initial_params(cfg: RunConfig, model_cfg: Any = None) -> tuple[Any, Any]:
+    """(model config, host parameters) the run starts from: ``model.path``'s Hugging Face weights, or
+    ``model_cfg`` initialised from ``model.init_seed`` (fp32). Host numpy, so every process of a
+    trainer group builds the same values and places them on a global sharding."""
+    from jaxrl_async.models.hf_io import load_hf
+    from jaxrl_async.models.transformer import init_params
+
+    if cfg.model.path is not None:
+        model_cfg, params = load_hf(cfg.model.path, **cfg.model.numerics())
+    else:
+        params = init_params(model_cfg.replace(param_dtype="float32"), jax.random.key(cfg.model.init_seed))
+    return model_cfg, jax.device_get(params)
+
+
+def build_checkpointer(cfg: RunConfig, run_dir: str, model_cfg: Any, tokenizer_dir: str | None) -> Any:
+    from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer
+
+    ck = cfg.checkpoint
+    return Checkpointer(run_dir, CheckpointConfig(every_steps=ck.every_steps, every_seconds=ck.every_seconds,
+                                                  keep_last=ck.keep_last, async_save=ck.async_save),
+                        model_config=model_cfg.replace(param_dtype="float32"), tokenizer_dir=tokenizer_dir)
+
+
+def restore_train_state(ckpt: Any, trainer: Any, params: Any) -> Any:
+    """``ckpt.restore`` (newest usable step, fallback) of the training state onto ``trainer``'s
+    shardings; ``params`` only gives the shapes."""
+    from jaxrl_async.checkpoint import abstract_like
+
+    abstract = abstract_like(jax.eval_shape(trainer.init_state, params), trainer.state_shardings)
+    return ckpt.restore(targets=_state_items(abstract), fallback=True)
 
 
 def restore_buffered_groups(saved: Sequence[Mapping[str, Any]], staleness: Any, ledger: DataLedger, version: int,

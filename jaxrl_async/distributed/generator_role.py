@@ -8,10 +8,11 @@ It connects to the controller (retrying while the controller starts), registers,
 * ``init(spec)``: build the ``PagedEngine`` on a mesh of ALL this process's devices
   (``spec["mesh_shape"]`` / ``mesh_axes`` from the run's ``mesh.generator``), reply with the
   parameter keys and their target layouts (what the trainer plans the push against);
-* ``configure_push(src layouts)``: the per-leaf transfer plan (``transfer.plan_transfer``), computed
-  here from the same inputs as on the trainer;
-* ``pull_weights(version, uuid, address, checksums)``: pull the shards from the trainer's transfer
-  server onto this process's devices, verify the checksums, hand the weights to the ``Generator``
+* ``configure_push(src layouts, dtype, host, owners)``: the per-leaf transfer plan
+  (``transfer.plan_transfer``), computed here from the same inputs as on the trainer, and which
+  trainer process serves each shard (``owners``; a trainer group runs one transfer server per process);
+* ``pull_weights(version, uuid, addresses, checksums)``: pull the shards from the trainer processes'
+  transfer servers onto this process's devices, verify the checksums, hand the weights to the ``Generator``
   (applied between two decode steps); ``load_weights(version, path, checksums)`` is the disk
   fallback; both on one worker thread, so pushes apply in order;
 * ``start()``: compile (warmup) with the first weights and start the ``Generator``;
@@ -50,6 +51,7 @@ class GeneratorServer:
         self.spec: dict[str, Any] = {}
         self.keys: list[str] = []
         self.receiver = None
+        self.owners: list[int] | None = None
         self._initial: tuple[list, int] | None = None
         self._transfer_server = None
         self._conns: dict[str, Any] = {}
@@ -105,7 +107,8 @@ class GeneratorServer:
                 "devices": [str(d) for d in devs], "mesh": dict(mesh.shape), "host": socket.gethostname(),
                 "pid": os.getpid()}
 
-    def _configure_push(self, src_layouts: list, dtype: str, host: str) -> dict[str, Any]:
+    def _configure_push(self, src_layouts: list, dtype: str, host: str, owners: list[int] | None = None
+                        ) -> dict[str, Any]:
         import jax
         from jax.experimental import transfer as jtransfer
 
@@ -115,6 +118,7 @@ class GeneratorServer:
         shapes = self.spec["param_shapes"]
         plans = plan_transfer(self.keys, shapes, dtype, src_layouts, [layout_of(s, len(shp)) for s, shp in zip(dst, shapes)])
         self.receiver = WireReceiver(plans, dst)
+        self.owners = list(owners) if owners is not None else None
         if self._transfer_server is None:
             self._transfer_server = jtransfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:0",
                                                                     [f"{host}:0"])
@@ -126,7 +130,8 @@ class GeneratorServer:
         return self._conns[address]
 
     # -- weights -------------------------------------------------------------------------------
-    def _pull_weights(self, version: int, uuid: int, address: str, checksums: list[int], timeout_s: float) -> dict:
+    def _pull_weights(self, version: int, uuid: int, addresses: str | list[str], checksums: list[int],
+                      timeout_s: float) -> dict:
         """Pull + verify + apply; a failure is a reply ``ok=False`` (the trainer falls back to disk)."""
         import jax
         import jax.numpy as jnp
@@ -135,7 +140,9 @@ class GeneratorServer:
 
         t0 = time.perf_counter()
         try:
-            leaves = self.receiver.pull(self._conn(address), uuid, timeout_s)
+            conns = ([self._conn(a) for a in addresses] if isinstance(addresses, (list, tuple))
+                     else self._conn(addresses))
+            leaves = self.receiver.pull(conns, uuid, timeout_s, self.owners)
             if version in self.corrupt_versions:  # fault injection (tests): one flipped element
                 leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].add(jnp.asarray(1, leaves[0].dtype))
             t1 = time.perf_counter()
@@ -146,7 +153,8 @@ class GeneratorServer:
         t2 = time.perf_counter()
         self._apply(jax.tree.unflatten(jax.tree.structure(self.engine.param_shardings), leaves), version, timeout_s)
         return {"ok": True, "transport": "jax.experimental.transfer", "checksums": got, "pull_s": t1 - t0,
-                "verify_s": t2 - t1, "apply_s": time.perf_counter() - t2, "shards": len(self.receiver.specs)}
+                "verify_s": t2 - t1, "apply_s": time.perf_counter() - t2, "shards": len(self.receiver.specs),
+                "sources": len(addresses) if isinstance(addresses, (list, tuple)) else 1}
 
     def _load_weights(self, version: int, path: str, checksums: list[int], timeout_s: float) -> dict:
         import jax

@@ -23,13 +23,20 @@ agreement: the trainer registers, per leaf, one *single-device* array per distin
 * ``via_trainer`` (n_generator | n_trainer): reshard on the trainer first into the target spec on a
   generator-shaped mesh of trainer devices (plus a replica axis), then land in the target.
 
+A trainer that is an SPMD group of several processes (``jax.distributed``) runs one transfer server
+per process: each distinct wire shard has one **owner**, the lowest process index among the devices
+holding it (``WireSender.owners``, computed from the global sharding, identical on every process);
+each process registers the shards it owns under the push's uuid, and the generator pulls each
+shard from its owner's server (``WireReceiver.pull`` with one connection per trainer process).
+
 Every push carries a **checksum** per leaf: a position-weighted sum of the raw bits modulo 2^32
 (integer arithmetic, so it is independent of the sharding and of the reduction order), computed on
 device by the trainer over what it registered and by the generator over what it is about to use.
-A failed pull or a mismatch falls back to **disk**: the trainer writes the weights
-(``RUN/weight_push/v<version>/``: one raw file per leaf and a manifest, renamed into place when
-complete; a shared filesystem across hosts) and the generator loads and verifies them. That path
-gathers through host memory, so it is for recovery, not for speed.
+A failed pull or a mismatch falls back to **disk**: every trainer process writes the shards it
+owns (``RUN/weight_push/v<version>/``: one raw file per distinct shard, then a manifest written by
+the first process and the directory renamed into place; a filesystem every host sees) and the
+generator assembles, loads and verifies them. That path goes through host memory, so it is for
+recovery, not for speed.
 """
 
 from __future__ import annotations
@@ -48,8 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-__all__ = ["Layout", "LeafPlan", "plan_transfer", "layout_of", "tree_keys", "checksum_fn", "WireSender",
-           "WireReceiver", "ChecksumMismatch", "write_weights", "read_weights"]
+__all__ = ["Layout", "LeafPlan", "plan_transfer", "layout_of", "tree_keys", "checksum_fn", "checksums_async",
+           "host_checksums", "WireSender", "WireReceiver", "ChecksumMismatch", "write_weights", "read_weights",
+           "write_shards", "start_fallback", "commit_fallback"]
 
 REPLICA_AXIS = "_push_replica"
 
@@ -149,6 +157,16 @@ def _box(index: tuple, shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
                  for sl, n in zip(index, shape))
 
 
+def box_owners(sharding: Any, shape: Sequence[int]) -> dict[tuple[tuple[int, int], ...], int]:
+    """Distinct shard box -> the process that serves it: the lowest process index among the devices
+    holding it. Computed from the global sharding, so every process of a trainer group agrees."""
+    out: dict = {}
+    for dev, idx in sharding.devices_indices_map(tuple(shape)).items():
+        b = _box(idx, shape)
+        out[b] = min(out.get(b, dev.process_index), dev.process_index)
+    return out
+
+
 # =============================================================================================
 # Checksum
 # =============================================================================================
@@ -177,11 +195,22 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
 _CHECKSUM = jax.jit(lambda leaves: jnp.stack([_leaf_checksum(x) for x in leaves]) if leaves else jnp.zeros((0,), jnp.uint32))
 
 
-def checksum_fn(leaves: Sequence[jax.Array]) -> list[int]:
-    """Per-leaf checksums (host ints). Leaves must share one device set (one jitted reduction); the
-    4 bytes per leaf come to the host explicitly (allowed under the push's transfer guard)."""
+def checksums_async(leaves: Sequence[jax.Array]) -> jax.Array:
+    """The per-leaf checksums as a (replicated) device array, dispatched without waiting. On a
+    trainer group this is a collective: every process must call it at the same point of its
+    program order (the trainer thread), so the push thread only reads the result."""
+    return _CHECKSUM(list(leaves))
+
+
+def host_checksums(sums: jax.Array) -> list[int]:
+    """``checksums_async``'s result as host ints (4 bytes per leaf; allowed under the push guard)."""
     with jax.transfer_guard("allow"):
-        return [int(v) for v in np.asarray(jax.device_get(_CHECKSUM(list(leaves))))]
+        return [int(v) for v in np.asarray(jax.device_get(sums))]
+
+
+def checksum_fn(leaves: Sequence[jax.Array]) -> list[int]:
+    """Per-leaf checksums (host ints). Leaves must share one device set (one jitted reduction)."""
+    return host_checksums(checksums_async(leaves))
 
 
 # =============================================================================================
@@ -204,6 +233,11 @@ class WireSender:
         self._vt = vt
         self._reshard = (jax.jit(lambda xs: [x + jnp.zeros((), x.dtype) for x in xs],
                                  out_shardings=[self._wire[i] for i in vt]) if vt else None)
+        # per flat shard (pull order): the trainer process that registers it
+        self.owners: list[int] = []
+        for p, s, w in zip(self.plans, src_shardings, self._wire):
+            own = box_owners(w if w is not None else s, p.shape)
+            self.owners.extend(own[box] for box in p.indices)
 
     def prepare(self, leaves: Sequence[jax.Array]) -> list[jax.Array]:
         """Wire arrays (fresh buffers: the caller's may be donated right after). Dispatch only."""
@@ -213,20 +247,22 @@ class WireSender:
                 leaves[i] = y
         return leaves
 
-    def shards(self, wire: Sequence[jax.Array]) -> list[jax.Array]:
-        """The flat list of single-device shard arrays, in the order the receiver pulls them."""
+    def shards(self, wire: Sequence[jax.Array], process_index: int | None = None) -> list[jax.Array]:
+        """The single-device shard arrays this process registers (those it owns), in pull order."""
+        me = jax.process_index() if process_index is None else process_index
         out = []
+        k = 0
         for p, x in zip(self.plans, wire):
-            if not x.is_fully_addressable:
-                raise NotImplementedError(f"weight push: {p.key} spans several trainer processes; a multi-process "
-                                          "trainer group needs one transfer server per process (not implemented)")
             by_box: dict = {}
             for sh in x.addressable_shards:
                 by_box.setdefault(_box(sh.index, x.shape), sh.data)
             for box in p.indices:
-                if box not in by_box:
-                    raise RuntimeError(f"weight push: {p.key}: shard {box} missing from the wire layout (plan bug)")
-                out.append(by_box[box])
+                if self.owners[k] == me:
+                    if box not in by_box:
+                        raise RuntimeError(f"weight push: {p.key}: owned shard {box} is not on this process "
+                                           "(plan bug)")
+                    out.append(by_box[box])
+                k += 1
         return out
 
 
@@ -272,9 +308,27 @@ class WireReceiver:
         self._reshard = (jax.jit(lambda xs: [x + jnp.zeros((), x.dtype) for x in xs],
                                  out_shardings=[self.dst[i] for i in vg]) if vg else None)
 
-    def pull(self, conn: Any, uuid: int, timeout_s: float) -> list[jax.Array]:
+    def pull(self, conns: Any, uuid: int, timeout_s: float, owners: Sequence[int] | None = None) -> list[jax.Array]:
+        """Pull every shard of push ``uuid``: ``conns`` is one connection, or one per trainer process
+        with ``owners`` (``WireSender.owners``) saying which process serves each shard."""
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=float(timeout_s))
-        pulled = conn.pull(int(uuid), list(self.specs), timeout=deadline)
+        if not isinstance(conns, (list, tuple)):
+            conns, owners = [conns], None
+        if owners is None:
+            owners = [0] * len(self.specs)
+        if len(owners) != len(self.specs):
+            raise ValueError(f"weight push: {len(owners)} shard owners for {len(self.specs)} shards")
+        pulled: list[Any] = [None] * len(self.specs)
+        for proc, conn in enumerate(conns):
+            mine = [k for k, o in enumerate(owners) if o == proc]
+            if not mine:
+                continue
+            got = conn.pull(int(uuid), [self.specs[k] for k in mine], timeout=deadline)
+            for k, a in zip(mine, got):
+                pulled[k] = a
+        if any(a is None for a in pulled):
+            missing = sorted({owners[k] for k, a in enumerate(pulled) if a is None})
+            raise RuntimeError(f"weight push: shards owned by trainer processes {missing} have no connection")
         wait_ready(pulled, float(timeout_s), f"pull of uuid {uuid}")
         return self.assemble(pulled)
 
@@ -314,26 +368,65 @@ def verify(leaves: Sequence[jax.Array], expected: Sequence[int], keys: Sequence[
 # =============================================================================================
 # Disk fallback
 # =============================================================================================
-def write_weights(directory: str, version: int, keys: Sequence[str], leaves: Sequence[jax.Array],
-                  checksums: Sequence[int]) -> str:
-    """Write ``leaves`` (gathered to the host) under ``directory/v<version>``; atomic (rename)."""
-    final = os.path.join(directory, f"v{version:08d}")
-    tmp = final + f".tmp{os.getpid()}"
+def start_fallback(directory: str, version: int) -> str:
+    """A fresh temporary directory for the disk fallback of ``version`` (every trainer process
+    writes its shards into it; ``commit_fallback`` renames it into place)."""
+    tmp = os.path.join(directory, f"v{version:08d}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    manifest = {"version": int(version), "leaves": []}
+    return tmp
+
+
+def write_shards(tmp: str, leaves: Sequence[jax.Array], process_index: int | None = None) -> list[dict]:
+    """Write the distinct shards of ``leaves`` that this process owns (``box_owners``) as raw files
+    into ``tmp``; returns their manifest entries ``{leaf, file, box}``."""
+    me = jax.process_index() if process_index is None else process_index
+    entries = []
     with jax.transfer_guard("allow"):
-        for i, (k, x) in enumerate(zip(keys, leaves)):
-            arr = np.asarray(jax.device_get(x))
-            name = f"{i:05d}.bin"
-            arr.tofile(os.path.join(tmp, name))
-            manifest["leaves"].append({"key": k, "file": name, "shape": list(arr.shape), "dtype": str(arr.dtype),
-                                       "checksum": int(checksums[i])})
+        for i, x in enumerate(leaves):
+            owners = box_owners(x.sharding, x.shape)
+            done = set()
+            for sh in x.addressable_shards:
+                box = _box(sh.index, x.shape)
+                if owners[box] != me or box in done:
+                    continue
+                done.add(box)
+                name = f"{i:05d}.{len(done) - 1:04d}.p{me}.bin"
+                np.asarray(jax.device_get(sh.data)).tofile(os.path.join(tmp, name))
+                entries.append({"leaf": i, "file": name, "box": [list(b) for b in box]})
+    return entries
+
+
+def commit_fallback(tmp: str, version: int, keys: Sequence[str], leaves: Sequence[jax.Array],
+                    checksums: Sequence[int], entries: Sequence[dict]) -> str:
+    """Write the manifest (every process's ``write_shards`` entries) and rename ``tmp`` into place."""
+    final = tmp[: -len(".tmp")]
+    by_leaf: dict[int, list] = {}
+    for e in entries:
+        by_leaf.setdefault(int(e["leaf"]), []).append({"file": e["file"], "box": e["box"]})
+    manifest = {"version": int(version), "leaves": []}
+    for i, (k, x) in enumerate(zip(keys, leaves)):
+        shards = sorted(by_leaf.get(i, []), key=lambda e: e["box"])
+        covered = sum(math.prod(b - a for a, b in e["box"]) for e in shards)
+        if covered != math.prod(x.shape):
+            raise RuntimeError(f"weight push fallback: {k}: the written shards cover {covered} of "
+                               f"{math.prod(x.shape)} elements")
+        manifest["leaves"].append({"key": k, "shape": list(x.shape), "dtype": str(jnp.dtype(x.dtype)),
+                                   "checksum": int(checksums[i]), "shards": shards})
     with open(os.path.join(tmp, "manifest.json"), "w") as f:
         json.dump(manifest, f)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
+
+
+def write_weights(directory: str, version: int, keys: Sequence[str], leaves: Sequence[jax.Array],
+                  checksums: Sequence[int]) -> str:
+    """One process's disk fallback: every shard of ``leaves`` under ``directory/v<version>``;
+    atomic (rename). A trainer group uses ``start_fallback`` / ``write_shards`` on every process and
+    ``commit_fallback`` on the first."""
+    tmp = start_fallback(directory, version)
+    return commit_fallback(tmp, version, keys, leaves, checksums, write_shards(tmp, leaves))
 
 
 def read_weights(path: str, keys: Sequence[str], shardings: Sequence[NamedSharding]) -> tuple[list[jax.Array], list[int]]:
@@ -350,7 +443,12 @@ def read_weights(path: str, keys: Sequence[str], shardings: Sequence[NamedShardi
     leaves = []
     with jax.transfer_guard("allow"):
         for e, s in zip(entries, shardings):
-            arr = np.fromfile(os.path.join(path, e["file"]), dtype=jnp.dtype(e["dtype"])).reshape(e["shape"])
+            dtype = jnp.dtype(e["dtype"])
+            arr = np.empty(e["shape"], dtype)
+            for sh in e["shards"]:
+                box = tuple(slice(a, b) for a, b in sh["box"])
+                shape = tuple(b - a for a, b in sh["box"])
+                arr[box] = np.fromfile(os.path.join(path, sh["file"]), dtype=dtype).reshape(shape)
             leaves.append(jax.device_put(arr, s))
     return leaves, [int(e["checksum"]) for e in entries]
 
