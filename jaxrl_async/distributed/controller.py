@@ -1,7 +1,8 @@
 """The controller + trainer role: ``RLLoop`` with its generator in other processes.
 
 ``python -m jaxrl_async.distributed.controller --listen HOST:PORT [--generators N]
-[--generator-devices G] [--cpu-devices T] [--config FILE] [key=value ...]``
+[--generator-devices G] [--cpu-devices T] [--coordinator ADDR --num-processes P --process-id I |
+--jax-distributed] [--config FILE] [key=value ...]``
 
 The controller (data ledger, staleness manager, rollout dispatcher, workflows and rewards,
 checkpoints, metrics) lives in the trainer process, as AReaL's controller lives on the trainer's
@@ -18,6 +19,11 @@ loop (``rl_loop.RLLoop``); this module only replaces its two generator hooks:
   device-to-device through ``jax.experimental.transfer`` (``distributed.transfer``), checksummed,
   with a disk fallback; the version is advertised to the staleness manager only after EVERY
   generator applied it (the invariant the staleness bound rests on).
+
+The trainer itself may be an SPMD group of several processes (``jax.distributed``; ``--coordinator``
+or auto-detection): every trainer process runs this module; process 0 is the controller and the
+others follow it (``distributed.trainer_group``), each serving its own weight shards to the
+generators from its own transfer server.
 
 A generator process that dies or hangs is named in the error (``PeerLostError`` via the dispatcher's
 fatal-error check and the pusher), the run stops with an emergency checkpoint instead of hanging, and
@@ -183,10 +189,12 @@ class TransferPusher(NewestWinsPusher):
     """``weight_sync.WeightPusher``'s interface across processes (see ``distributed.transfer``).
 
     ``push`` (trainer thread): cast to the generator dtype (fresh buffers: the next step may donate
-    the trainer's) and, for ``via_trainer`` leaves, reshard on the trainer devices; dispatch only.
-    The push thread then computes the checksums on device, registers the shards with the transfer
-    server once per generator (fresh uuid), asks each generator to pull, and waits for the replies
-    (timeout); a generator whose pull failed or whose checksum differed gets the disk fallback.
+    the trainer's), for ``via_trainer`` leaves reshard on the trainer devices, and the checksums on
+    device; dispatch only (on a trainer group every process runs the same, told by ``group.send``).
+    The push thread then registers the shards with the transfer server(s) once per generator (fresh
+    uuid; each trainer process its own shards), asks each generator to pull from ``addresses`` (one
+    per trainer process), and waits for the replies (timeout); a generator whose pull failed or
+    whose checksum differed gets the disk fallback (every trainer process writes its shards).
     ``on_applied(version)`` runs once every generator uses the version. Newest wins: a push that
     arrives while one is in flight replaces a waiting one.
     """
@@ -195,7 +203,8 @@ class TransferPusher(NewestWinsPusher):
 
     def __init__(self, remote: RemoteGenerator, plans: Sequence[Any], src_shardings: Sequence[Any], *, dtype: Any,
                  server: Any, on_applied: Callable[[int], None] | None, timeout_s: float, initial_version: int | None,
-                 fallback_dir: str, log_path: str | None = None, guard: bool = True):
+                 fallback_dir: str, log_path: str | None = None, guard: bool = True, group: Any = None,
+                 addresses: Sequence[str] | None = None):
         import jax.numpy as jnp
 
         from jaxrl_async.distributed.transfer import WireSender
@@ -207,28 +216,34 @@ class TransferPusher(NewestWinsPusher):
         self.sender = WireSender(self.plans, src_shardings)
         self.dtype = jnp.dtype(dtype)
         self.server = server
+        self.group = group  # trainer_group.GroupLeader of a multi-process trainer, else None
+        self.addresses = list(addresses) if addresses is not None else None
         self.fallback_dir = fallback_dir
         self.log_path = log_path
         self.routes = collections.Counter(p.route for p in self.plans)
         self._uuid = itertools.count(secrets.randbits(40) << 16)
         self._start()
 
-    def _prepare(self, params: Any) -> list:
+    def _prepare(self, params: Any) -> tuple[list, Any]:
         import jax
 
+        from jaxrl_async.distributed.transfer import checksums_async
         from jaxrl_async.weight_sync import _guard
 
         with _guard(self.guard):
             leaves = jax.tree.leaves(params)
             cast = _CAST(leaves, self.dtype)
-            return self.sender.prepare(cast)
+            wire = self.sender.prepare(cast)
+            return wire, checksums_async(wire)
 
-    def _dispatch(self, params: Any, version: int) -> tuple[list, CrossPushStats, float]:
+    def _dispatch(self, params: Any, version: int) -> tuple[tuple[list, Any], CrossPushStats, float]:
         t0 = time.perf_counter()
-        wire = self._prepare(params)
+        if self.group is not None:
+            self.group.send("push", int(version))
+        wire, sums = self._prepare(params)
         stats = CrossPushStats(version=int(version), bytes=int(sum(x.size * x.dtype.itemsize for x in wire)),
                                dispatch_s=time.perf_counter() - t0)
-        return wire, stats, t0
+        return (wire, sums), stats, t0
 
     def push(self, params: Any, version: int) -> CrossPushStats:
         self._raise_if_failed()
@@ -243,24 +258,32 @@ class TransferPusher(NewestWinsPusher):
         self.history.append(stats)
         return stats
 
-    def _deliver(self, wire: list, stats: CrossPushStats, t0: float) -> None:
-        from jaxrl_async.distributed.transfer import checksum_fn, write_weights
+    def _deliver(self, payload: tuple[list, Any], stats: CrossPushStats, t0: float) -> None:
+        from jaxrl_async.distributed.transfer import commit_fallback, host_checksums, start_fallback, write_shards
 
+        wire, sums_dev = payload
         v = stats.version
-        sums = checksum_fn(wire)
+        sums = host_checksums(sums_dev)
         shards = self.sender.shards(wire)
-        address = self.server.address()
+        addresses = self.addresses or [self.server.address()]
+        uuids = [next(self._uuid) for _ in self.remote.peers]
+        if self.group is not None:  # the other trainer processes register their shards
+            self.group.call("register", v, uuids, self.timeout_s, timeout=self.timeout_s + 30.0)
         futs = []
-        for p in self.remote.peers:
-            uuid = next(self._uuid)
+        for p, uuid in zip(self.remote.peers, uuids):
             self.server.await_pull(uuid, shards)
-            futs.append(p.call_async("pull_weights", v, uuid, address, sums, self.timeout_s))
+            futs.append(p.call_async("pull_weights", v, uuid, addresses, sums, self.timeout_s))
         replies = [self._reply(f, p, "pull_weights", v) for f, p in zip(futs, self.remote.peers)]
         failed = [i for i, r in enumerate(replies) if not r["ok"]]
         path = None
         if failed:
             stats.fallback_reason = "; ".join(f"{self.remote.peers[i].name}: {replies[i]['reason']}" for i in failed)
-            path = write_weights(self.fallback_dir, v, self.keys, wire, sums)
+            tmp = start_fallback(self.fallback_dir, v)
+            entries = write_shards(tmp, wire)
+            if self.group is not None:
+                for got in self.group.call("write_fallback", v, tmp, timeout=self.timeout_s + 30.0):
+                    entries.extend(got)
+            path = commit_fallback(tmp, v, self.keys, wire, sums, entries)
             for i in failed:
                 p = self.remote.peers[i]
                 replies[i] = self._reply(p.call_async("load_weights", v, path, sums, self.timeout_s), p, "load_weights", v)
@@ -343,7 +366,9 @@ def role_config(cfg: Any, generator_devices: int, trainer_devices: int) -> Any:
 
 
 class DistributedRLLoop(RLLoop):
-    """``RLLoop`` whose generator role runs in ``generator_role`` processes (module docstring)."""
+    """``RLLoop`` whose generator role runs in ``generator_role`` processes and whose trainer may span
+    several processes (module docstring). On a trainer group every trainer-side hook first sends
+    its operation to the followers (``trainer_group.GroupLeader.send``), then runs it here."""
 
     def __init__(self, cfg: Any, *, listener: Any, num_generators: int = 1, accept_timeout_s: float = 300.0,
                  call_timeout_s: float = 600.0, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0,
@@ -353,48 +378,141 @@ class DistributedRLLoop(RLLoop):
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.transfer_host = transfer_host
         self._peers: list[rpc.Peer] = []
+        self._gen_conns: list[tuple[rpc.Peer, dict]] = []
+        self.group = None  # trainer_group.GroupLeader when the trainer spans several processes
         super().__init__(cfg, **kw)
 
     def _setup_devices(self) -> None:
         import jax
 
-        from jaxrl_async.config import _resolve_shape
-        from jaxrl_async.sharding.mesh import make_mesh
+        from jaxrl_async.distributed.trainer_group import GroupLeader, trainer_mesh
 
-        m = self.cfg.mesh
         devs = jax.devices()
-        if jax.process_count() > 1:
-            raise NotImplementedError("a trainer group of several processes (jax.distributed) needs the batch "
-                                      "broadcast to every trainer process and one transfer server per process; "
-                                      "not implemented yet (NOTES.md, Multi-process)")
-        shape = _resolve_shape(m.trainer.shape, len(devs), "mesh.trainer.shape")
-        self.trainer_mesh = make_mesh(shape, m.trainer.axis_names, devices=devs)
+        self.trainer_mesh = trainer_mesh(self.cfg)
         self.gen_mesh, self.gen_ids, self.trainer_ids, self.colocated = None, (), tuple(range(len(devs))), False
-        self._say(f"trainer devices: {len(devs)} x {devs[0].platform}, mesh {dict(self.trainer_mesh.shape)}; "
-                  f"generators: {self.num_generators} process(es), listening on {self.listener.address}")
+        P = jax.process_count()
+        self._say(f"trainer devices: {len(devs)} x {devs[0].platform} in {P} process(es), mesh "
+                  f"{dict(self.trainer_mesh.shape)}; generators: {self.num_generators} process(es), listening on "
+                  f"{self.listener.address}")
+        followers = self._accept_peers(P - 1)
+        if followers:
+            self.group = GroupLeader(followers, call_timeout_s=self.call_timeout_s)
 
-    def _accept_generators(self) -> list[rpc.Peer]:
-        peers = []
-        for k in range(self.num_generators):
-            conn = rpc.accept(self.listener, self.accept_timeout_s, f"generator process ({k + 1} of {self.num_generators})")
+    def _accept_peers(self, n_followers: int) -> list[rpc.Peer]:
+        """Accept the other trainer processes and the generator processes (any order); returns the
+        followers in process order and keeps the generators for ``_start_generator``."""
+        followers: dict[int, rpc.Peer] = {}
+        total = n_followers + self.num_generators
+        for k in range(total):
+            conn = rpc.accept(self.listener, self.accept_timeout_s,
+                              f"role process ({k + 1} of {total}: {n_followers} other trainer process(es), "
+                              f"{self.num_generators} generator(s))")
             hello: dict[str, Any] = {}
             got = threading.Event()
 
             def handler(method: str, args: tuple, reply: Callable, hello=hello, got=got) -> None:
                 if method != "register":
-                    raise ValueError(f"controller: unexpected call {method!r} from a generator")
+                    raise ValueError(f"controller: unexpected call {method!r} from a role process")
                 hello.update(args[0])
                 got.set()
                 reply(True, None)
 
-            peer = rpc.Peer(conn, f"generator process #{k}", handler=handler, heartbeat_s=self.heartbeat_s,
+            peer = rpc.Peer(conn, f"role process #{k}", handler=handler, heartbeat_s=self.heartbeat_s,
                             heartbeat_timeout_s=self.heartbeat_timeout_s)
             if not got.wait(60.0):
-                raise TimeoutError(f"generator connection #{k} did not register within 60 s")
+                raise TimeoutError(f"role connection #{k} did not register within 60 s")
             peer.name = f"{hello['name']} (pid {hello['pid']} on {hello['host']})"
-            self._say(f"generator connected: {peer.name}")
-            peers.append(peer)
-        return peers
+            if hello.get("role") == "trainer":
+                i = int(hello["process_index"])
+                if not 0 < i <= n_followers or i in followers:
+                    raise RuntimeError(f"{peer.name}: trainer process index {i} is not one of 1..{n_followers} "
+                                       "or registered twice (same --num-processes on every trainer process?)")
+                followers[i] = peer
+                self._say(f"trainer process connected: {peer.name}")
+            else:
+                if len(self._peers) >= self.num_generators:
+                    raise RuntimeError(f"{peer.name}: more generator processes than --generators {self.num_generators}")
+                self._peers.append(peer)
+                self._say(f"generator connected: {peer.name}")
+        return [followers[i] for i in sorted(followers)]
+
+    # -- trainer group: every trainer-side operation runs on all trainer processes, in this order --
+    def _setup_model(self) -> None:
+        super()._setup_model()
+        if self.group is not None:
+            spec = {"model_cfg": self.model_cfg, "run_dir": self.run_dir, "tokenizer_dir": self.tokenizer_dir}
+            infos = self.group.results(self.group.send("setup", spec), "setup")
+            self._say(f"trainer group: {self.group.size} processes (" + ", ".join(
+                f"#{i['process_index']} pid {i['pid']} on {i['host']}" for i in infos) + " follow this one)")
+
+    def _build_trainer(self):
+        if self.group is not None:
+            self.group.send("build_trainer")
+        return super()._build_trainer()
+
+    def _build_checkpointer(self) -> Any:
+        if self.group is not None:
+            self.group.send("build_checkpointer")
+        return super()._build_checkpointer()
+
+    def _warm_start(self, params: Any, examples: Sequence[Any]) -> Any:
+        if self.group is not None:
+            self.group.send("warm_start", list(examples))
+        return super()._warm_start(params, examples)
+
+    def _initial_state(self, trainer: Any) -> Any:
+        if self.group is None:
+            return super()._initial_state(trainer)
+        params = self.init_params
+        if self.cfg.trainer.sft.steps > 0:
+            params = self._warm_start(params, self._sft_examples())
+        self.group.send("init_state")
+        return trainer.init_state(params)
+
+    def _restore_checkpoint(self, ckpt: Any, trainer: Any) -> Any:
+        if self.group is None:
+            return super()._restore_checkpoint(ckpt, trainer)
+        futs = self.group.send("restore")
+        r = super()._restore_checkpoint(ckpt, trainer)
+        steps = self.group.results(futs, "restore")
+        if any(s != r.step for s in steps):
+            raise RuntimeError(f"trainer group restored different checkpoints: step {r.step} here, {steps} on the "
+                               "other processes (is the run directory on a filesystem every host sees?)")
+        return r
+
+    def _train_batch(self, trainer: Any, state: Any, trajs: Sequence[Any], version: int) -> tuple[Any, list]:
+        if self.group is not None:
+            self.group.send("train", list(trajs), int(version))
+        return super()._train_batch(trainer, state, trajs, version)
+
+    def _save_checkpoint(self, ckpt: Any, arrays: Any, meta: Any, buffered: list) -> Any:
+        if self.group is not None:
+            self.group.send("save", meta, buffered)
+        return super()._save_checkpoint(ckpt, arrays, meta, buffered)
+
+    def _wait_checkpoint(self, ckpt: Any) -> None:
+        if self.group is not None:
+            self.group.send("wait_checkpoint")
+        super()._wait_checkpoint(ckpt)
+
+    def _close_checkpoint(self, ckpt: Any) -> None:
+        if self.group is not None:
+            if self.group.error is not None:
+                return  # Orbax's close synchronises with processes that are gone: leave it to the exit
+            self.group.send("close_checkpoint")
+        super()._close_checkpoint(ckpt)
+
+    def _export(self, ckpt: Any, step: int) -> Any:
+        if self.group is not None:
+            self.group.send("export", int(step))
+        return super()._export(ckpt, step)
+
+    def run(self) -> Any:
+        try:
+            return super().run()
+        finally:
+            if self.group is not None:
+                self.group.finish()
 
     def _start_generator(self, params: Any, version: int) -> Any:
         import jax
@@ -402,8 +520,10 @@ class DistributedRLLoop(RLLoop):
 
         from jaxrl_async.distributed.transfer import layout_of, plan_transfer, tree_keys
 
+        from jaxrl_async.distributed.transfer import WireSender
+
         c, ro = self.cfg, self.cfg.rollout
-        self._peers = peers = self._accept_generators()
+        peers = self._peers
         gen_cfg = generator_model_config(self.model_cfg)
         leaves = jax.tree.leaves(params)
         spec = {"model_config": gen_cfg, "engine": ro.engine, "mesh_shape": tuple(c.mesh.generator.shape),
@@ -426,8 +546,13 @@ class DistributedRLLoop(RLLoop):
         self._src_shardings = [x.sharding for x in leaves]
         self._transfer_server = jtransfer.start_transfer_server(jax.local_devices()[0].client, f"{self.transfer_host}:0",
                                                                 [f"{self.transfer_host}:0"])
+        self._addresses = [self._transfer_server.address()]
+        if self.group is not None:  # one transfer server per trainer process, each serving its own shards
+            self._addresses += self.group.results(self.group.send("configure_push", self._plans, dtype),
+                                                  "configure_push")
+        owners = WireSender(self._plans, self._src_shardings).owners
         for p in peers:
-            p.call("configure_push", src_layouts, dtype, self.transfer_host, timeout=self.call_timeout_s)
+            p.call("configure_push", src_layouts, dtype, self.transfer_host, owners, timeout=self.call_timeout_s)
         self.remote = RemoteGenerator(peers, call_timeout_s=min(self.call_timeout_s, 120.0))
         self._initial_pusher = self._make_pusher(None, self.call_timeout_s, None)
         st = self._initial_pusher.push_now(params, version)
@@ -444,7 +569,8 @@ class DistributedRLLoop(RLLoop):
         return TransferPusher(self.remote, self._plans, self._src_shardings, dtype=jax.numpy.dtype(self.model_cfg.dtype),
                               server=self._transfer_server, on_applied=on_applied, timeout_s=timeout_s,
                               initial_version=initial_version, fallback_dir=os.path.join(self.run_dir, "weight_push"),
-                              log_path=os.path.join(self.run_dir, PUSH_LOG))
+                              log_path=os.path.join(self.run_dir, PUSH_LOG), group=self.group,
+                              addresses=self._addresses)
 
     def _build_pusher(self, generator: Any, *, on_applied: Callable[[int], None], timeout_s: float,
                       initial_version: int) -> Any:
@@ -467,8 +593,34 @@ def _split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--accept-timeout", type=float, default=300.0)
     ap.add_argument("--heartbeat-timeout", type=float, default=60.0)
     ap.add_argument("--transfer-host", default=None, help="address of this host for transfer pulls (default: the "
-                    "--listen host)")
+                    "--listen host on process 0; on the other trainer processes the address they reach it from)")
+    g = ap.add_argument_group("trainer group (one SPMD program over several processes: jax.distributed)")
+    g.add_argument("--jax-distributed", action="store_true", help="jax.distributed.initialize() with auto-detection "
+                   "(SLURM, TPU pod, JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)")
+    g.add_argument("--coordinator", default=None, help="HOST:PORT of the jax.distributed coordinator (process 0)")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--jax-heartbeat-timeout", type=int, default=60, help="seconds after which the JAX coordination "
+                   "service gives up on a silent trainer process (and aborts the others)")
     return ap.parse_known_args(argv)
+
+
+def init_distributed(a: argparse.Namespace) -> None:
+    """``jax.distributed.initialize`` for a trainer group (explicit or auto-detected); no-op otherwise.
+    On CPU the cross-process collectives use gloo."""
+    import jax
+
+    explicit = [a.coordinator, a.num_processes, a.process_id]
+    if any(x is not None for x in explicit) and not all(x is not None for x in explicit):
+        raise ValueError("--coordinator, --num-processes and --process-id go together")
+    if not (a.jax_distributed or a.coordinator):
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kw = dict(heartbeat_timeout_seconds=int(a.jax_heartbeat_timeout))
+    if a.coordinator:
+        jax.distributed.initialize(a.coordinator, int(a.num_processes), int(a.process_id), **kw)
+    else:
+        jax.distributed.initialize(**kw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,27 +636,44 @@ def main(argv: list[str] | None = None) -> int:
     if a.cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", int(a.cpu_devices))
     try:
+        init_distributed(a)
+    except ValueError as e:
+        print(f"[jaxrl_async] {e}", file=sys.stderr)
+        return 2
+    try:
         from jaxrl_async.main import _peek_config
 
         cfg = role_config(_peek_config(rest), a.generator_devices, jax.device_count())
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
+    if jax.process_index() > 0:  # a follower of the trainer group
+        from jaxrl_async.distributed.trainer_group import run_follower
+
+        return run_follower(cfg, a.listen, connect_timeout_s=a.accept_timeout, heartbeat_timeout_s=a.heartbeat_timeout,
+                            transfer_host=a.transfer_host)
     from jaxrl_async.rl_loop import FatalRunError
 
     authkey = rpc.authkey_from_env()
     listener = rpc.listen(a.listen, authkey)
     host = a.transfer_host or rpc.parse_address(a.listen)[0]
+    loop = None
     try:
         loop = DistributedRLLoop(cfg, listener=listener, num_generators=a.generators, accept_timeout_s=a.accept_timeout,
                                  heartbeat_timeout_s=a.heartbeat_timeout, transfer_host=host)
         result = loop.run()
-    except FatalRunError as e:
-        print(f"[jaxrl_async] run failed: {e}", file=sys.stderr, flush=True)
-        return 1
-    except (TimeoutError, ConnectionError, rpc.RemoteError) as e:
-        print(f"[jaxrl_async] run failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
+    except BaseException as e:
+        group_err = loop.group.error if loop is not None and loop.group is not None else None
+        if group_err is not None:  # a trainer process is gone: jax's exit barrier would wait for it
+            print(f"[jaxrl_async] run failed: {group_err} (then: {type(e).__name__}: {e})", file=sys.stderr, flush=True)
+            os._exit(1)
+        if isinstance(e, FatalRunError):
+            print(f"[jaxrl_async] run failed: {e}", file=sys.stderr, flush=True)
+            return 1
+        if isinstance(e, (TimeoutError, ConnectionError, rpc.RemoteError)):
+            print(f"[jaxrl_async] run failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            return 1
+        raise
     finally:
         listener.close()
     print(f"[jaxrl_async] done: {result.steps} steps, version {result.version} ({result.stopped_by})", file=sys.stderr)

@@ -281,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     lost = threading.Event()
 
     def on_lost(err: BaseException) -> None:
+        if server.stopped.is_set():  # stop() was served: the controller closing afterwards is the normal end
+            return
         say(f"{err}; stopping")
         lost.set()
         server.shutdown()

@@ -1,10 +1,11 @@
 """Start the roles of a multi-process run on this host and supervise them.
 
-``python -m jaxrl_async.distributed.launch [--generators N] [--trainer-cpu-devices T]
-[--generator-cpu-devices G] [--port P] [--config FILE] [key=value ...]``
+``python -m jaxrl_async.distributed.launch [--generators N] [--trainer-processes K]
+[--trainer-cpu-devices T] [--generator-cpu-devices G] [--port P] [--config FILE] [key=value ...]``
 
-Spawns the controller (``distributed.controller``: controller + trainer) and ``N`` generator
-processes (``distributed.generator_role``) with a fresh ``$JAXRL_RPC_AUTHKEY``, streams their
+Spawns the controller (``distributed.controller``: controller + trainer; with ``--trainer-processes
+K`` > 1, K trainer processes forming one SPMD program through ``jax.distributed`` on a local
+coordinator, process 0 being the controller) and ``N`` generator processes (``distributed.generator_role``) with a fresh ``$JAXRL_RPC_AUTHKEY``, streams their
 output with a role prefix, and exits with the controller's status. On a GPU node, give each role its
 devices with ``--trainer-env CUDA_VISIBLE_DEVICES=4,5,6,7 --generator-env CUDA_VISIBLE_DEVICES=0,1,2,3``
 (TPU: ``TPU_VISIBLE_CHIPS``); on several nodes start the role modules directly from the cluster's
@@ -45,20 +46,29 @@ def _pump(proc: subprocess.Popen, prefix: str) -> threading.Thread:
     return t
 
 
-def role_commands(args: argparse.Namespace, rest: list[str], port: int) -> tuple[list[str], list[list[str]]]:
+def role_commands(args: argparse.Namespace, rest: list[str], port: int,
+                  coordinator_port: int | None = None) -> tuple[list[list[str]], list[list[str]]]:
+    """(trainer process commands, generator commands); the first trainer command is the controller."""
     py = sys.executable
     addr = f"127.0.0.1:{port}"
     ctrl = [py, "-m", "jaxrl_async.distributed.controller", "--listen", addr, "--generators", str(args.generators),
             "--generator-devices", str(args.generator_devices)]
     if args.trainer_cpu_devices:
         ctrl += ["--cpu-devices", str(args.trainer_cpu_devices)]
+    K = int(getattr(args, "trainer_processes", 1) or 1)
+    if K > 1:
+        coord = f"127.0.0.1:{coordinator_port or free_port()}"
+        trainers = [ctrl + ["--coordinator", coord, "--num-processes", str(K), "--process-id", str(i)] + rest
+                    for i in range(K)]
+    else:
+        trainers = [ctrl + rest]
     gens = []
     for k in range(args.generators):
         g = [py, "-m", "jaxrl_async.distributed.generator_role", "--controller", addr, "--name", f"generator-{k}"]
         if args.generator_cpu_devices:
             g += ["--cpu-devices", str(args.generator_cpu_devices)]
         gens.append(g)
-    return ctrl + rest, gens
+    return trainers, gens
 
 
 def _env(extra: list[str]) -> dict[str, str]:
@@ -72,6 +82,7 @@ def _env(extra: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxrl_async.distributed.launch", add_help=False)
     ap.add_argument("--generators", type=int, default=1)
+    ap.add_argument("--trainer-processes", type=int, default=1, help="trainer processes (one SPMD group)")
     ap.add_argument("--trainer-cpu-devices", type=int, default=None)
     ap.add_argument("--generator-cpu-devices", type=int, default=None)
     ap.add_argument("--generator-devices", type=int, default=None,
@@ -89,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         args.generator_devices = args.generator_cpu_devices or 1
     port = args.port or free_port()
     os.environ.setdefault("JAXRL_RPC_AUTHKEY", secrets.token_hex(16))
-    ctrl_cmd, gen_cmds = role_commands(args, rest, port)
-    ctrl = subprocess.Popen(ctrl_cmd, env=_env(args.trainer_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    pumps = [_pump(ctrl, "[controller]")]
+    trainer_cmds, gen_cmds = role_commands(args, rest, port)
+    trainers = [subprocess.Popen(cmd, env=_env(args.trainer_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                for cmd in trainer_cmds]
+    ctrl = trainers[0]
+    pumps = [_pump(ctrl, "[controller]")] + [_pump(p, f"[trainer-{i}]") for i, p in enumerate(trainers[1:], 1)]
     gens = []
     for k, cmd in enumerate(gen_cmds):
         p = subprocess.Popen(cmd, env=_env(args.generator_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -110,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         ctrl.terminate()
     rc = ctrl.wait()
     deadline = time.monotonic() + args.grace
-    for p in gens:
+    for p in trainers[1:] + gens:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -118,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             p.wait()
     for t in pumps:
         t.join(5.0)
-    print(f"[launch] controller exited with status {rc}; generators: {[p.returncode for p in gens]}", file=sys.stderr)
+    print(f"[launch] controller exited with status {rc}; other trainer processes: "
+          f"{[p.returncode for p in trainers[1:]]}; generators: {[p.returncode for p in gens]}", file=sys.stderr)
     return rc
 
 

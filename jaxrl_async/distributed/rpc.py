@@ -225,6 +225,8 @@ class Peer:
                                              "exited, was killed or its host is unreachable"))
                 return
             except Exception as e:  # noqa: BLE001 - an unpicklable message: report, keep reading
+                if self._closed.is_set():  # close() from another thread while recv() ran (handle gone)
+                    return
                 log.error("%s: undecodable message: %s: %s", self.name, type(e).__name__, e)
                 continue
             self.last_reply_t = time.monotonic()

@@ -1,0 +1,378 @@
+"""A trainer that spans several processes: one SPMD program (``jax.distributed``) driven by process 0.
+
+Every process of the trainer group runs ``python -m jaxrl_async.distributed.controller`` with the
+same arguments and the multi-controller runtime (``jax.distributed.initialize``: explicit
+``--coordinator/--num-processes/--process-id``, or auto-detected from SLURM / a TPU pod / the
+``JAX_*`` variables). The trainer mesh spans the devices of all of them (``trainer_mesh``).
+
+* **Process 0, the leader**, is the controller: data, staleness, rollouts, rewards, metrics,
+  checkpoints' metadata, the weight push (``controller.DistributedRLLoop``). It holds a
+  ``GroupLeader``: an RPC connection to every other trainer process.
+* **Processes 1..P-1, the followers** (``TrainerFollower``), hold their shards of the same training
+  state and execute, **in the leader's order**, every operation that runs a program over the
+  trainer mesh or synchronises Orbax: SPMD requires that all processes issue the same collectives
+  in the same order, and Orbax barriers on construction, save, restore and close (measured). The
+  leader sends each such operation (``GroupLeader.send``) just before running it itself; the
+  follower's main thread runs them one by one from a queue:
+
+  ``setup`` (model config, run dir; builds the initial parameters exactly as the leader does),
+  ``build_trainer``, ``build_checkpointer``, ``warm_start`` (SFT examples), ``init_state``,
+  ``restore`` (replies with the step restored; the leader checks it equals its own),
+  ``train`` (the batch's trajectories and policy version: the batch travels leader -> followers
+  over the RPC), ``configure_push`` (the transfer plan; starts this process's transfer server and
+  replies with its address), ``push`` (cast + reshard + checksums of version v, kept until the
+  generators have pulled it), ``save`` (meta + finished groups), ``wait_checkpoint``, ``export``
+  (the restore half of the Hugging Face export; only the leader writes files),
+  ``close_checkpoint``, ``finish``.
+
+  Two calls are served on the RPC thread instead, because they are per-process work the leader's
+  push thread asks for while the main threads train on: ``register(version, uuids)`` (this
+  process's shards of version v onto its transfer server, one registration per generator) and
+  ``write_fallback(version, dir)`` (its shards of version v to the disk fallback directory).
+
+Failure: an operation that fails on a follower is answered with the error and the follower exits
+at once (status 1), so the leader's pending collective fails (gloo: connection reset) instead of
+waiting; the leader names the follower (``GroupLeader.error``) and stops the run with exit 1. A
+follower whose leader disappears exits with status 3. Beyond that the JAX coordination service
+aborts any process whose peer stopped heartbeating (``--heartbeat-timeout``): no hang.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+from jaxrl_async.distributed import rpc
+
+EXIT_LEADER_LOST = 3
+EXIT_FAILED = 1
+ROLE = "trainer"
+
+
+def trainer_mesh(cfg: Any) -> Any:
+    """The trainer mesh over every device of the group (``mesh.trainer`` shape and axes)."""
+    import jax
+
+    from jaxrl_async.config import _resolve_shape
+    from jaxrl_async.sharding.mesh import make_mesh
+
+    devs = jax.devices()
+    shape = _resolve_shape(cfg.mesh.trainer.shape, len(devs), "mesh.trainer.shape")
+    return make_mesh(shape, cfg.mesh.trainer.axis_names, devices=devs)
+
+
+def local_address(conn: Any) -> str:
+    """The IP of this end of ``conn``: the address the other end reaches this host by (the default
+    transfer-server address of a follower)."""
+    try:
+        s = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            return s.getsockname()[0]
+        finally:
+            s.close()
+    except OSError:
+        return "127.0.0.1"
+
+
+# =============================================================================================
+# Leader side
+# =============================================================================================
+class TrainerGroupError(RuntimeError):
+    """A follower of the trainer group failed or disappeared (the message names it)."""
+
+
+class GroupLeader:
+    """Process 0's handle on the followers (``peers``: one ``rpc.Peer`` each, in process order)."""
+
+    def __init__(self, peers: Sequence[rpc.Peer], *, call_timeout_s: float = 600.0):
+        self.peers = list(peers)
+        self.call_timeout_s = call_timeout_s
+        self._pending: list[tuple[rpc.Peer, str, cf.Future]] = []
+        self._lock = threading.Lock()
+        self.lost = threading.Event()
+
+    @property
+    def size(self) -> int:
+        return len(self.peers) + 1
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first follower failure: a lost connection or a failed ordered operation."""
+        for p in self.peers:
+            if p.error is not None:
+                return TrainerGroupError(f"trainer process {p.name} lost: {p.error}")
+        with self._lock:
+            pending = list(self._pending)
+        for p, method, f in pending:
+            if f.done() and f.exception() is not None:
+                return TrainerGroupError(f"trainer process {p.name} failed in {method!r}: {f.exception()}")
+        return None
+
+    def raise_if_failed(self) -> None:
+        err = self.error
+        if err is not None:
+            raise err
+
+    def send(self, method: str, *args: Any) -> list[cf.Future]:
+        """Queue the ordered operation ``method`` on every follower (do not wait); the caller then
+        runs the same operation itself. Raises if a follower has already failed."""
+        self.raise_if_failed()
+        futs = [p.call_async(method, *args) for p in self.peers]
+        with self._lock:
+            self._pending = [x for x in self._pending if not x[2].done() or x[2].exception() is not None]
+            self._pending.extend((p, method, f) for p, f in zip(self.peers, futs))
+        return futs
+
+    def results(self, futs: Sequence[cf.Future], method: str, timeout: float | None = None) -> list[Any]:
+        """The followers' replies to ``send``'s futures (timeout names the follower)."""
+        out = []
+        for p, f in zip(self.peers, futs):
+            try:
+                out.append(f.result(self.call_timeout_s if timeout is None else timeout))
+            except cf.TimeoutError:
+                raise rpc.PeerTimeoutError(f"trainer process {p.name}: no reply to {method!r} within "
+                                           f"{self.call_timeout_s if timeout is None else timeout:.0f} s") from None
+            except (rpc.RemoteError, rpc.PeerLostError) as e:
+                raise TrainerGroupError(f"trainer process {p.name} failed in {method!r}: {e}") from e
+        return out
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """An unordered call on every follower (served on its RPC thread); waits for the replies."""
+        return self.results([p.call_async(method, *args) for p in self.peers], method, timeout)
+
+    def finish(self, timeout: float = 120.0) -> None:
+        """Let the followers exit (after everything queued ran); close the connections."""
+        if self.error is None:
+            try:
+                self.results(self.send("finish"), "finish", timeout)
+            except (TrainerGroupError, rpc.PeerTimeoutError, rpc.PeerLostError) as e:
+                print(f"[jaxrl_async] trainer group: {e}", file=sys.stderr, flush=True)
+        for p in self.peers:
+            p.close()
+
+
+# =============================================================================================
+# Follower side
+# =============================================================================================
+class TrainerFollower:
+    """One non-leader process of the trainer group (module docstring): runs the leader's ordered
+    operations on its main thread (``serve``); ``register`` / ``write_fallback`` on the RPC thread."""
+
+    UNORDERED = ("register", "write_fallback")
+
+    def __init__(self, cfg: Any, *, transfer_host: str = "127.0.0.1", log: Callable[[str], None] | None = None):
+        import jax
+
+        self.cfg = cfg
+        self.transfer_host = transfer_host
+        self.log = log or (lambda s: print(f"[trainer {jax.process_index()}] {s}", file=sys.stderr, flush=True))
+        self._ops: queue.Queue = queue.Queue()
+        self._side = cf.ThreadPoolExecutor(2, thread_name_prefix="trainer-follower-push")
+        self._cv = threading.Condition()
+        self._wires: dict[int, list] = {}
+        self.done = threading.Event()
+        self.lost = threading.Event()
+        self.model_cfg = self.run_dir = self.tokenizer_dir = self.mesh = None
+        self.params = self.state = self.trainer = self.ckpt = None
+        self.sender = self.server = self.dtype = None
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def handle(self, method: str, args: tuple, reply: Callable[[bool, Any], None]) -> None:
+        if method in self.UNORDERED:
+            self._side.submit(self._answer, getattr(self, "_" + method), args, reply)
+        elif method == "ping":
+            reply(True, os.getpid())
+        elif hasattr(self, "_op_" + method):
+            self._ops.put((method, args, reply))
+        else:
+            raise ValueError(f"trainer follower: unknown operation {method!r}")
+
+    @staticmethod
+    def _answer(fn: Callable, args: tuple, reply: Callable) -> None:
+        try:
+            reply(True, fn(*args))
+        except BaseException as e:  # noqa: BLE001 - sent back to the leader
+            reply(False, (type(e).__name__, str(e), traceback.format_exc()))
+
+    def serve(self) -> int:
+        """Run ordered operations until ``finish`` (0), a failure (1) or the leader's loss (3)."""
+        while not self.done.is_set():
+            if self.lost.is_set():
+                return EXIT_LEADER_LOST
+            try:
+                method, args, reply = self._ops.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                value = getattr(self, "_op_" + method)(*args)
+            except BaseException as e:  # noqa: BLE001
+                self.log(f"{method} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+                reply(False, (type(e).__name__, str(e), traceback.format_exc()))
+                return EXIT_FAILED
+            reply(True, value)
+        return 0
+
+    # -- ordered operations (the leader runs the same, in the same order) ---------------------
+    def _op_setup(self, spec: dict[str, Any]) -> dict[str, Any]:
+        import jax
+
+        from jaxrl_async.rl_loop import initial_params
+
+        self.model_cfg, self.run_dir, self.tokenizer_dir = spec["model_cfg"], spec["run_dir"], spec["tokenizer_dir"]
+        self.mesh = trainer_mesh(self.cfg)
+        _, self.params = initial_params(self.cfg, self.model_cfg)
+        self.log(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} of "
+                 f"{jax.device_count()} trainer devices (mesh {dict(self.mesh.shape)})")
+        return {"pid": os.getpid(), "host": socket.gethostname(), "process_index": jax.process_index()}
+
+    def _op_build_trainer(self) -> None:
+        from jaxrl_async.components import build_trainer
+
+        self.trainer = build_trainer(self.cfg, self.model_cfg, self.mesh)
+
+    def _op_build_checkpointer(self) -> None:
+        from jaxrl_async.rl_loop import build_checkpointer
+
+        self.ckpt = build_checkpointer(self.cfg, self.run_dir, self.model_cfg, self.tokenizer_dir)
+
+    def _op_warm_start(self, examples: Sequence[Any]) -> None:
+        from jaxrl_async.trainer.sft import run_sft
+
+        self.params, _ = run_sft(self.params, self.model_cfg, examples, self.cfg.trainer.sft, mesh=self.mesh,
+                                 seed=self.cfg.seed, progress=False)
+
+    def _op_init_state(self) -> None:
+        self.state = self.trainer.init_state(self.params)
+        self.params = None
+
+    def _op_restore(self) -> int:
+        from jaxrl_async.rl_loop import _state_from_items, restore_train_state
+
+        r = restore_train_state(self.ckpt, self.trainer, self.params)
+        self.state = _state_from_items(r.arrays)
+        self.params = None
+        return int(r.step)
+
+    def _op_train(self, trajs: Sequence[Any], version: int) -> None:
+        self.state, _ = self.trainer.train_batch(self.state, trajs, policy_version=version)
+
+    def _op_configure_push(self, plans: Sequence[Any], dtype: str) -> str:
+        import jax
+        from jax.experimental import transfer as jtransfer
+
+        from jaxrl_async.distributed.transfer import WireSender
+
+        self.sender = WireSender(plans, [x.sharding for x in jax.tree.leaves(self.state.params)])
+        self.dtype = jax.numpy.dtype(dtype)
+        if self.server is None:
+            self.server = jtransfer.start_transfer_server(jax.local_devices()[0].client, f"{self.transfer_host}:0",
+                                                          [f"{self.transfer_host}:0"])
+        return self.server.address()
+
+    def _op_push(self, version: int) -> None:
+        import jax
+
+        from jaxrl_async.distributed.controller import _CAST
+        from jaxrl_async.distributed.transfer import checksums_async
+
+        wire = self.sender.prepare(_CAST(jax.tree.leaves(self.state.params), self.dtype))
+        checksums_async(wire)  # the leader's push computes them here too (same collective order)
+        with self._cv:
+            self._wires[int(version)] = wire
+            self._cv.notify_all()
+
+    def _op_save(self, meta: Any, buffered: list) -> None:
+        from jaxrl_async.rl_loop import _state_items
+
+        self.ckpt.save(_state_items(self.state), meta, trajectories=buffered)
+
+    def _op_wait_checkpoint(self) -> None:
+        self.ckpt.wait()
+
+    def _op_export(self, step: int) -> None:
+        from jaxrl_async.checkpoint.manager import HOST
+
+        # export_checkpoint's restore (Orbax restores are collective); only the leader writes files
+        self.ckpt.restore(step, targets={"params": HOST}, items=["params"], restore_trajectories=False)
+
+    def _op_close_checkpoint(self) -> None:
+        self.ckpt.close()
+
+    def _op_finish(self) -> None:
+        self.done.set()
+
+    # -- unordered (RPC thread pool) ------------------------------------------------------------
+    def _wire(self, version: int, timeout_s: float) -> list:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while int(version) not in self._wires:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"weights of version {version} not prepared on this process after "
+                                       f"{timeout_s:.0f} s")
+                self._cv.wait(min(left, 1.0))
+            return self._wires[int(version)]
+
+    def _register(self, version: int, uuids: Sequence[int], timeout_s: float) -> int:
+        wire = self._wire(version, timeout_s)
+        with self._cv:  # pushes are delivered in increasing versions: older ones are never asked for
+            for v in [v for v in self._wires if v < int(version)]:
+                del self._wires[v]
+        shards = self.sender.shards(wire)
+        for u in uuids:
+            self.server.await_pull(int(u), shards)
+        return len(shards)
+
+    def _write_fallback(self, version: int, tmp: str) -> list[dict]:
+        from jaxrl_async.distributed.transfer import write_shards
+
+        return write_shards(tmp, self._wire(version, 60.0))
+
+
+def run_follower(cfg: Any, controller: str, *, connect_timeout_s: float, heartbeat_timeout_s: float,
+                 transfer_host: str | None = None) -> int:
+    """Connect to the leader at ``controller``, register, and serve (``TrainerFollower.serve``)."""
+    import jax
+
+    me = jax.process_index()
+
+    def say(msg: str) -> None:
+        print(f"[trainer {me} pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        conn = rpc.connect(controller, rpc.authkey_from_env(), connect_timeout_s, "the controller (trainer process 0)")
+    except (TimeoutError, RuntimeError) as e:
+        say(str(e))
+        return 2
+    follower = TrainerFollower(cfg, transfer_host=transfer_host or local_address(conn), log=say)
+
+    def on_lost(err: BaseException) -> None:
+        say(f"{err}; stopping")
+        follower.lost.set()
+
+    peer = rpc.Peer(conn, f"controller at {controller}", handler=follower.handle, on_lost=on_lost,
+                    heartbeat_s=5.0, heartbeat_timeout_s=heartbeat_timeout_s)
+    try:
+        peer.call("register", {"role": ROLE, "name": f"trainer-{me}", "process_index": me, "pid": os.getpid(),
+                               "host": socket.gethostname()}, timeout=60.0)
+    except Exception as e:  # noqa: BLE001
+        say(f"registration with the controller failed: {type(e).__name__}: {e}")
+        return 2
+    say(f"registered with the controller at {controller}")
+    status = follower.serve()
+    if status != 0:
+        # leave now: the leader's collectives fail fast, and jax's shutdown barrier would wait for it
+        say("exiting (status %d)" % status)
+        sys.stderr.flush()
+        time.sleep(0.5)  # let the error reply go out
+        os._exit(status)
+    time.sleep(0.2)  # let the reply to finish() go out
+    peer.close()
+    return 0
