@@ -300,8 +300,9 @@ class TransferPusher(NewestWinsPusher):
         stats.checksum = x
         if self.log_path is not None:
             rec = {**dataclasses.asdict(stats), "checksums": sums, "routes": dict(self.routes),
+                   "trainer_processes": len(addresses),
                    "generators": [{"name": p.name, **{k: r.get(k) for k in ("transport", "pull_s", "verify_s",
-                                                                         "apply_s", "load_s", "shards")},
+                                                                         "apply_s", "load_s", "shards", "sources")},
                                    "checksums_match": r.get("checksums") == sums}
                                   for p, r in zip(self.remote.peers, replies)]}
             with open(self.log_path, "a") as f:

@@ -1,0 +1,169 @@
+"""A trainer that spans several processes (jax.distributed SPMD group; distributed/trainer_group.py).
+
+* ``test_group_updates_equal_single_process``: 3 RL batches (2 minibatches each, the batch rows
+  sharded over the processes) on a trainer mesh fsdp=2 made of 2 processes x 1 CPU device give
+  bit-identical losses and parameters to the same mesh in one process with 2 devices.
+* ``test_two_trainer_processes_kill_and_resume``: the tiny async run with the controller, a second
+  trainer process and a generator process (launched as a user would, each its own simulated CPU
+  device). Run 1: once the periodic checkpoint of step 2 is committed, the second trainer process is
+  killed with SIGKILL: the controller stops within a bounded time with an error naming it. Run 2
+  (same command, a fresh second trainer process): resumes from that checkpoint through the group
+  (every process restores the same step), trains to the end, saves and exports. Every weight push
+  was pulled from the transfer servers of BOTH trainer processes (each serving the shards it owns)
+  with matching checksums, except version 3, corrupted after the pull on purpose and recovered from
+  the disk fallback that both trainer processes wrote their shards to; lag <= eta for every group.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from jaxrl_async.distributed.launch import free_port
+from jaxrl_async.rl_loop import read_data_ledger
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = os.path.join(os.path.dirname(HERE), "loop", "tiny_config.py")
+WORKER = os.path.join(HERE, "group_step_worker.py")
+ETA = 2
+
+
+def _env(cache_dir=None):
+    env = dict(os.environ)
+    if cache_dir is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    env.pop("XLA_FLAGS", None)  # each process sets its own simulated device count
+    env["JAXRL_RPC_AUTHKEY"] = secrets.token_hex(16)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _wait(proc, timeout):
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"pid {proc.pid} still running after {timeout} s (a hang)")
+
+
+def _kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_group_updates_equal_single_process(tmp_path):
+    env = _env()
+    single, group = tmp_path / "single.npz", tmp_path / "group.npz"
+    coord = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, WORKER, str(group), "--coordinator", coord, "--process-id", str(i)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    try:
+        out = subprocess.run([sys.executable, WORKER, str(single), "--single"], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        for p in procs:
+            assert _wait(p, 300) == 0, p.stdout.read().decode(errors="replace")[-3000:]
+    finally:
+        _kill_all(procs)
+    s, g = np.load(single), np.load(group)
+    assert len(s["losses"]) == 6 and np.isfinite(s["losses"]).all()
+    np.testing.assert_array_equal(g["losses"], s["losses"])
+    keys = [k for k in s.files if k.startswith("p")]
+    assert keys and sorted(keys) == sorted(k for k in g.files if k.startswith("p"))
+    for k in keys:
+        np.testing.assert_array_equal(g[k], s[k], err_msg=k)  # bit for bit
+
+
+def _start_roles(run_dir, log_dir, tag, steps, extra_gen=()):
+    """The controller (trainer process 0), trainer process 1 and one generator, as separate processes."""
+    env = _env(log_dir / "jax_cache")
+    addr, coord = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    common = ["--listen", addr, "--generator-devices", "1", "--cpu-devices", "1", "--accept-timeout", "120",
+              "--heartbeat-timeout", "30", "--jax-heartbeat-timeout", "20", "--coordinator", coord,
+              "--num-processes", "2"]
+    cfg = ["--config", TINY, f"run_dir={run_dir}", f"trainer.total_steps={steps}",
+           f"rollout.max_head_offpolicyness={ETA}", "checkpoint.every_steps=2", "checkpoint.export_hf=true"]
+    procs = {}
+    for name, cmd in [
+        ("trainer0", ["-m", "jaxrl_async.distributed.controller", *common, "--process-id", "0", *cfg]),
+        ("trainer1", ["-m", "jaxrl_async.distributed.controller", *common, "--process-id", "1", *cfg]),
+        ("generator", ["-m", "jaxrl_async.distributed.generator_role", "--controller", addr, "--name", "generator-0",
+                       "--cpu-devices", "1", *extra_gen]),
+    ]:
+        log = open(log_dir / f"{tag}-{name}.log", "wb")
+        procs[name] = subprocess.Popen([sys.executable, *cmd], env=env, stdout=log, stderr=subprocess.STDOUT)
+    return procs
+
+
+def test_two_trainer_processes_kill_and_resume(tmp_path):
+    run = tmp_path / "run"
+    logs = tmp_path
+    read = lambda tag, name: (logs / f"{tag}-{name}.log").read_text(errors="replace")  # noqa: E731
+    # --- run 1: kill trainer process 1 once checkpoint 2 is committed -----------------------------
+    p1 = _start_roles(run, logs, "run1", steps=30)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "2" / "commit_success.txt").exists():
+            assert time.monotonic() < deadline, "run 1 committed no checkpoint\n" + read("run1", "trainer0")[-3000:]
+            assert p1["trainer0"].poll() is None, read("run1", "trainer0")[-3000:]
+            time.sleep(0.3)
+        victim = p1["trainer1"].pid
+        os.kill(victim, signal.SIGKILL)
+        t_kill = time.monotonic()
+        rc1 = _wait(p1["trainer0"], 150)
+        stop_s = time.monotonic() - t_kill
+        _wait(p1["generator"], 60)
+    finally:
+        _kill_all(p1.values())
+    log1 = read("run1", "trainer0")
+    assert rc1 == 1, log1[-3000:]
+    assert re.search(rf"run failed: trainer process trainer-1 \(pid {victim} on [^)]*\) lost", log1), log1[-3000:]
+    assert stop_s < 90, stop_s
+
+    # --- run 2: the same command resumes through the group and completes ---------------------------
+    p2 = _start_roles(run, logs, "run2", steps=5, extra_gen=("--inject-corrupt-pull", "3"))
+    try:
+        rc2 = _wait(p2["trainer0"], 300)
+        rc2b = _wait(p2["trainer1"], 60)
+        _wait(p2["generator"], 60)
+    finally:
+        _kill_all(p2.values())
+    log2 = read("run2", "trainer0")
+    assert rc2 == 0 and rc2b == 0, log2[-3000:] + read("run2", "trainer1")[-2000:]
+    m = re.search(r"resumed from \S+/checkpoints/(\d+): step (\d+)", log2)
+    assert m and int(m.group(2)) >= 2, log2[-3000:]
+    start = int(m.group(2))
+    assert "trainer group: 2 processes" in log2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["stopped_by"] == "completed", summary
+    assert summary["counts"]["balanced"], summary["counts"]
+    assert (run / "hf" / "model.safetensors").is_file() and (run / "checkpoints" / "5").is_dir()
+    pushes = [json.loads(line) for line in (run / "weight_push.jsonl").read_text().splitlines()]
+    by_version = {p["version"]: p for p in pushes if p["version"] >= start}  # run 2's (run 1's are older)
+    assert start in by_version and max(by_version) == 5, sorted(by_version)
+    assert 3 in by_version, "the fault-injected version was skipped (newest wins); the fallback was not exercised"
+    for v, p in by_version.items():
+        g = p["generators"][0]
+        assert g["checksums_match"], p
+        if v == 3:  # corrupted after the pull: caught by the checksum, recovered from both processes' shards
+            assert p["transport"] == "disk" and g["transport"] == "disk", p
+            assert "ChecksumMismatch" in p["fallback_reason"]
+        else:
+            assert p["transport"] == "transfer" and p["trainer_processes"] == 2, p
+            assert g["sources"] == 2, p  # the generator pulled from both trainer processes' servers
+    assert not any(n.startswith("v") for n in os.listdir(run / "weight_push")), "fallback files left behind"
+    consumes = [e for e in read_data_ledger(str(run)).events("consume") if e["step"] > start]
+    lags = [lag for e in consumes for lag in e["lags"]]
+    assert len(consumes) == 5 - start and lags and max(lags) <= ETA, (consumes, lags)
