@@ -10,6 +10,9 @@ data=1 x tensor=2 (bf16, generator rules).
   assembles, reshards and verifies the checksums. Seconds = trainer dispatch -> generator verified
   (the path ``distributed.controller.TransferPusher`` times, without handing the weights to a decode
   thread). Parts: trainer prepare+checksum, generator pull, generator verify.
+* trainer group (``--group``): the same trainer mesh fsdp=2 made of TWO trainer processes with one
+  device each (jax.distributed, gloo); each runs its own transfer server and registers the shards it
+  owns (``WireSender.owners``); the generator pulls from both servers. Same timing points.
 * single process: 4 devices (trainer on 2, generator on 2), ``weight_sync.WeightPusher`` to a
   recording generator: dispatch -> copy complete on the generator devices (no checksum).
 The first push (compilation) is excluded; the median of the rest is reported.
@@ -51,40 +54,69 @@ def _params(cfg, mesh, rules, dtype):
 def role_trainer(args) -> None:
     import jax
 
+    if args.group_process is not None:  # one of the 2 processes of a trainer group
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, 2, args.group_process, heartbeat_timeout_seconds=60)
+    from jax.experimental import multihost_utils
     from jax.experimental import transfer as jtransfer
     from multiprocessing.connection import Client
 
     from jaxrl_async.distributed.transfer import WireSender, checksum_fn, layout_of, plan_transfer, tree_keys
     from jaxrl_async.sharding.mesh import make_mesh
 
+    lead = jax.process_index() == 0
     cfg = _model_cfg(args.model)
     mesh = make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
     params, _ = _params(cfg, mesh, "trainer", "float32")
     leaves = jax.tree.leaves(params)
-    conn = Client(("127.0.0.1", args.port), authkey=bytes.fromhex(os.environ["BENCH_KEY"]))
-    dst_layouts = conn.recv()
+    server = jtransfer.start_transfer_server(jax.local_devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
+    addr_file = os.path.join(args.scratch, f"addr{jax.process_index()}")
+    with open(addr_file + ".tmp", "w") as f:
+        f.write(server.address())
+    os.replace(addr_file + ".tmp", addr_file)
+    if lead:
+        conn = Client(("127.0.0.1", args.port), authkey=bytes.fromhex(os.environ["BENCH_KEY"]))
+        dst_layouts = conn.recv()
     src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("addresses written")
+        layouts_file = os.path.join(args.scratch, "dst_layouts.pkl")
+        import pickle
+
+        if lead:
+            with open(layouts_file, "wb") as f:
+                pickle.dump(dst_layouts, f)
+        multihost_utils.sync_global_devices("layouts written")
+        with open(layouts_file, "rb") as f:
+            dst_layouts = pickle.load(f)
+    addresses = [open(os.path.join(args.scratch, f"addr{i}")).read() for i in range(jax.process_count())]
     plans = plan_transfer(tree_keys(params), [x.shape for x in leaves], "bfloat16", src_layouts, dst_layouts)
-    conn.send(src_layouts)
     sender = WireSender(plans, [x.sharding for x in leaves])
-    server = jtransfer.start_transfer_server(jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
+    if lead:
+        conn.send((src_layouts, sender.owners))
     cast = jax.jit(lambda xs: [x.astype("bfloat16") for x in xs])
     rows = []
     for r in range(args.repeats + 1):
         t0 = time.perf_counter()
         wire = sender.prepare(cast(leaves))
-        sums = checksum_fn(wire)
-        shards = sender.shards(wire)
+        sums = checksum_fn(wire)  # a collective on a trainer group
+        shards = sender.shards(wire)  # the shards this process owns
         server.await_pull(1000 + r, shards)
         t1 = time.perf_counter()
-        conn.send((1000 + r, server.address(), sums))
-        rep = conn.recv()
-        t2 = time.perf_counter()
-        rows.append({"total_s": t2 - t0, "prepare_checksum_s": t1 - t0, **rep,
-                     "bytes": int(sum(x.size * x.dtype.itemsize for x in wire)),
-                     "routes": sorted({p.route for p in plans})})
-    conn.send(None)
-    print(json.dumps(rows), flush=True)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"registered {r}")
+        if lead:
+            conn.send((1000 + r, addresses, sums))
+            rep = conn.recv()
+            t2 = time.perf_counter()
+            rows.append({"total_s": t2 - t0, "prepare_checksum_s": t1 - t0, **rep,
+                         "bytes": int(sum(x.size * x.dtype.itemsize for x in wire)),
+                         "routes": sorted({p.route for p in plans}), "trainer_processes": jax.process_count()})
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"pulled {r}")  # keep the shards registered until pulled
+    if lead:
+        conn.send(None)
+        print(json.dumps(rows), flush=True)
 
 
 def role_generator(args) -> None:
@@ -107,7 +139,7 @@ def role_generator(args) -> None:
     lst = Listener(("127.0.0.1", args.port), authkey=bytes.fromhex(os.environ["BENCH_KEY"]))
     conn = lst.accept()
     conn.send([layout_of(s, len(x.shape)) for s, x in zip(dst, shapes)])
-    src_layouts = conn.recv()
+    src_layouts, owners = conn.recv()
     plans = plan_transfer(keys, [x.shape for x in shapes], "bfloat16", src_layouts,
                           [layout_of(s, len(x.shape)) for s, x in zip(dst, shapes)])
     recv = WireReceiver(plans, dst)
@@ -117,15 +149,16 @@ def role_generator(args) -> None:
         msg = conn.recv()
         if msg is None:
             return
-        uuid, addr, sums = msg
-        if addr not in peers:
-            peers[addr] = server.connect(addr)
-        c = peers[addr]
+        uuid, addresses, sums = msg
+        for addr in addresses:
+            if addr not in peers:
+                peers[addr] = server.connect(addr)
         t0 = time.perf_counter()
-        out = recv.pull(c, uuid, 600)
+        out = recv.pull([peers[a] for a in addresses], uuid, 600, owners)
         t1 = time.perf_counter()
         verify(out, sums, keys, uuid)
-        conn.send({"pull_s": t1 - t0, "verify_s": time.perf_counter() - t1, "shards": len(recv.specs)})
+        conn.send({"pull_s": t1 - t0, "verify_s": time.perf_counter() - t1, "shards": len(recv.specs),
+                   "sources": len(addresses)})
 
 
 def role_single(args) -> None:
@@ -157,12 +190,36 @@ def role_single(args) -> None:
     print(json.dumps(rows), flush=True)
 
 
-def _run_role(role: str, args, devices: int, env: dict) -> subprocess.Popen:
+def _run_role(role: str, args, devices: int, env: dict, extra: tuple = ()) -> subprocess.Popen:
     e = dict(env)
     e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     e["JAX_PLATFORMS"] = "cpu"
     return subprocess.Popen([sys.executable, __file__, "--role", role, "--model", args.model, "--repeats",
-                             str(args.repeats), "--port", str(args.port)], env=e, stdout=subprocess.PIPE)
+                             str(args.repeats), "--port", str(args.port), "--scratch", args.scratch, *extra],
+                            env=e, stdout=subprocess.PIPE)
+
+
+def _cross(args, env: dict, group: bool) -> list:
+    """One generator process and the trainer (one process with 2 devices, or a group of 2 x 1)."""
+    import tempfile
+
+    from jaxrl_async.distributed.launch import free_port
+
+    args.port = free_port()
+    args.scratch = tempfile.mkdtemp(prefix="bench_push_")
+    gen = _run_role("generator", args, 2, env)
+    time.sleep(1.0)
+    if group:
+        coord = f"127.0.0.1:{free_port()}"
+        trs = [_run_role("trainer", args, 1, env, ("--group-process", str(i), "--coordinator", coord))
+               for i in range(2)]
+    else:
+        trs = [_run_role("trainer", args, 2, env)]
+    rows = json.loads(trs[0].communicate(timeout=1800)[0].decode().strip().splitlines()[-1])
+    for t in trs[1:]:
+        t.wait(120)
+    gen.wait(120)
+    return rows
 
 
 def _median(xs):
@@ -176,26 +233,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--role", default=None)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--scratch", default="")
+    ap.add_argument("--group-process", type=int, default=None)
+    ap.add_argument("--coordinator", default=None)
     args = ap.parse_args()
     if args.role:
         {"trainer": role_trainer, "generator": role_generator, "single": role_single}[args.role](args)
         return
-    from jaxrl_async.distributed.launch import free_port
-
-    args.port = free_port()
     env = dict(os.environ, BENCH_KEY=secrets.token_hex(16))
-    gen = _run_role("generator", args, 2, env)
-    time.sleep(1.0)
-    tr = _run_role("trainer", args, 2, env)
-    cross = json.loads(tr.communicate(timeout=1800)[0].decode().strip().splitlines()[-1])
-    gen.wait(120)
+    cross = _cross(args, env, group=False)
+    group = _cross(args, env, group=True)
     single = json.loads(_run_role("single", args, 4, env).communicate(timeout=1800)[0].decode().strip().splitlines()[-1])
-    c, s = cross[1:], single[1:]
+    c, g, s = cross[1:], group[1:], single[1:]
     out = {"model": args.model, "bytes_bf16": cross[0]["bytes"], "routes_cross": cross[0]["routes"],
            "cross_process_s": _median([r["total_s"] for r in c]),
            "cross_prepare_checksum_s": _median([r["prepare_checksum_s"] for r in c]),
            "cross_pull_s": _median([r["pull_s"] for r in c]), "cross_verify_s": _median([r["verify_s"] for r in c]),
-           "cross_shards": cross[0]["shards"], "single_process_s": _median([r["total_s"] for r in s]),
+           "cross_shards": cross[0]["shards"],
+           "group_s": _median([r["total_s"] for r in g]),
+           "group_prepare_checksum_s": _median([r["prepare_checksum_s"] for r in g]),
+           "group_pull_s": _median([r["pull_s"] for r in g]), "group_verify_s": _median([r["verify_s"] for r in g]),
+           "group_sources": group[0]["sources"],
+           "single_process_s": _median([r["total_s"] for r in s]),
            "routes_single": single[0]["routes"], "repeats": args.repeats}
     print(json.dumps(out, indent=1))
 

@@ -7,7 +7,8 @@
   trainer process and a generator process (launched as a user would, each its own simulated CPU
   device). Run 1: once the periodic checkpoint of step 2 is committed, the second trainer process is
   killed with SIGKILL: the controller stops within a bounded time with an error naming it. Run 2
-  (same command, a fresh second trainer process): resumes from that checkpoint through the group
+  (the group formed this time by jax.distributed's SLURM auto-detection, ``--jax-distributed`` with
+  the variables srun sets, on localhost; a fresh second trainer process): resumes from that checkpoint through the group
   (every process restores the same step), trains to the end, saves and exports. Every weight push
   was pulled from the transfer servers of BOTH trainer processes (each serving the shards it owns)
   with matching checksums, except version 3, corrupted after the pull on purpose and recovered from
@@ -20,6 +21,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -86,24 +88,42 @@ def test_group_updates_equal_single_process(tmp_path):
         np.testing.assert_array_equal(g[k], s[k], err_msg=k)  # bit for bit
 
 
-def _start_roles(run_dir, log_dir, tag, steps, extra_gen=()):
-    """The controller (trainer process 0), trainer process 1 and one generator, as separate processes."""
+def _slurm_job_id() -> int:
+    """A job id whose jax.distributed SLURM coordinator port (61440 + id % 4096) is free here."""
+    for job in range(int(secrets.randbelow(4096)), 8192):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 61440 + job % 4096))
+                return job
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 61440-65535")
+
+
+def _start_roles(run_dir, log_dir, tag, steps, extra_gen=(), slurm=False):
+    """The controller (trainer process 0), trainer process 1 and one generator, as separate processes.
+    The trainer group forms with an explicit coordinator, or (``slurm``) by jax.distributed's
+    auto-detection from the variables srun sets (``--jax-distributed``)."""
     env = _env(log_dir / "jax_cache")
-    addr, coord = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     common = ["--listen", addr, "--generator-devices", "1", "--cpu-devices", "1", "--accept-timeout", "120",
-              "--heartbeat-timeout", "30", "--jax-heartbeat-timeout", "20", "--coordinator", coord,
-              "--num-processes", "2"]
+              "--heartbeat-timeout", "30", "--jax-heartbeat-timeout", "20"]
+    job, coord = _slurm_job_id(), f"127.0.0.1:{free_port()}"
     cfg = ["--config", TINY, f"run_dir={run_dir}", f"trainer.total_steps={steps}",
            f"rollout.max_head_offpolicyness={ETA}", "checkpoint.every_steps=2", "checkpoint.export_hf=true"]
     procs = {}
-    for name, cmd in [
-        ("trainer0", ["-m", "jaxrl_async.distributed.controller", *common, "--process-id", "0", *cfg]),
-        ("trainer1", ["-m", "jaxrl_async.distributed.controller", *common, "--process-id", "1", *cfg]),
-        ("generator", ["-m", "jaxrl_async.distributed.generator_role", "--controller", addr, "--name", "generator-0",
-                       "--cpu-devices", "1", *extra_gen]),
-    ]:
-        log = open(log_dir / f"{tag}-{name}.log", "wb")
-        procs[name] = subprocess.Popen([sys.executable, *cmd], env=env, stdout=log, stderr=subprocess.STDOUT)
+    for i in range(2):
+        group = (["--jax-distributed"] if slurm else
+                 ["--coordinator", coord, "--num-processes", "2", "--process-id", str(i)])
+        e = dict(env, SLURM_JOB_ID=str(job), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+                 SLURM_PROCID=str(i), SLURM_LOCALID=str(i)) if slurm else env
+        log = open(log_dir / f"{tag}-trainer{i}.log", "wb")
+        procs[f"trainer{i}"] = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.controller", *common,
+                                                 *group, *cfg], env=e, stdout=log, stderr=subprocess.STDOUT)
+    log = open(log_dir / f"{tag}-generator.log", "wb")
+    procs["generator"] = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.generator_role",
+                                           "--controller", addr, "--name", "generator-0", "--cpu-devices", "1",
+                                           *extra_gen], env=env, stdout=log, stderr=subprocess.STDOUT)
     return procs
 
 
@@ -133,7 +153,7 @@ def test_two_trainer_processes_kill_and_resume(tmp_path):
     assert stop_s < 90, stop_s
 
     # --- run 2: the same command resumes through the group and completes ---------------------------
-    p2 = _start_roles(run, logs, "run2", steps=5, extra_gen=("--inject-corrupt-pull", "3"))
+    p2 = _start_roles(run, logs, "run2", steps=5, extra_gen=("--inject-corrupt-pull", "3"), slurm=True)
     try:
         rc2 = _wait(p2["trainer0"], 300)
         rc2b = _wait(p2["trainer1"], 60)
@@ -145,7 +165,7 @@ def test_two_trainer_processes_kill_and_resume(tmp_path):
     m = re.search(r"resumed from \S+/checkpoints/(\d+): step (\d+)", log2)
     assert m and int(m.group(2)) >= 2, log2[-3000:]
     start = int(m.group(2))
-    assert "trainer group: 2 processes" in log2
+    assert "trainer group: 2 processes" in log2 and "in 2 process(es)" in log2
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["stopped_by"] == "completed", summary
     assert summary["counts"]["balanced"], summary["counts"]
