@@ -479,7 +479,7 @@ class RLLoop:
         c = self.cfg
         tok = self.tokenizer
         if c.model.path is not None:
-            self.model_cfg, params = initial_params(c)
+            self.model_cfg, params = initial_params(c, mesh=self.trainer_mesh)
         else:
             self.model_cfg = c.model.model_config(len(tok), bos_token_id=tok.bos_token_id,
                                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -934,17 +934,23 @@ class RLLoop:
             signals.__exit__(None, None, None)
 
 
-def initial_params(cfg: RunConfig, model_cfg: Any = None) -> tuple[Any, Any]:
-    """(model config, host parameters) the run starts from: ``model.path``'s Hugging Face weights, or
-    ``model_cfg`` initialised from ``model.init_seed`` (fp32). Host numpy, so every process of a
-    trainer group builds the same values and places them on a global sharding."""
+def initial_params(cfg: RunConfig, model_cfg: Any = None, *, mesh: Any = None) -> tuple[Any, Any]:
+    """(model config, parameters) the run starts from.
+
+    ``model.path``: the Hugging Face weights read straight onto the trainer's parameter shardings of
+    ``mesh`` (every process of a trainer group reads only the slices its devices hold: no full host
+    copy anywhere); without ``mesh``, host numpy. Otherwise ``model_cfg`` initialised from
+    ``model.init_seed`` (fp32) as host numpy, the same values on every process.
+    """
     from jaxrl_async.models.hf_io import load_hf
     from jaxrl_async.models.transformer import init_params
+    from jaxrl_async.sharding.rules import model_shardings
 
     if cfg.model.path is not None:
-        model_cfg, params = load_hf(cfg.model.path, **cfg.model.numerics())
-    else:
-        params = init_params(model_cfg.replace(param_dtype="float32"), jax.random.key(cfg.model.init_seed))
+        shardings = (lambda m: model_shardings(m, mesh, "trainer")) if mesh is not None else None
+        model_cfg, params = load_hf(cfg.model.path, shardings, **cfg.model.numerics())
+        return model_cfg, params if mesh is not None else jax.device_get(params)
+    params = init_params(model_cfg.replace(param_dtype="float32"), jax.random.key(cfg.model.init_seed))
     return model_cfg, jax.device_get(params)
 
 

@@ -227,7 +227,7 @@ class TrainerFollower:
 
         self.model_cfg, self.run_dir, self.tokenizer_dir = spec["model_cfg"], spec["run_dir"], spec["tokenizer_dir"]
         self.mesh = trainer_mesh(self.cfg)
-        _, self.params = initial_params(self.cfg, self.model_cfg)
+        _, self.params = initial_params(self.cfg, self.model_cfg, mesh=self.mesh)
         self.log(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} of "
                  f"{jax.device_count()} trainer devices (mesh {dict(self.mesh.shape)})")
         return {"pid": os.getpid(), "host": socket.gethostname(), "process_index": jax.process_index()}

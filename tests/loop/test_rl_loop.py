@@ -169,3 +169,27 @@ def test_multi_turn_math_workflow_trains_in_the_async_loop(tmp_path):
     _check_accounting(res, B=4)
     rows = [r for r in _rows(res.run_dir) if "train/loss" in r]
     assert len(rows) == 2 and all(np.isfinite(r["train/grad_norm"]) for r in rows)
+
+
+def test_run_starts_from_a_hugging_face_directory(tmp_path):
+    """``model.path``: a run starts from the Hugging Face export of another run; its weights are read
+    straight onto the trainer's parameter shardings (no host copy of the model) and equal the files."""
+    import jax
+
+    from jaxrl_async.models.hf_io import load_hf
+    from jaxrl_async.sharding.rules import model_shardings
+
+    first = RLLoop(tiny_run_config(tmp_path / "a", steps=1, **{"checkpoint.export_hf": "true"})).run()
+    hf = os.path.join(first.run_dir, "hf")
+    assert os.path.isfile(os.path.join(hf, "model.safetensors"))
+    loop = RLLoop(tiny_run_config(tmp_path / "b", steps=2, **{"model.path": hf}))
+    want = model_shardings(loop.model_cfg, loop.trainer_mesh, "trainer")
+    got = loop.init_params
+    _, host = load_hf(hf, param_dtype=loop.model_cfg.param_dtype)
+    flat = jax.tree_util.tree_leaves_with_path(got)
+    assert len(flat) == len(jax.tree.leaves(host)) > 0
+    for (path, x), s, h in zip(flat, jax.tree.leaves(want), jax.tree.leaves(host)):
+        assert isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim), jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(h), err_msg=jax.tree_util.keystr(path))
+    result = loop.run()
+    assert result.steps == 2 and result.stopped_by == "completed"
