@@ -30,6 +30,10 @@ same arguments and the multi-controller runtime (``jax.distributed.initialize``:
   process's shards of version v onto its transfer server, one registration per generator) and
   ``write_fallback(version, dir)`` (its shards of version v to the disk fallback directory).
 
+Stops: SIGTERM / SIGINT reach every process of a SLURM step or a terminal's process group at once.
+A follower does not stop on them: process 0 finishes the step, saves a checkpoint (which needs every
+process) and then ends the group with ``finish``; a follower whose leader is gone exits by itself.
+
 Failure: an operation that fails on a follower is answered with the error and the follower exits
 at once (status 1), so the leader's pending collective fails (gloo: connection reset) instead of
 waiting; the leader names the follower (``GroupLeader.error``) and stops the run with exit 1. A
@@ -42,6 +46,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -352,6 +357,13 @@ def run_follower(cfg: Any, controller: str, *, connect_timeout_s: float, heartbe
         say(str(e))
         return 2
     follower = TrainerFollower(cfg, transfer_host=transfer_host or local_address(conn), log=say)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        say(f"{signal.Signals(signum).name}: process 0 stops the group (checkpoint first); waiting for it")
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
 
     def on_lost(err: BaseException) -> None:
         say(f"{err}; stopping")

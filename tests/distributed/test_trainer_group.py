@@ -3,16 +3,19 @@
 * ``test_group_updates_equal_single_process``: 3 RL batches (2 minibatches each, the batch rows
   sharded over the processes) on a trainer mesh fsdp=2 made of 2 processes x 1 CPU device give
   bit-identical losses and parameters to the same mesh in one process with 2 devices.
-* ``test_two_trainer_processes_kill_and_resume``: the tiny async run with the controller, a second
-  trainer process and a generator process (launched as a user would, each its own simulated CPU
-  device). Run 1: once the periodic checkpoint of step 2 is committed, the second trainer process is
-  killed with SIGKILL: the controller stops within a bounded time with an error naming it. Run 2
-  (the group formed this time by jax.distributed's SLURM auto-detection, ``--jax-distributed`` with
-  the variables srun sets, on localhost; a fresh second trainer process): resumes from that checkpoint through the group
-  (every process restores the same step), trains to the end, saves and exports. Every weight push
-  was pulled from the transfer servers of BOTH trainer processes (each serving the shards it owns)
-  with matching checksums, except version 3, corrupted after the pull on purpose and recovered from
-  the disk fallback that both trainer processes wrote their shards to; lag <= eta for every group.
+* ``test_two_trainer_processes_preempt_kill_and_resume``: the tiny async run with the controller, a
+  second trainer process and a generator process (started as a user would, each its own simulated
+  CPU device). Run 1: after a periodic checkpoint, SIGTERM to both trainer processes at once (a SLURM
+  preemption): the follower waits for process 0, which finishes the step, saves on both processes
+  and ends the group: every process exits 0. Run 2: the same command resumes from that checkpoint
+  (every process restores the same step); once a newer checkpoint is committed the second trainer
+  process is killed with SIGKILL: the controller stops within a bounded time with an error naming
+  it. Run 3 (the group formed by jax.distributed's SLURM auto-detection, ``--jax-distributed`` with
+  the variables srun sets, on localhost): resumes, trains to the end, saves and exports. Every
+  weight push of run 3 was pulled from the transfer servers of BOTH trainer processes (each serving
+  the shards it owns) with matching checksums, except the first after the initial one, corrupted
+  after the pull on purpose and recovered from the disk fallback that both trainer processes wrote
+  their shards to; lag <= eta for every group.
 """
 from __future__ import annotations
 
@@ -127,57 +130,84 @@ def _start_roles(run_dir, log_dir, tag, steps, extra_gen=(), slurm=False):
     return procs
 
 
-def test_two_trainer_processes_kill_and_resume(tmp_path):
+def _committed(run) -> list[int]:
+    d = run / "checkpoints"
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit() and (d / n / "commit_success.txt").exists()) \
+        if d.is_dir() else []
+
+
+def _wait_for_checkpoint(run, after, procs, read_log):
+    deadline = time.monotonic() + 300
+    while not any(s > after for s in _committed(run)):
+        assert time.monotonic() < deadline, "no new checkpoint\n" + read_log()[-3000:]
+        assert procs["trainer0"].poll() is None, read_log()[-3000:]
+        time.sleep(0.3)
+
+
+def test_two_trainer_processes_preempt_kill_and_resume(tmp_path):
     run = tmp_path / "run"
     logs = tmp_path
     read = lambda tag, name: (logs / f"{tag}-{name}.log").read_text(errors="replace")  # noqa: E731
-    # --- run 1: kill trainer process 1 once checkpoint 2 is committed -----------------------------
+    # --- run 1: SIGTERM to both trainer processes at once (a SLURM preemption) --------------------
     p1 = _start_roles(run, logs, "run1", steps=30)
     try:
-        deadline = time.monotonic() + 300
-        while not (run / "checkpoints" / "2" / "commit_success.txt").exists():
-            assert time.monotonic() < deadline, "run 1 committed no checkpoint\n" + read("run1", "trainer0")[-3000:]
-            assert p1["trainer0"].poll() is None, read("run1", "trainer0")[-3000:]
-            time.sleep(0.3)
-        victim = p1["trainer1"].pid
-        os.kill(victim, signal.SIGKILL)
-        t_kill = time.monotonic()
-        rc1 = _wait(p1["trainer0"], 150)
-        stop_s = time.monotonic() - t_kill
-        _wait(p1["generator"], 60)
+        _wait_for_checkpoint(run, 1, p1, lambda: read("run1", "trainer0"))
+        for name in ("trainer0", "trainer1"):
+            p1[name].send_signal(signal.SIGTERM)
+        rc1 = [_wait(p1[name], 150) for name in ("trainer0", "trainer1", "generator")]
     finally:
         _kill_all(p1.values())
     log1 = read("run1", "trainer0")
-    assert rc1 == 1, log1[-3000:]
-    assert re.search(rf"run failed: trainer process trainer-1 \(pid {victim} on [^)]*\) lost", log1), log1[-3000:]
-    assert stop_s < 90, stop_s
+    assert rc1 == [0, 0, 0], log1[-3000:] + read("run1", "trainer1")[-2000:]
+    m = re.search(r"stopped by SIGTERM after step (\d+): checkpoint \S+ is committed", log1)
+    assert m and int(m.group(1)) >= 2 and int(m.group(1)) in _committed(run), log1[-3000:]
+    assert "process 0 stops the group" in read("run1", "trainer1")
+    preempted = int(m.group(1))
 
-    # --- run 2: the same command resumes through the group and completes ---------------------------
-    p2 = _start_roles(run, logs, "run2", steps=5, extra_gen=("--inject-corrupt-pull", "3"), slurm=True)
+    # --- run 2: resume, then SIGKILL trainer process 1 once a newer checkpoint is committed ----------
+    p2 = _start_roles(run, logs, "run2", steps=30)
     try:
-        rc2 = _wait(p2["trainer0"], 300)
-        rc2b = _wait(p2["trainer1"], 60)
+        _wait_for_checkpoint(run, preempted, p2, lambda: read("run2", "trainer0"))
+        victim = p2["trainer1"].pid
+        os.kill(victim, signal.SIGKILL)
+        t_kill = time.monotonic()
+        rc2 = _wait(p2["trainer0"], 150)
+        stop_s = time.monotonic() - t_kill
         _wait(p2["generator"], 60)
     finally:
         _kill_all(p2.values())
     log2 = read("run2", "trainer0")
-    assert rc2 == 0 and rc2b == 0, log2[-3000:] + read("run2", "trainer1")[-2000:]
-    m = re.search(r"resumed from \S+/checkpoints/(\d+): step (\d+)", log2)
-    assert m and int(m.group(2)) >= 2, log2[-3000:]
-    start = int(m.group(2))
-    assert "trainer group: 2 processes" in log2 and "in 2 process(es)" in log2
+    assert f"resumed from {run}/checkpoints/{preempted}: step {preempted}" in log2, log2[-3000:]
+    assert rc2 == 1, log2[-3000:]
+    assert re.search(rf"run failed: trainer process trainer-1 \(pid {victim} on [^)]*\) lost", log2), log2[-3000:]
+    assert stop_s < 90, stop_s
+
+    # --- run 3: the same command (group by SLURM auto-detection) resumes and completes ------------
+    start = _committed(run)[-1]
+    assert start > preempted
+    end = start + 3
+    p3 = _start_roles(run, logs, "run3", steps=end, extra_gen=("--inject-corrupt-pull", str(start + 1)), slurm=True)
+    try:
+        rc3 = _wait(p3["trainer0"], 300)
+        rc3b = _wait(p3["trainer1"], 60)
+        _wait(p3["generator"], 60)
+    finally:
+        _kill_all(p3.values())
+    log3 = read("run3", "trainer0")
+    assert rc3 == 0 and rc3b == 0, log3[-3000:] + read("run3", "trainer1")[-2000:]
+    assert f"resumed from {run}/checkpoints/{start}: step {start}" in log3, log3[-3000:]
+    assert "trainer group: 2 processes" in log3 and "in 2 process(es)" in log3
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 5 and summary["stopped_by"] == "completed", summary
+    assert summary["steps"] == end and summary["stopped_by"] == "completed", summary
     assert summary["counts"]["balanced"], summary["counts"]
-    assert (run / "hf" / "model.safetensors").is_file() and (run / "checkpoints" / "5").is_dir()
+    assert (run / "hf" / "model.safetensors").is_file() and end in _committed(run)
     pushes = [json.loads(line) for line in (run / "weight_push.jsonl").read_text().splitlines()]
-    by_version = {p["version"]: p for p in pushes if p["version"] >= start}  # run 2's (run 1's are older)
-    assert start in by_version and max(by_version) == 5, sorted(by_version)
-    assert 3 in by_version, "the fault-injected version was skipped (newest wins); the fallback was not exercised"
+    by_version = {p["version"]: p for p in pushes[-(end - start + 1):]}  # run 3's pushes
+    assert sorted(by_version) == list(range(start, end + 1)), sorted(by_version)
     for v, p in by_version.items():
         g = p["generators"][0]
         assert g["checksums_match"], p
-        if v == 3:  # corrupted after the pull: caught by the checksum, recovered from both processes' shards
+        if v == start + 1:  # corrupted after the pull: caught by the checksum, recovered from both processes' shards
             assert p["transport"] == "disk" and g["transport"] == "disk", p
             assert "ChecksumMismatch" in p["fallback_reason"]
         else:
@@ -186,4 +216,4 @@ def test_two_trainer_processes_kill_and_resume(tmp_path):
     assert not any(n.startswith("v") for n in os.listdir(run / "weight_push")), "fallback files left behind"
     consumes = [e for e in read_data_ledger(str(run)).events("consume") if e["step"] > start]
     lags = [lag for e in consumes for lag in e["lags"]]
-    assert len(consumes) == 5 - start and lags and max(lags) <= ETA, (consumes, lags)
+    assert len(consumes) == end - start and lags and max(lags) <= ETA, (consumes, lags)
