@@ -379,7 +379,6 @@ class DistributedRLLoop(RLLoop):
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.transfer_host = transfer_host
         self._peers: list[rpc.Peer] = []
-        self._gen_conns: list[tuple[rpc.Peer, dict]] = []
         self.group = None  # trainer_group.GroupLeader when the trainer spans several processes
         super().__init__(cfg, **kw)
 
@@ -519,9 +518,7 @@ class DistributedRLLoop(RLLoop):
         import jax
         from jax.experimental import transfer as jtransfer
 
-        from jaxrl_async.distributed.transfer import layout_of, plan_transfer, tree_keys
-
-        from jaxrl_async.distributed.transfer import WireSender
+        from jaxrl_async.distributed.transfer import WireSender, layout_of, plan_transfer, tree_keys
 
         c, ro = self.cfg, self.cfg.rollout
         peers = self._peers

@@ -33,7 +33,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable
 
 EXIT_CONTROLLER_LOST = 3
@@ -72,14 +71,9 @@ class GeneratorServer:
                 "param_checksums": self._param_checksums}
         if method not in slow:
             raise ValueError(f"{self.name}: unknown method {method!r}")
-        self._slow.submit(self._run, slow[method], args, reply)
+        from jaxrl_async.distributed.rpc import answer
 
-    @staticmethod
-    def _run(fn: Callable, args: tuple, reply: Callable) -> None:
-        try:
-            reply(True, fn(*args))
-        except BaseException as e:  # noqa: BLE001 - sent back to the controller
-            reply(False, (type(e).__name__, str(e), traceback.format_exc()))
+        self._slow.submit(answer, slow[method], args, reply)
 
     # -- setup ----------------------------------------------------------------------------------
     def _init(self, spec: dict[str, Any]) -> dict[str, Any]:

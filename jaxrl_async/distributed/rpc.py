@@ -114,6 +114,15 @@ def connect(address: str, authkey: bytes, timeout: float, what: str) -> Connecti
     raise TimeoutError(f"could not connect to {what} at {address} within {timeout:.0f} s (last error: {last})")
 
 
+def answer(fn: Callable, args: tuple, reply: Callable[[bool, Any], None]) -> None:
+    """Run ``fn(*args)`` and reply with its value, or with the error (type, message, traceback) that
+    the caller's future raises as ``RemoteError`` (for handlers that run calls on worker threads)."""
+    try:
+        reply(True, fn(*args))
+    except BaseException as e:  # noqa: BLE001 - sent back to the caller
+        reply(False, (type(e).__name__, str(e), traceback.format_exc()))
+
+
 class Peer:
     """One connection to a named peer: concurrent calls (each with a timeout), served calls, heartbeat.
 

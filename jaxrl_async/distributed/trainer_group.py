@@ -191,20 +191,13 @@ class TrainerFollower:
     # -- dispatch -----------------------------------------------------------------------------
     def handle(self, method: str, args: tuple, reply: Callable[[bool, Any], None]) -> None:
         if method in self.UNORDERED:
-            self._side.submit(self._answer, getattr(self, "_" + method), args, reply)
+            self._side.submit(rpc.answer, getattr(self, "_" + method), args, reply)
         elif method == "ping":
             reply(True, os.getpid())
         elif hasattr(self, "_op_" + method):
             self._ops.put((method, args, reply))
         else:
             raise ValueError(f"trainer follower: unknown operation {method!r}")
-
-    @staticmethod
-    def _answer(fn: Callable, args: tuple, reply: Callable) -> None:
-        try:
-            reply(True, fn(*args))
-        except BaseException as e:  # noqa: BLE001 - sent back to the leader
-            reply(False, (type(e).__name__, str(e), traceback.format_exc()))
 
     def serve(self) -> int:
         """Run ordered operations until ``finish`` (0), a failure (1) or the leader's loss (3)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -21,25 +20,15 @@ import time
 
 from jaxrl_async.distributed.launch import free_port
 from jaxrl_async.rl_loop import read_data_ledger
+from role_procs import kill_all, role_env, wait_or_kill  # tests/distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = os.path.join(os.path.dirname(HERE), "loop", "tiny_config.py")
 ETA = 2
 
 
-def _env(cache_dir):
-    env = dict(os.environ)
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    env.pop("XLA_FLAGS", None)  # each role sets its own simulated device count
-    env["JAXRL_RPC_AUTHKEY"] = secrets.token_hex(16)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def _start(run_dir, log_dir, steps, extra_gen=(), extra_cfg=()):
-    port, env = free_port(), _env(log_dir.parent / "jax_cache")
+    port, env = free_port(), role_env(log_dir.parent / "jax_cache")
     addr = f"127.0.0.1:{port}"
     ctrl_log, gen_log = open(log_dir / "controller.log", "wb"), open(log_dir / "generator.log", "wb")
     ctrl = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.controller", "--listen", addr,
@@ -52,15 +41,6 @@ def _start(run_dir, log_dir, steps, extra_gen=(), extra_cfg=()):
                             "--name", "generator-0", "--cpu-devices", "1", *extra_gen],
                            env=env, stdout=gen_log, stderr=subprocess.STDOUT)
     return ctrl, gen
-
-
-def _wait(proc, timeout):
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"pid {proc.pid} still running after {timeout} s (a hang)")
 
 
 def test_controller_trainer_and_generator_processes(tmp_path):
@@ -80,18 +60,15 @@ def test_controller_trainer_and_generator_processes(tmp_path):
             time.sleep(0.5)
         os.kill(gen_b.pid, signal.SIGKILL)
         t_kill = time.monotonic()
-        rc_b = _wait(ctrl_b, 120)
+        rc_b = wait_or_kill(ctrl_b, 120)
         stop_s = time.monotonic() - t_kill
         # A: a complete run (compiled executables come from B's persistent cache)
         ctrl_a, gen_a = _start(run_a, tmp_path / "a", steps=3, extra_gen=("--inject-corrupt-pull", "2"))
         procs += [ctrl_a, gen_a]
-        rc_a = _wait(ctrl_a, 240)
-        _wait(gen_a, 60)
+        rc_a = wait_or_kill(ctrl_a, 240)
+        wait_or_kill(gen_a, 60)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     log_a = (tmp_path / "a" / "controller.log").read_text()
     log_b = (tmp_path / "b" / "controller.log").read_text()
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxrl_async.distributed.launch import free_port
 from jaxrl_async.rl_loop import read_data_ledger
+from role_procs import kill_all, role_env, wait_or_kill  # tests/distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = os.path.join(os.path.dirname(HERE), "loop", "tiny_config.py")
@@ -40,36 +41,8 @@ WORKER = os.path.join(HERE, "group_step_worker.py")
 ETA = 2
 
 
-def _env(cache_dir=None):
-    env = dict(os.environ)
-    if cache_dir is not None:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    env.pop("XLA_FLAGS", None)  # each process sets its own simulated device count
-    env["JAXRL_RPC_AUTHKEY"] = secrets.token_hex(16)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def _wait(proc, timeout):
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"pid {proc.pid} still running after {timeout} s (a hang)")
-
-
-def _kill_all(procs):
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
 def test_group_updates_equal_single_process(tmp_path):
-    env = _env()
+    env = role_env()
     single, group = tmp_path / "single.npz", tmp_path / "group.npz"
     coord = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, WORKER, str(group), "--coordinator", coord, "--process-id", str(i)],
@@ -79,9 +52,9 @@ def test_group_updates_equal_single_process(tmp_path):
                              text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         for p in procs:
-            assert _wait(p, 300) == 0, p.stdout.read().decode(errors="replace")[-3000:]
+            assert wait_or_kill(p, 300) == 0, p.stdout.read().decode(errors="replace")[-3000:]
     finally:
-        _kill_all(procs)
+        kill_all(procs)
     s, g = np.load(single), np.load(group)
     assert len(s["losses"]) == 6 and np.isfinite(s["losses"]).all()
     np.testing.assert_array_equal(g["losses"], s["losses"])
@@ -107,7 +80,7 @@ def _start_roles(run_dir, log_dir, tag, steps, extra_gen=(), slurm=False):
     """The controller (trainer process 0), trainer process 1 and one generator, as separate processes.
     The trainer group forms with an explicit coordinator, or (``slurm``) by jax.distributed's
     auto-detection from the variables srun sets (``--jax-distributed``)."""
-    env = _env(log_dir / "jax_cache")
+    env = role_env(log_dir / "jax_cache")
     addr = f"127.0.0.1:{free_port()}"
     common = ["--listen", addr, "--generator-devices", "1", "--cpu-devices", "1", "--accept-timeout", "120",
               "--heartbeat-timeout", "30", "--jax-heartbeat-timeout", "20"]
@@ -154,9 +127,9 @@ def test_two_trainer_processes_preempt_kill_and_resume(tmp_path):
         _wait_for_checkpoint(run, 1, p1, lambda: read("run1", "trainer0"))
         for name in ("trainer0", "trainer1"):
             p1[name].send_signal(signal.SIGTERM)
-        rc1 = [_wait(p1[name], 150) for name in ("trainer0", "trainer1", "generator")]
+        rc1 = [wait_or_kill(p1[name], 150) for name in ("trainer0", "trainer1", "generator")]
     finally:
-        _kill_all(p1.values())
+        kill_all(p1.values())
     log1 = read("run1", "trainer0")
     assert rc1 == [0, 0, 0], log1[-3000:] + read("run1", "trainer1")[-2000:]
     m = re.search(r"stopped by SIGTERM after step (\d+): checkpoint \S+ is committed", log1)
@@ -171,11 +144,11 @@ def test_two_trainer_processes_preempt_kill_and_resume(tmp_path):
         victim = p2["trainer1"].pid
         os.kill(victim, signal.SIGKILL)
         t_kill = time.monotonic()
-        rc2 = _wait(p2["trainer0"], 150)
+        rc2 = wait_or_kill(p2["trainer0"], 150)
         stop_s = time.monotonic() - t_kill
-        _wait(p2["generator"], 60)
+        wait_or_kill(p2["generator"], 60)
     finally:
-        _kill_all(p2.values())
+        kill_all(p2.values())
     log2 = read("run2", "trainer0")
     assert f"resumed from {run}/checkpoints/{preempted}: step {preempted}" in log2, log2[-3000:]
     assert rc2 == 1, log2[-3000:]
@@ -188,11 +161,11 @@ def test_two_trainer_processes_preempt_kill_and_resume(tmp_path):
     end = start + 3
     p3 = _start_roles(run, logs, "run3", steps=end, extra_gen=("--inject-corrupt-pull", str(start + 1)), slurm=True)
     try:
-        rc3 = _wait(p3["trainer0"], 300)
-        rc3b = _wait(p3["trainer1"], 60)
-        _wait(p3["generator"], 60)
+        rc3 = wait_or_kill(p3["trainer0"], 300)
+        rc3b = wait_or_kill(p3["trainer1"], 60)
+        wait_or_kill(p3["generator"], 60)
     finally:
-        _kill_all(p3.values())
+        kill_all(p3.values())
     log3 = read("run3", "trainer0")
     assert rc3 == 0 and rc3b == 0, log3[-3000:] + read("run3", "trainer1")[-2000:]
     assert f"resumed from {run}/checkpoints/{start}: step {start}" in log3, log3[-3000:]
