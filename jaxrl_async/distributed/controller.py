@@ -91,6 +91,7 @@ class RemoteGenerator:
         self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()
         self._inflight = [0] * len(self.peers)
+        self.submitted = [0] * len(self.peers)  # requests routed to each generator (load balance)
         self._where: dict[str, int] = {}
         self._ids = itertools.count()
         self._version = 0
@@ -121,6 +122,7 @@ class RemoteGenerator:
         with self._lock:
             i = min(range(len(self.peers)), key=lambda k: self._inflight[k])
             self._inflight[i] += 1
+            self.submitted[i] += 1
             self._where[rid] = i
         fut = self.peers[i].call_async("submit", rid, [int(t) for t in prompt_ids], sampling, metadata)
 
@@ -511,6 +513,10 @@ class DistributedRLLoop(RLLoop):
         try:
             return super().run()
         finally:
+            remote = getattr(self, "remote", None)
+            if remote is not None:
+                self._say("requests per generator: " + ", ".join(
+                    f"{p.name.split(' ')[0]} {n}" for p, n in zip(remote.peers, remote.submitted)))
             if self.group is not None:
                 self.group.finish()
 

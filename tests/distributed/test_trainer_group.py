@@ -3,19 +3,20 @@
 * ``test_group_updates_equal_single_process``: 3 RL batches (2 minibatches each, the batch rows
   sharded over the processes) on a trainer mesh fsdp=2 made of 2 processes x 1 CPU device give
   bit-identical losses and parameters to the same mesh in one process with 2 devices.
-* ``test_two_trainer_processes_preempt_kill_and_resume``: the tiny async run with the controller, a
-  second trainer process and a generator process (started as a user would, each its own simulated
-  CPU device). Run 1: after a periodic checkpoint, SIGTERM to both trainer processes at once (a SLURM
-  preemption): the follower waits for process 0, which finishes the step, saves on both processes
-  and ends the group: every process exits 0. Run 2: the same command resumes from that checkpoint
-  (every process restores the same step); once a newer checkpoint is committed the second trainer
-  process is killed with SIGKILL: the controller stops within a bounded time with an error naming
-  it. Run 3 (the group formed by jax.distributed's SLURM auto-detection, ``--jax-distributed`` with
-  the variables srun sets, on localhost): resumes, trains to the end, saves and exports. Every
-  weight push of run 3 was pulled from the transfer servers of BOTH trainer processes (each serving
-  the shards it owns) with matching checksums, except the first after the initial one, corrupted
-  after the pull on purpose and recovered from the disk fallback that both trainer processes wrote
-  their shards to; lag <= eta for every group.
+* ``test_two_trainer_processes_kill_and_resume``: the tiny async run with the controller, a second
+  trainer process and generator processes (started as a user would, each its own simulated CPU
+  device). Run 1: once a periodic checkpoint is committed, the second trainer process is killed
+  with SIGKILL: the controller stops within a bounded time with an error naming it. Run 2 (the same
+  command; the group formed by jax.distributed's SLURM auto-detection, ``--jax-distributed`` with the
+  variables srun sets, on localhost; two generator replicas): every process restores the same step,
+  trains to the end, saves and exports. Every weight push of run 2 was pulled by both generators
+  from the transfer servers of BOTH trainer processes (each serving the shards it owns) with
+  matching checksums, except generator-0's first pull after the initial one, corrupted after the
+  pull on purpose and recovered from the disk fallback that both trainer processes wrote their
+  shards to; both generators served rollouts; lag <= eta for every group.
+* ``test_sigterm_to_every_trainer_process_checkpoints_and_resumes`` (slow): SIGTERM to both trainer
+  processes at once (a SLURM preemption): the follower waits for process 0, which finishes the step,
+  saves on both processes and ends the group: every process exits 0; the same command resumes.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from jaxrl_async.distributed.launch import free_port
 from jaxrl_async.rl_loop import read_data_ledger
@@ -76,13 +78,15 @@ def _slurm_job_id() -> int:
     raise RuntimeError("no free port in 61440-65535")
 
 
-def _start_roles(run_dir, log_dir, tag, steps, extra_gen=(), slurm=False):
-    """The controller (trainer process 0), trainer process 1 and one generator, as separate processes.
+def _start_roles(run_dir, log_dir, tag, steps, extra_gen=(), slurm=False, generators=1):
+    """The controller (trainer process 0), trainer process 1 and the generators, as separate processes
+    (``extra_gen`` goes to generator-0 only).
     The trainer group forms with an explicit coordinator, or (``slurm``) by jax.distributed's
     auto-detection from the variables srun sets (``--jax-distributed``)."""
     env = role_env(log_dir / "jax_cache")
     addr = f"127.0.0.1:{free_port()}"
-    common = ["--listen", addr, "--generator-devices", "1", "--cpu-devices", "1", "--accept-timeout", "120",
+    common = ["--listen", addr, "--generators", str(generators), "--generator-devices", "1", "--cpu-devices", "1",
+              "--accept-timeout", "120",
               "--heartbeat-timeout", "30", "--jax-heartbeat-timeout", "20"]
     job, coord = _slurm_job_id(), f"127.0.0.1:{free_port()}"
     cfg = ["--config", TINY, f"run_dir={run_dir}", f"trainer.total_steps={steps}",
@@ -96,10 +100,12 @@ def _start_roles(run_dir, log_dir, tag, steps, extra_gen=(), slurm=False):
         log = open(log_dir / f"{tag}-trainer{i}.log", "wb")
         procs[f"trainer{i}"] = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.controller", *common,
                                                  *group, *cfg], env=e, stdout=log, stderr=subprocess.STDOUT)
-    log = open(log_dir / f"{tag}-generator.log", "wb")
-    procs["generator"] = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.generator_role",
-                                           "--controller", addr, "--name", "generator-0", "--cpu-devices", "1",
-                                           *extra_gen], env=env, stdout=log, stderr=subprocess.STDOUT)
+    for k in range(generators):
+        name = "generator" if k == 0 else f"generator{k}"
+        log = open(log_dir / f"{tag}-{name}.log", "wb")
+        procs[name] = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.generator_role",
+                                        "--controller", addr, "--name", f"generator-{k}", "--cpu-devices", "1",
+                                        *(extra_gen if k == 0 else ())], env=env, stdout=log, stderr=subprocess.STDOUT)
     return procs
 
 
@@ -117,15 +123,79 @@ def _wait_for_checkpoint(run, after, procs, read_log):
         time.sleep(0.3)
 
 
-def test_two_trainer_processes_preempt_kill_and_resume(tmp_path):
+def test_two_trainer_processes_kill_and_resume(tmp_path):
     run = tmp_path / "run"
     logs = tmp_path
     read = lambda tag, name: (logs / f"{tag}-{name}.log").read_text(errors="replace")  # noqa: E731
-    # --- run 1: SIGTERM to both trainer processes at once (a SLURM preemption) --------------------
+    # --- run 1: SIGKILL trainer process 1 once a checkpoint is committed ---------------------------
     p1 = _start_roles(run, logs, "run1", steps=30)
     try:
         _wait_for_checkpoint(run, 1, p1, lambda: read("run1", "trainer0"))
-        for name in ("trainer0", "trainer1"):
+        victim = p1["trainer1"].pid
+        os.kill(victim, signal.SIGKILL)
+        t_kill = time.monotonic()
+        rc1 = wait_or_kill(p1["trainer0"], 150)
+        stop_s = time.monotonic() - t_kill
+        wait_or_kill(p1["generator"], 60)
+    finally:
+        kill_all(p1.values())
+    log1 = read("run1", "trainer0")
+    assert rc1 == 1, log1[-3000:]
+    assert re.search(rf"run failed: trainer process trainer-1 \(pid {victim} on [^)]*\) lost", log1), log1[-3000:]
+    assert stop_s < 90, stop_s
+
+    # --- run 2: the same command (group by SLURM auto-detection) resumes and completes ------------
+    start = _committed(run)[-1]
+    assert start >= 2
+    end = start + 3
+    p2 = _start_roles(run, logs, "run2", steps=end, extra_gen=("--inject-corrupt-pull", str(start + 1)), slurm=True,
+                      generators=2)
+    try:
+        rc2 = wait_or_kill(p2["trainer0"], 300)
+        rc2b = wait_or_kill(p2["trainer1"], 60)
+        rc2g = [wait_or_kill(p2[g], 60) for g in ("generator", "generator1")]
+    finally:
+        kill_all(p2.values())
+    log2 = read("run2", "trainer0")
+    assert rc2 == 0 and rc2b == 0 and rc2g == [0, 0], log2[-3000:] + read("run2", "trainer1")[-2000:]
+    assert f"resumed from {run}/checkpoints/{start}: step {start}" in log2, log2[-3000:]
+    assert "trainer group: 2 processes" in log2 and "in 2 process(es)" in log2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == end and summary["stopped_by"] == "completed", summary
+    assert summary["counts"]["balanced"], summary["counts"]
+    assert (run / "hf" / "model.safetensors").is_file() and end in _committed(run)
+    pushes = [json.loads(line) for line in (run / "weight_push.jsonl").read_text().splitlines()]
+    by_version = {p["version"]: p for p in pushes[-(end - start + 1):]}  # run 2's pushes
+    assert sorted(by_version) == list(range(start, end + 1)), sorted(by_version)
+    for v, p in by_version.items():
+        assert [g["name"].split(" ")[0] for g in p["generators"]] == ["generator-0", "generator-1"], p
+        assert all(g["checksums_match"] for g in p["generators"]), p
+        assert p["trainer_processes"] == 2, p
+        g0, g1 = p["generators"]
+        assert g1["transport"] == "jax.experimental.transfer" and g1["sources"] == 2, p  # from both trainers
+        if v == start + 1:  # generator-0's pull corrupted on purpose: recovered from both processes' disk shards
+            assert p["transport"] == "disk" and g0["transport"] == "disk", p
+            assert "ChecksumMismatch" in p["fallback_reason"] and "generator-0" in p["fallback_reason"], p
+        else:
+            assert p["transport"] == "transfer" and g0["transport"] == "jax.experimental.transfer", p
+            assert g0["sources"] == 2, p
+    assert not any(n.startswith("v") for n in os.listdir(run / "weight_push")), "fallback files left behind"
+    m = re.search(r"requests per generator: generator-0 (\d+), generator-1 (\d+)", log2)
+    assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0, log2[-3000:]  # both replicas served rollouts
+    consumes = [e for e in read_data_ledger(str(run)).events("consume") if e["step"] > start]
+    lags = [lag for e in consumes for lag in e["lags"]]
+    assert len(consumes) == end - start and lags and max(lags) <= ETA, (consumes, lags)
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_trainer_process_checkpoints_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    logs = tmp_path
+    read = lambda tag, name: (logs / f"{tag}-{name}.log").read_text(errors="replace")  # noqa: E731
+    p1 = _start_roles(run, logs, "run1", steps=30)
+    try:
+        _wait_for_checkpoint(run, 1, p1, lambda: read("run1", "trainer0"))
+        for name in ("trainer0", "trainer1"):  # a SLURM preemption signals every task at once
             p1[name].send_signal(signal.SIGTERM)
         rc1 = [wait_or_kill(p1[name], 150) for name in ("trainer0", "trainer1", "generator")]
     finally:
@@ -136,57 +206,11 @@ def test_two_trainer_processes_preempt_kill_and_resume(tmp_path):
     assert m and int(m.group(1)) >= 2 and int(m.group(1)) in _committed(run), log1[-3000:]
     assert "process 0 stops the group" in read("run1", "trainer1")
     preempted = int(m.group(1))
-
-    # --- run 2: resume, then SIGKILL trainer process 1 once a newer checkpoint is committed ----------
-    p2 = _start_roles(run, logs, "run2", steps=30)
+    p2 = _start_roles(run, logs, "run2", steps=preempted + 1)
     try:
-        _wait_for_checkpoint(run, preempted, p2, lambda: read("run2", "trainer0"))
-        victim = p2["trainer1"].pid
-        os.kill(victim, signal.SIGKILL)
-        t_kill = time.monotonic()
-        rc2 = wait_or_kill(p2["trainer0"], 150)
-        stop_s = time.monotonic() - t_kill
-        wait_or_kill(p2["generator"], 60)
+        rc2 = [wait_or_kill(p2[name], 300) for name in ("trainer0", "trainer1", "generator")]
     finally:
         kill_all(p2.values())
     log2 = read("run2", "trainer0")
+    assert rc2 == [0, 0, 0], log2[-3000:]
     assert f"resumed from {run}/checkpoints/{preempted}: step {preempted}" in log2, log2[-3000:]
-    assert rc2 == 1, log2[-3000:]
-    assert re.search(rf"run failed: trainer process trainer-1 \(pid {victim} on [^)]*\) lost", log2), log2[-3000:]
-    assert stop_s < 90, stop_s
-
-    # --- run 3: the same command (group by SLURM auto-detection) resumes and completes ------------
-    start = _committed(run)[-1]
-    assert start > preempted
-    end = start + 3
-    p3 = _start_roles(run, logs, "run3", steps=end, extra_gen=("--inject-corrupt-pull", str(start + 1)), slurm=True)
-    try:
-        rc3 = wait_or_kill(p3["trainer0"], 300)
-        rc3b = wait_or_kill(p3["trainer1"], 60)
-        wait_or_kill(p3["generator"], 60)
-    finally:
-        kill_all(p3.values())
-    log3 = read("run3", "trainer0")
-    assert rc3 == 0 and rc3b == 0, log3[-3000:] + read("run3", "trainer1")[-2000:]
-    assert f"resumed from {run}/checkpoints/{start}: step {start}" in log3, log3[-3000:]
-    assert "trainer group: 2 processes" in log3 and "in 2 process(es)" in log3
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == end and summary["stopped_by"] == "completed", summary
-    assert summary["counts"]["balanced"], summary["counts"]
-    assert (run / "hf" / "model.safetensors").is_file() and end in _committed(run)
-    pushes = [json.loads(line) for line in (run / "weight_push.jsonl").read_text().splitlines()]
-    by_version = {p["version"]: p for p in pushes[-(end - start + 1):]}  # run 3's pushes
-    assert sorted(by_version) == list(range(start, end + 1)), sorted(by_version)
-    for v, p in by_version.items():
-        g = p["generators"][0]
-        assert g["checksums_match"], p
-        if v == start + 1:  # corrupted after the pull: caught by the checksum, recovered from both processes' shards
-            assert p["transport"] == "disk" and g["transport"] == "disk", p
-            assert "ChecksumMismatch" in p["fallback_reason"]
-        else:
-            assert p["transport"] == "transfer" and p["trainer_processes"] == 2, p
-            assert g["sources"] == 2, p  # the generator pulled from both trainer processes' servers
-    assert not any(n.startswith("v") for n in os.listdir(run / "weight_push")), "fallback files left behind"
-    consumes = [e for e in read_data_ledger(str(run)).events("consume") if e["step"] > start]
-    lags = [lag for e in consumes for lag in e["lags"]]
-    assert len(consumes) == end - start and lags and max(lags) <= ETA, (consumes, lags)
