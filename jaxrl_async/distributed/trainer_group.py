@@ -101,7 +101,6 @@ class GroupLeader:
         self.call_timeout_s = call_timeout_s
         self._pending: list[tuple[rpc.Peer, str, cf.Future]] = []
         self._lock = threading.Lock()
-        self.lost = threading.Event()
 
     @property
     def size(self) -> int:
