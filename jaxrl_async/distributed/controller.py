@@ -8,7 +8,8 @@ The controller (data ledger, staleness manager, rollout dispatcher, workflows an
 checkpoints, metrics) lives in the trainer process, as AReaL's controller lives on the trainer's
 rank 0: a checkpoint must hold the trainer state and the data/rollout state of the same moment,
 and the trainer is the consumer every batch goes to. Everything else is the unchanged single-process
-loop (``rl_loop.RLLoop``); this module only replaces its two generator hooks:
+loop (``rl_loop.RLLoop``); this module replaces its two generator hooks (and, for a trainer of
+several processes, its trainer-side hooks, see below):
 
 * ``_start_generator``: accept ``N`` generator processes (``generator_role``), send them the engine
   spec, plan the cross-process push against their parameter layouts, push the initial weights and

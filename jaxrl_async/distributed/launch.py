@@ -5,7 +5,8 @@
 
 Spawns the controller (``distributed.controller``: controller + trainer; with ``--trainer-processes
 K`` > 1, K trainer processes forming one SPMD program through ``jax.distributed`` on a local
-coordinator, process 0 being the controller) and ``N`` generator processes (``distributed.generator_role``) with a fresh ``$JAXRL_RPC_AUTHKEY``, streams their
+coordinator, process 0 being the controller) and ``N`` generator processes
+(``distributed.generator_role``) with a fresh ``$JAXRL_RPC_AUTHKEY``, streams their
 output with a role prefix, and exits with the controller's status. On a GPU node, give each role its
 devices with ``--trainer-env CUDA_VISIBLE_DEVICES=4,5,6,7 --generator-env CUDA_VISIBLE_DEVICES=0,1,2,3``
 (TPU: ``TPU_VISIBLE_CHIPS``); on several nodes start the role modules directly from the cluster's
