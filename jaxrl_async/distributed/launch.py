@@ -83,7 +83,9 @@ def _env(extra: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxrl_async.distributed.launch", add_help=False)
     ap.add_argument("--generators", type=int, default=1)
-    ap.add_argument("--trainer-processes", type=int, default=1, help="trainer processes (one SPMD group)")
+    ap.add_argument("--trainer-processes", type=int, default=1, help="trainer processes (one SPMD group) on this "
+                    "host, for trying a multi-host trainer locally (simulated CPU devices); they share --trainer-env, "
+                    "so on a GPU node use one trainer process that sees all the trainer's GPUs")
     ap.add_argument("--trainer-cpu-devices", type=int, default=None)
     ap.add_argument("--generator-cpu-devices", type=int, default=None)
     ap.add_argument("--generator-devices", type=int, default=None,
