@@ -673,7 +673,7 @@ class RLLoop:
                       + (f" (skipped unusable steps {[s for s, _ in r.skipped]})" if r.skipped else ""))
         else:
             state = self._initial_state(trainer)
-            self.init_params = None
+        self.init_params = None  # (on the trainer devices when read from model.path: free them either way)
         version = start_step
         if start_step >= tr.total_steps:
             self._close_checkpoint(ckpt)
