@@ -437,6 +437,7 @@ class DistributedRLLoop(RLLoop):
                     raise RuntimeError(f"{peer.name}: more generator processes than --generators {self.num_generators}")
                 self._peers.append(peer)
                 self._say(f"generator connected: {peer.name}")
+        self._peers.sort(key=lambda p: p.name)  # a stable order (logs, push records), whatever connected first
         return [followers[i] for i in sorted(followers)]
 
     # -- trainer group: every trainer-side operation runs on all trainer processes, in this order --
