@@ -21,7 +21,8 @@ import os
 import sys
 from typing import Sequence
 
-from jaxrl_async.checkpoint.manager import HOST, CheckpointError, Checkpointer, CheckpointIncompatibleError
+from jaxrl_async.checkpoint.manager import (HOST, CheckpointError, Checkpointer, CheckpointIncompatibleError,
+                                            Restored)
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -32,6 +33,13 @@ class ExportResult:
     out_dir: str
     weight_files: tuple[str, ...]
     tokenizer_copied: bool
+
+
+def restore_for_export(ckpt: Checkpointer, step: int | None = None, *, fallback: bool = False) -> Restored:
+    """The params of checkpoint ``step`` restored onto the host, as ``export_checkpoint`` reads them
+    (every process of a trainer group calls this: Orbax restores are collective)."""
+    return ckpt.restore(step, targets={"params": HOST}, items=["params"], fallback=fallback,
+                        restore_trajectories=False)
 
 
 def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None = None, dtype: str | None = None,
@@ -46,8 +54,7 @@ def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"export: dtype must be one of {_DTYPES}, got {dtype!r}")
     ckpt = run if isinstance(run, Checkpointer) else Checkpointer(run, read_only=True)
-    restored = ckpt.restore(step, targets={"params": HOST}, items=["params"], fallback=fallback,
-                            restore_trajectories=False)
+    restored = restore_for_export(ckpt, step, fallback=fallback)
     cfg = restored.model_config
     if cfg is None:
         raise CheckpointIncompatibleError(f"{ckpt.step_dir(restored.step)}: checkpoint has no model config "

@@ -566,6 +566,9 @@ class RLLoop:
         params = self.init_params
         if self.cfg.trainer.sft.steps > 0:
             params = self._warm_start(params, self._sft_examples())
+        return self._init_state(trainer, params)
+
+    def _init_state(self, trainer: Any, params: Any) -> Any:
         return trainer.init_state(params)
 
     def _warm_start(self, params: Any, examples: Sequence[Any]) -> Any:

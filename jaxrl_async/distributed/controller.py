@@ -228,16 +228,10 @@ class TransferPusher(NewestWinsPusher):
         self._start()
 
     def _prepare(self, params: Any) -> tuple[list, Any]:
-        import jax
-
-        from jaxrl_async.distributed.transfer import checksums_async
         from jaxrl_async.weight_sync import _guard
 
         with _guard(self.guard):
-            leaves = jax.tree.leaves(params)
-            cast = _CAST(leaves, self.dtype)
-            wire = self.sender.prepare(cast)
-            return wire, checksums_async(wire)
+            return prepare_wire(self.sender, params, self.dtype)
 
     def _dispatch(self, params: Any, version: int) -> tuple[tuple[list, Any], CrossPushStats, float]:
         t0 = time.perf_counter()
@@ -352,6 +346,19 @@ class _LazyCast:
 _CAST = _LazyCast()
 
 
+def prepare_wire(sender: Any, params: Any, dtype: Any) -> tuple[list, Any]:
+    """One push's trainer-side programs, dispatched in this order: cast to the generator dtype, the
+    ``via_trainer`` reshard (``WireSender.prepare``), the per-leaf checksums. Returns (wire arrays,
+    checksums on device). Every process of a trainer group runs exactly this (the leader's pusher and
+    ``trainer_group.TrainerFollower``): the same collectives in the same order."""
+    import jax
+
+    from jaxrl_async.distributed.transfer import checksums_async
+
+    wire = sender.prepare(_CAST(jax.tree.leaves(params), dtype))
+    return wire, checksums_async(wire)
+
+
 # =============================================================================================
 # The loop
 # =============================================================================================
@@ -464,14 +471,10 @@ class DistributedRLLoop(RLLoop):
             self.group.send("warm_start", list(examples))
         return super()._warm_start(params, examples)
 
-    def _initial_state(self, trainer: Any) -> Any:
-        if self.group is None:
-            return super()._initial_state(trainer)
-        params = self.init_params
-        if self.cfg.trainer.sft.steps > 0:
-            params = self._warm_start(params, self._sft_examples())
-        self.group.send("init_state")
-        return trainer.init_state(params)
+    def _init_state(self, trainer: Any, params: Any) -> Any:
+        if self.group is not None:
+            self.group.send("init_state")
+        return super()._init_state(trainer, params)
 
     def _restore_checkpoint(self, ckpt: Any, trainer: Any) -> Any:
         if self.group is None:

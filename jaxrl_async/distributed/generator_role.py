@@ -124,7 +124,7 @@ class GeneratorServer:
         return self._conns[address]
 
     # -- weights -------------------------------------------------------------------------------
-    def _pull_weights(self, version: int, uuid: int, addresses: str | list[str], checksums: list[int],
+    def _pull_weights(self, version: int, uuid: int, addresses: list[str], checksums: list[int],
                       timeout_s: float) -> dict:
         """Pull + verify + apply; a failure is a reply ``ok=False`` (the trainer falls back to disk)."""
         import jax
@@ -134,9 +134,7 @@ class GeneratorServer:
 
         t0 = time.perf_counter()
         try:
-            conns = ([self._conn(a) for a in addresses] if isinstance(addresses, (list, tuple))
-                     else self._conn(addresses))
-            leaves = self.receiver.pull(conns, uuid, timeout_s, self.owners)
+            leaves = self.receiver.pull([self._conn(a) for a in addresses], uuid, timeout_s, self.owners)
             if version in self.corrupt_versions:  # fault injection (tests): one flipped element
                 leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].add(jnp.asarray(1, leaves[0].dtype))
             t1 = time.perf_counter()
@@ -148,7 +146,7 @@ class GeneratorServer:
         self._apply(jax.tree.unflatten(jax.tree.structure(self.engine.param_shardings), leaves), version, timeout_s)
         return {"ok": True, "transport": "jax.experimental.transfer", "checksums": got, "pull_s": t1 - t0,
                 "verify_s": t2 - t1, "apply_s": time.perf_counter() - t2, "shards": len(self.receiver.specs),
-                "sources": len(addresses) if isinstance(addresses, (list, tuple)) else 1}
+                "sources": len(addresses)}
 
     def _load_weights(self, version: int, path: str, checksums: list[int], timeout_s: float) -> dict:
         import jax

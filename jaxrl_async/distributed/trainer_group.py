@@ -274,13 +274,9 @@ class TrainerFollower:
         return self.server.address()
 
     def _op_push(self, version: int) -> None:
-        import jax
+        from jaxrl_async.distributed.controller import prepare_wire
 
-        from jaxrl_async.distributed.controller import _CAST
-        from jaxrl_async.distributed.transfer import checksums_async
-
-        wire = self.sender.prepare(_CAST(jax.tree.leaves(self.state.params), self.dtype))
-        checksums_async(wire)  # the leader's push computes them here too (same collective order)
+        wire, _ = prepare_wire(self.sender, self.state.params, self.dtype)
         with self._cv:
             self._wires[int(version)] = wire
             self._cv.notify_all()
@@ -294,10 +290,9 @@ class TrainerFollower:
         self.ckpt.wait()
 
     def _op_export(self, step: int) -> None:
-        from jaxrl_async.checkpoint.manager import HOST
+        from jaxrl_async.export import restore_for_export
 
-        # export_checkpoint's restore (Orbax restores are collective); only the leader writes files
-        self.ckpt.restore(step, targets={"params": HOST}, items=["params"], restore_trajectories=False)
+        restore_for_export(self.ckpt, step)  # Orbax restores are collective; only the leader writes files
 
     def _op_close_checkpoint(self) -> None:
         self.ckpt.close()

@@ -123,14 +123,26 @@ def _wait_for_checkpoint(run, after, procs, read_log):
         time.sleep(0.3)
 
 
-def test_two_trainer_processes_kill_and_resume(tmp_path):
-    run = tmp_path / "run"
-    logs = tmp_path
-    read = lambda tag, name: (logs / f"{tag}-{name}.log").read_text(errors="replace")  # noqa: E731
-    # --- run 1: SIGKILL trainer process 1 once a checkpoint is committed ---------------------------
-    p1 = _start_roles(run, logs, "run1", steps=30)
+def _log_reader(logs):
+    return lambda tag, name: (logs / f"{tag}-{name}.log").read_text(errors="replace")
+
+
+def _start_until_checkpoint(run, logs, read):
+    """Run 1 of a long run (30 steps): its role processes once a checkpoint after step 1 is committed."""
+    procs = _start_roles(run, logs, "run1", steps=30)
     try:
-        _wait_for_checkpoint(run, 1, p1, lambda: read("run1", "trainer0"))
+        _wait_for_checkpoint(run, 1, procs, lambda: read("run1", "trainer0"))
+    except BaseException:
+        kill_all(procs.values())
+        raise
+    return procs
+
+
+def test_two_trainer_processes_kill_and_resume(tmp_path):
+    run, logs, read = tmp_path / "run", tmp_path, _log_reader(tmp_path)
+    # --- run 1: SIGKILL trainer process 1 once a checkpoint is committed ---------------------------
+    p1 = _start_until_checkpoint(run, logs, read)
+    try:
         victim = p1["trainer1"].pid
         os.kill(victim, signal.SIGKILL)
         t_kill = time.monotonic()
@@ -192,12 +204,9 @@ def test_two_trainer_processes_kill_and_resume(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_to_every_trainer_process_checkpoints_and_resumes(tmp_path):
-    run = tmp_path / "run"
-    logs = tmp_path
-    read = lambda tag, name: (logs / f"{tag}-{name}.log").read_text(errors="replace")  # noqa: E731
-    p1 = _start_roles(run, logs, "run1", steps=30)
+    run, logs, read = tmp_path / "run", tmp_path, _log_reader(tmp_path)
+    p1 = _start_until_checkpoint(run, logs, read)
     try:
-        _wait_for_checkpoint(run, 1, p1, lambda: read("run1", "trainer0"))
         for name in ("trainer0", "trainer1"):  # a SLURM preemption signals every task at once
             p1[name].send_signal(signal.SIGTERM)
         rc1 = [wait_or_kill(p1[name], 150) for name in ("trainer0", "trainer1", "generator")]
