@@ -47,7 +47,6 @@ log ``RUN/data_ledger.jsonl`` (``read_data_ledger``) is the audit trail that sho
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import dataclasses
 import importlib
@@ -66,312 +65,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_async.config import RunConfig, resolve_device_split, save_config, to_dict
+# the ledger, batch building and run-state conversions live in their own modules; re-exported here
+from jaxrl_async.data.ledger import (
+    LEDGER_LOG, DataLedger, LedgerHistory, read_data_ledger, record_from_json, repair_jsonl_tail,
+)
+from jaxrl_async.rl.batch import build_training_batch
+from jaxrl_async.run_state import (
+    _group_record, _state_from_items, _state_items, build_checkpointer, initial_params,
+    restore_buffered_groups, restore_train_state,
+)
 
 log = logging.getLogger("jaxrl_async")
 
-__all__ = ["RLLoop", "RunResult", "DataLedger", "LedgerHistory", "build_training_batch", "read_data_ledger",
-           "restore_buffered_groups", "run"]
-
-
-# =============================================================================================
-# Data ledger
-# =============================================================================================
-LEDGER_LOG = "data_ledger.jsonl"
-
-
-class DataLedger:
-    """Iterator over data items that remembers every draw until it is consumed or rejected.
-
-    ``next()`` (dispatcher thread) → ``(draw index, item)`` is recorded as *pending* until
-    ``on_draw(ticket)`` binds it to the ticket. ``consumed(ticket ids)`` / ``rejected(ticket, reason)``
-    settle it. ``state()`` (any thread) is the source iterator state plus every outstanding item, so
-    a resumed run replays them first, in draw order, with their original draw indices (and seeds).
-    ``restore(ticket, draw)`` binds an outstanding item whose finished group came back from the
-    checkpoint (it is not replayed); ``drop_restored(draw, reason)`` leaves it to be replayed.
-
-    The event log (``RUN/data_ledger.jsonl``, when ``log_path`` is given) is the audit trail of the
-    data: one JSON line per ``consume`` (step, consuming version, draw indices, item ids, per-group
-    lag, whether each group came from a checkpoint), ``reject`` (draw, reason), ``abort`` (a group
-    failed while the loop shut down: the item stays outstanding), ``restore`` / ``drop`` (a
-    checkpointed group reused / discarded with its reason) and ``resume``. ``state()`` records how
-    many non-``resume`` lines the run had written at that moment (``log_records``); a resumed run
-    writes ``{"event": "resume", "keep": n}``, which says that the lines after the first n of the
-    surviving history were written after the checkpoint it went back to (work redone after a crash).
-    ``read_data_ledger`` rebuilds the surviving history from that rule. Writes happen under the
-    ledger's lock, so ``state()`` and the log always agree.
-    """
-
-    def __init__(self, source: Any, replay: Sequence[tuple[int, Any]] = (), next_draw: int = 0, *,
-                 log_path: str | None = None, log_records: int = 0):
-        self.source = source
-        self._replay = collections.deque(sorted(replay, key=lambda x: x[0]))
-        self._next_draw = int(next_draw)
-        self._lock = threading.Lock()
-        self._pending: tuple[int, Any] | None = None
-        self._outstanding: dict[int, tuple[int, Any]] = {}  # ticket id -> (draw index, item)
-        self._restored_tickets: set[int] = set()
-        self._frozen = False
-        self.n_drawn = 0
-        self.n_consumed = 0
-        self.n_rejected: collections.Counter[str] = collections.Counter()
-        self.n_replayed = 0
-        self.n_restored = 0
-        self.n_dropped: collections.Counter[str] = collections.Counter()
-        self.n_aborted = 0
-        self._log_records = int(log_records)
-        self._log = None
-        if log_path is not None:
-            _repair_jsonl_tail(log_path)
-            self._log = open(log_path, "a", encoding="utf-8")
-
-    def __iter__(self) -> "DataLedger":
-        return self
-
-    def __next__(self) -> Any:
-        with self._lock:
-            if self._replay:
-                idx, item = self._replay.popleft()
-                self.n_replayed += 1
-            else:
-                item = next(self.source)  # StopIteration propagates (data exhausted)
-                idx = self._next_draw
-                self._next_draw += 1
-            self._pending = (idx, item)
-            self.n_drawn += 1
-            return item
-
-    # -- event log ---------------------------------------------------------------------------
-    def _write(self, event: str, counted: bool = True, **fields: Any) -> None:
-        """Append one event (caller holds the lock)."""
-        if self._log is None:
-            return
-        self._log.write(json.dumps({"event": event, **fields}) + "\n")
-        self._log.flush()
-        if counted:
-            self._log_records += 1
-
-    def log_resume(self, step: int, version: int, keep: int | None, **info: Any) -> None:
-        """Mark a resume from the checkpoint of ``step`` (``keep``: its ``log_records``; None = unknown)."""
-        with self._lock:
-            self._write("resume", counted=False, step=int(step), version=int(version), keep=keep, **info)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._log is not None:
-                self._log.close()
-                self._log = None
-
-    # -- settling ----------------------------------------------------------------------------
-    def on_draw(self, ticket: Any, item: Any) -> None:
-        with self._lock:
-            if self._pending is None or self._pending[1] is not item:
-                raise RuntimeError("DataLedger.on_draw: no pending draw for this item")
-            self._outstanding[ticket.id] = self._pending
-            self._pending = None
-
-    def draw_index(self, ticket: Any) -> int:
-        with self._lock:
-            return self._outstanding[ticket.id][0]
-
-    def restore(self, ticket: Any, draw: int, **info: Any) -> Any:
-        """Bind the outstanding (to-be-replayed) item of ``draw`` to a group restored from the
-        checkpoint under ``ticket``; returns the item. KeyError if ``draw`` is not outstanding."""
-        with self._lock:
-            for k, (idx, item) in enumerate(self._replay):
-                if idx == draw:
-                    del self._replay[k]
-                    break
-            else:
-                raise KeyError(f"DataLedger.restore: draw {draw} is not among the outstanding items")
-            self._outstanding[ticket.id] = (idx, item)
-            self._restored_tickets.add(ticket.id)
-            self.n_restored += 1
-            self._write("restore", draw=int(draw), id=_item_id(item), **info)
-            return item
-
-    def replay_item(self, draw: int) -> Any | None:
-        """The outstanding item of ``draw`` waiting to be replayed (None if there is none)."""
-        with self._lock:
-            return next((it for idx, it in self._replay if idx == draw), None)
-
-    def drop_restored(self, draw: int, reason: str, **info: Any) -> None:
-        """A checkpointed group of ``draw`` is not reused (``reason``); its item stays to be replayed."""
-        with self._lock:
-            self.n_dropped[reason] += 1
-            self._write("drop", draw=int(draw), reason=reason, **info)
-
-    def freeze(self) -> None:
-        """From now on (the loop is shutting down) a rejected group keeps its item outstanding, to be
-        replayed after a resume: groups aborted by the shutdown are not data lost."""
-        with self._lock:
-            self._frozen = True
-
-    def on_reject(self, ticket: Any, item: Any, reason: str) -> None:
-        with self._lock:
-            entry = self._outstanding.get(ticket.id)
-            if self._frozen:
-                self.n_aborted += 1
-                if entry is not None:
-                    self._write("abort", draw=entry[0], reason=reason)
-                return
-            self._outstanding.pop(ticket.id, None)
-            self._restored_tickets.discard(ticket.id)
-            self.n_rejected[reason] += 1
-            if entry is not None:
-                self._write("reject", draw=entry[0], id=_item_id(entry[1]), reason=reason)
-
-    def consumed(self, ticket_ids: Sequence[int], *, step: int | None = None, version: int | None = None,
-                 lags: Sequence[int] | None = None) -> list[int]:
-        """Settle consumed groups (trained by ``step``, 1-based, at ``version``); returns their draw indices."""
-        with self._lock:
-            entries = [self._outstanding.pop(t) for t in ticket_ids]
-            restored = [t in self._restored_tickets for t in ticket_ids]
-            self._restored_tickets.difference_update(ticket_ids)
-            self.n_consumed += len(entries)
-            self._write("consume", step=step, version=version, draws=[i for i, _ in entries],
-                        ids=[_item_id(it) for _, it in entries], lags=None if lags is None else [int(x) for x in lags],
-                        restored=restored)
-            return [i for i, _ in entries]
-
-    @property
-    def outstanding(self) -> int:
-        with self._lock:
-            return len(self._outstanding) + (self._pending is not None) + len(self._replay)
-
-    def state(self) -> dict[str, Any]:
-        with self._lock:
-            items = list(self._outstanding.values()) + ([self._pending] if self._pending else []) + list(self._replay)
-            return {"source": self.source.get_state() if hasattr(self.source, "get_state") else None,
-                    "next_draw": self._next_draw, "log_records": self._log_records,
-                    "outstanding": [{"draw": i, "item": _record_to_json(it)} for i, it in sorted(items, key=lambda x: x[0])]}
-
-
-def _item_id(item: Any) -> Any:
-    v = item.get("id") if isinstance(item, Mapping) else getattr(item, "id", None)
-    return v if v is None or isinstance(v, (str, int)) else str(v)
-
-
-def _repair_jsonl_tail(path: str) -> None:
-    """Drop a partial last line (a process killed mid-write) so appended lines stay valid JSONL."""
-    if not os.path.isfile(path) or os.path.getsize(path) == 0:
-        return
-    with open(path, "rb+") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) == b"\n":
-            return
-        f.seek(0)
-        data = f.read()
-        keep = data.rfind(b"\n") + 1
-        f.truncate(keep)
-    log.warning("%s: dropped a partial last line (%d bytes) left by an interrupted write", path, len(data) - keep)
-
-
-@dataclasses.dataclass
-class LedgerHistory:
-    """``RUN/data_ledger.jsonl`` resolved: ``effective`` = the events of the run's surviving history
-    (what the final state was built from), ``discarded`` = events written after a checkpoint that a
-    later resume went back to (work redone), ``resumes`` = the resume markers, in order."""
-
-    effective: list[dict[str, Any]]
-    discarded: list[dict[str, Any]]
-    resumes: list[dict[str, Any]]
-
-    def events(self, kind: str, effective: bool = True) -> list[dict[str, Any]]:
-        return [e for e in (self.effective if effective else self.discarded) if e["event"] == kind]
-
-
-def read_data_ledger(run_dir: str) -> LedgerHistory:
-    """Parse ``RUN/data_ledger.jsonl`` and apply its resume markers (see ``DataLedger``)."""
-    path = os.path.join(run_dir, LEDGER_LOG)
-    effective: list[dict[str, Any]] = []
-    discarded: list[dict[str, Any]] = []
-    resumes: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            ev = json.loads(line)
-        except json.JSONDecodeError as e:
-            if n == len(lines):  # a partial last line of a killed writer
-                continue
-            raise ValueError(f"{path}:{n}: invalid JSON ({e})") from None
-        if ev.get("event") == "resume":
-            keep = ev.get("keep")
-            if keep is not None:
-                if keep > len(effective):
-                    raise ValueError(f"{path}:{n}: resume keeps {keep} events but only {len(effective)} precede it "
-                                     "(the log lost lines)")
-                discarded.extend(effective[keep:])
-                del effective[keep:]
-            resumes.append(ev)
-        else:
-            effective.append(ev)
-    return LedgerHistory(effective, discarded, resumes)
-
-
-def _record_to_json(item: Any) -> Any:
-    if dataclasses.is_dataclass(item):
-        return {"__record__": type(item).__name__, **dataclasses.asdict(item)}
-    return item
-
-
-def _record_from_json(obj: Any) -> Any:
-    if isinstance(obj, dict) and obj.get("__record__") == "PromptRecord":
-        from jaxrl_async.data.datasets import PromptRecord
-
-        d = {k: v for k, v in obj.items() if k != "__record__"}
-        return PromptRecord(**d)
-    return obj
-
-
-# =============================================================================================
-# Batch construction (pure)
-# =============================================================================================
-def build_training_batch(groups: Sequence[Any], adv_cfg: Any, group_size: int) -> tuple[list[Any], dict[str, Any]]:
-    """Consumed groups → trainer trajectories with GRPO-family advantages, and rollout statistics.
-
-    Rewards of the B·n trajectories are normalised per group by ``adv_cfg`` (``rl.advantages``);
-    a group with fewer than n trajectories (``allow_partial_groups``) is padded for normalisation
-    by nothing: it is normalised on its own trajectories. Token conventions: trajectory arrays are
-    token-aligned (``loss_mask[t] = 1`` on generated token t), which is what ``compute_advantages``
-    and the trainer's packing expect.
-    """
-    from jaxrl_async.rl.advantages import compute_advantages
-    from jaxrl_async.trainer.packing import Trajectory as TrainTrajectory
-
-    out: list[Any] = []
-    rewards_all, lengths, truncated, heads, lags = [], [], [], [], []
-    for cg in groups:
-        trajs = cg.item.trajectories
-        T = max(t.length for t in trajs)
-        mask = np.zeros((len(trajs), T), np.int32)
-        for i, t in enumerate(trajs):
-            mask[i, : t.length] = t.loss_mask
-        r = np.asarray([t.reward for t in trajs], np.float64)
-        trunc = np.asarray([t.finish_reason == "length" for t in trajs])
-        adv = compute_advantages(r, mask, adv_cfg, group_size=len(trajs), truncated=trunc,
-                                 logprobs=np.stack([np.pad(t.logprobs, (0, T - t.length)) for t in trajs]))
-        for i, t in enumerate(trajs):
-            out.append(TrainTrajectory(tokens=t.tokens, loss_mask=t.loss_mask, behaviour_logprobs=t.logprobs,
-                                       advantages=adv.advantages[i, : t.length].astype(np.float32),
-                                       versions=t.versions))
-            lengths.append(t.num_generated)
-            truncated.append(bool(trunc[i]))
-        rewards_all.extend(r.tolist())
-        heads.append(cg.head_version)
-        lags.append(cg.lag)
-    rw = np.asarray(rewards_all, np.float64)
-    ln = np.asarray(lengths, np.float64)
-    stats = {
-        "reward/mean": float(rw.mean()), "reward/std": float(rw.std()), "reward/accuracy": float((rw > 0.5).mean()),
-        "response/length_mean": float(ln.mean()), "response/length_max": int(ln.max()),
-        "response/truncated_frac": float(np.mean(truncated)),
-        "staleness/max": int(max(lags)), "staleness/mean": float(np.mean(lags)),
-        "staleness/hist": {str(k): v for k, v in sorted(collections.Counter(lags).items())},
-    }
-    return out, stats
+__all__ = ["RLLoop", "RunResult", "DataLedger", "LedgerHistory", "LEDGER_LOG", "build_training_batch",
+           "read_data_ledger", "restore_buffered_groups", "initial_params", "build_checkpointer",
+           "restore_train_state", "run"]
 
 
 # =============================================================================================
@@ -663,7 +371,7 @@ class RLLoop:
             ds = r.meta.data_state or {}
             if ds.get("source") is not None:
                 data_iter.set_state(ds["source"])
-            replay = [(int(o["draw"]), _record_from_json(o["item"])) for o in ds.get("outstanding", [])]
+            replay = [(int(o["draw"]), record_from_json(o["item"])) for o in ds.get("outstanding", [])]
             next_draw = int(ds.get("next_draw", 0))
             log_records = ds.get("log_records")
             saved_groups = list(r.trajectories or [])
@@ -689,7 +397,7 @@ class RLLoop:
         staleness = StalenessManager(eta, B, ro.effective_max_concurrent(B), version=version)
         reward_fn = make_reward(ro.reward)
         workflow = self._build_workflow(reward_fn)
-        _repair_jsonl_tail(os.path.join(self.run_dir, METRICS_FILE))
+        repair_jsonl_tail(os.path.join(self.run_dir, METRICS_FILE))
         ledger = DataLedger(data_iter, replay=replay, next_draw=next_draw, log_path=os.path.join(self.run_dir, LEDGER_LOG),
                             log_records=log_records or 0)
         if resumed_from is not None:
@@ -935,135 +643,6 @@ class RLLoop:
             metrics.close(plot=False)
         if signals is not None:
             signals.__exit__(None, None, None)
-
-
-def initial_params(cfg: RunConfig, model_cfg: Any = None, *, mesh: Any = None) -> tuple[Any, Any]:
-    """(model config, parameters) the run starts from.
-
-    ``model.path``: the Hugging Face weights read straight onto the trainer's parameter shardings of
-    ``mesh`` (every process of a trainer group reads only the slices its devices hold: no full host
-    copy anywhere); without ``mesh``, host numpy. Otherwise ``model_cfg`` initialised from
-    ``model.init_seed`` (fp32) as host numpy, the same values on every process.
-    """
-    from jaxrl_async.models.hf_io import load_hf
-    from jaxrl_async.models.transformer import init_params
-    from jaxrl_async.sharding.rules import model_shardings
-
-    if cfg.model.path is not None:
-        shardings = (lambda m: model_shardings(m, mesh, "trainer")) if mesh is not None else None
-        model_cfg, params = load_hf(cfg.model.path, shardings, **cfg.model.numerics())
-        return model_cfg, params if mesh is not None else jax.device_get(params)
-    params = init_params(model_cfg.replace(param_dtype="float32"), jax.random.key(cfg.model.init_seed))
-    return model_cfg, jax.device_get(params)
-
-
-def build_checkpointer(cfg: RunConfig, run_dir: str, model_cfg: Any, tokenizer_dir: str | None) -> Any:
-    from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer
-
-    ck = cfg.checkpoint
-    return Checkpointer(run_dir, CheckpointConfig(every_steps=ck.every_steps, every_seconds=ck.every_seconds,
-                                                  keep_last=ck.keep_last, async_save=ck.async_save),
-                        model_config=model_cfg.replace(param_dtype="float32"), tokenizer_dir=tokenizer_dir)
-
-
-def restore_train_state(ckpt: Any, trainer: Any, params: Any) -> Any:
-    """``ckpt.restore`` (newest usable step, fallback) of the training state onto ``trainer``'s
-    shardings; ``params`` only gives the shapes."""
-    from jaxrl_async.checkpoint import abstract_like
-
-    abstract = abstract_like(jax.eval_shape(trainer.init_state, params), trainer.state_shardings)
-    return ckpt.restore(targets=_state_items(abstract), fallback=True)
-
-
-def restore_buffered_groups(saved: Sequence[Mapping[str, Any]], staleness: Any, ledger: DataLedger, version: int,
-                            eta: int, batch_size: int) -> dict[str, int]:
-    """Put the finished groups of a checkpoint back into the staleness buffer (reused, not regenerated).
-
-    The restored groups keep their admission versions, so earliest-deadline-first consumes them before
-    any group admitted after the resume, in (admission version, head version, draw) order: the j-th
-    kept group is trained at version ``version + j // batch_size``. A group is kept only if its lag
-    then is <= eta; otherwise (e.g. the run resumes with a smaller eta, or more groups are that old
-    than one batch holds) it is dropped with reason ``stale_on_restore`` and its prompt replayed, i.e.
-    regenerated with fresh weights. So staleness stays bounded after a resume (the regression of
-    AReaL issue #1388) and no StalenessViolation can come from a restored group. Every decision is an
-    event of the data ledger (``restore`` / ``drop``).
-    """
-    from jaxrl_async.rollout.staleness import StalenessViolation
-
-    kept = dropped = 0
-    order = sorted(saved, key=lambda r: (int(r["admit_version"]), int(r["head_version"]), int(r["draw"])))
-    for rec in order:
-        draw, m, h = int(rec["draw"]), int(rec["admit_version"]), int(rec["head_version"])
-        trained_at = version + kept // batch_size
-        info = dict(admit_version=m, head_version=h, lag=version - h, lag_when_trained=trained_at - h)
-        item = ledger.replay_item(draw)
-        reason = None
-        if item is None:
-            reason = "not_outstanding"  # inconsistent checkpoint: the ledger does not hold its item
-        elif trained_at - h > eta:
-            reason = "stale_on_restore"
-        else:
-            try:
-                ticket = staleness.restore_buffered(_group_from_record(rec, item), m, h)
-            except (ValueError, KeyError, TypeError, StalenessViolation) as e:
-                reason = f"invalid:{type(e).__name__}"
-                log.warning("checkpointed group of draw %d not reused: %s", draw, e)
-            else:
-                ledger.restore(ticket, draw, **info)
-                kept += 1
-        if reason is not None:
-            ledger.drop_restored(draw, reason, eta=eta, **info)
-            dropped += 1
-    return {"restored_groups": kept, "dropped_groups": dropped}
-
-
-def _jsonable(value: Any) -> Any:
-    """``value`` if the checkpoint codec can store it, else its repr (custom workflows may put
-    anything in trajectory metadata; a checkpoint must not fail because of it)."""
-    from jaxrl_async.checkpoint import pack_records
-
-    try:
-        pack_records(value)
-        return value
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _group_record(g: Any, draw: int) -> dict[str, Any]:
-    """A buffered group (``ConsumedGroup`` of a ``TrajectoryGroup``) as a checkpoint record; the
-    arrays go to the checkpoint's numeric pools bit-exactly, the prompt item stays in the ledger."""
-    group = g.item
-    return {"draw": int(draw), "admit_version": int(g.ticket.admit_version), "head_version": int(g.head_version),
-            "group_id": int(group.group_id), "metadata": {k: _jsonable(v) for k, v in group.metadata.items()},
-            "trajectories": [{"tokens": t.tokens, "loss_mask": t.loss_mask, "logprobs": t.logprobs,
-                              "versions": t.versions, "reward": float(t.reward), "prompt_len": int(t.prompt_len),
-                              "metadata": {k: _jsonable(v) for k, v in t.metadata.items()}}
-                             for t in group.trajectories]}
-
-
-def _group_from_record(rec: Mapping[str, Any], item: Any) -> Any:
-    """Inverse of ``_group_record`` (the trajectories are re-validated by ``Trajectory``)."""
-    from jaxrl_async.rollout.workflow import Trajectory, TrajectoryGroup
-
-    trajs = [Trajectory(tokens=t["tokens"], loss_mask=t["loss_mask"], logprobs=t["logprobs"], versions=t["versions"],
-                        reward=t["reward"], prompt_len=int(t["prompt_len"]), metadata=dict(t.get("metadata") or {}))
-             for t in rec["trajectories"]]
-    if not trajs:
-        raise ValueError("checkpointed group has no trajectory")
-    return TrajectoryGroup(item, trajs, int(rec.get("group_id", -1)), dict(rec.get("metadata") or {}))
-
-
-def _state_items(state: Any) -> dict[str, Any]:
-    """TrainState → checkpoint items (``params`` is what export reads)."""
-    return {"params": state.params, "opt_state": state.opt_state,
-            "counters": {"step": state.step, "n_skipped": state.n_skipped}}
-
-
-def _state_from_items(items: Mapping[str, Any]) -> Any:
-    from jaxrl_async.trainer.train_step import TrainState
-
-    return TrainState(params=items["params"], opt_state=items["opt_state"], step=items["counters"]["step"],
-                      n_skipped=items["counters"]["n_skipped"])
 
 
 def run(cfg: RunConfig, **kw: Any) -> RunResult:

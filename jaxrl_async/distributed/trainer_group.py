@@ -220,7 +220,7 @@ class TrainerFollower:
     def _op_setup(self, spec: dict[str, Any]) -> dict[str, Any]:
         import jax
 
-        from jaxrl_async.rl_loop import initial_params
+        from jaxrl_async.run_state import initial_params
 
         self.model_cfg, self.run_dir, self.tokenizer_dir = spec["model_cfg"], spec["run_dir"], spec["tokenizer_dir"]
         self.mesh = trainer_mesh(self.cfg)
@@ -235,7 +235,7 @@ class TrainerFollower:
         self.trainer = build_trainer(self.cfg, self.model_cfg, self.mesh)
 
     def _op_build_checkpointer(self) -> None:
-        from jaxrl_async.rl_loop import build_checkpointer
+        from jaxrl_async.run_state import build_checkpointer
 
         self.ckpt = build_checkpointer(self.cfg, self.run_dir, self.model_cfg, self.tokenizer_dir)
 
@@ -250,7 +250,7 @@ class TrainerFollower:
         self.params = None
 
     def _op_restore(self) -> int:
-        from jaxrl_async.rl_loop import _state_from_items, restore_train_state
+        from jaxrl_async.rl_loop import _state_from_items, restore_train_state  # (via rl_loop: tests wrap it there)
 
         r = restore_train_state(self.ckpt, self.trainer, self.params)
         self.state = _state_from_items(r.arrays)
@@ -282,7 +282,7 @@ class TrainerFollower:
             self._cv.notify_all()
 
     def _op_save(self, meta: Any, buffered: list) -> None:
-        from jaxrl_async.rl_loop import _state_items
+        from jaxrl_async.run_state import _state_items
 
         self.ckpt.save(_state_items(self.state), meta, trajectories=buffered)
 

@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 
 from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
-from jaxrl_async.rl_loop import (
-    LEDGER_LOG, DataLedger, _group_from_record, _group_record, _repair_jsonl_tail, read_data_ledger,
-    restore_buffered_groups,
-)
+from jaxrl_async.data.ledger import LEDGER_LOG, DataLedger, read_data_ledger, repair_jsonl_tail
+from jaxrl_async.run_state import _group_from_record, _group_record, restore_buffered_groups
 from jaxrl_async.rollout.staleness import StalenessManager, StalenessViolation
 from jaxrl_async.rollout.workflow import Trajectory, TrajectoryGroup
 
@@ -125,7 +123,7 @@ def test_ledger_log_resume_markers_define_the_surviving_history(tmp_path):
     led.close()
     with open(path, "a") as f:
         f.write('{"event": "consume", "step": 3, "dra')  # killed mid-line
-    _repair_jsonl_tail(path)
+    repair_jsonl_tail(path)
     assert open(path).read().endswith("\n")
     # resume from the checkpoint: draws 3..5 replayed, draw 4's finished group restored
     led2 = DataLedger(iter([f"x{i}" for i in range(6, 100)]),
