@@ -6,7 +6,7 @@ picks a model size and a hardware layout (``jaxrl_async.layouts``) and sizes the
 memory-driven knobs (decode slots, trainer micro-batch tokens) so that ``python -m
 jaxrl_async.plan`` says the layout fits.
 
-Sources (AReaL repository at commit 00d07c04 unless noted; ``/work/shared/reference/areal-semantics.md``):
+Sources (AReaL repository at commit 00d07c04 unless noted; ``../shared/reference/areal-semantics.md`` (beside the checkout)):
 
 * [boba] ``examples/math/boba_grpo.yaml``, AReaL's math RL recipe (R1-Distill-Qwen-1.5B):
   n_samples 16, max_head_offpolicyness 4, batch 32 prompts, ppo_n_minibatches 4, Adam lr 1e-5

@@ -11,7 +11,7 @@ Notation (per token t of sequence i)::
     w_t   behaviour importance weight                   ℓb_t  log π_behav (``behaviour_logprobs``)
 
 Pipeline of :func:`policy_loss` (AReaL ``ppo_actor_loss_fn`` semantics, see
-``/work/shared/reference/areal-semantics.md`` §4.1-4.4):
+``../shared/reference/areal-semantics.md`` (beside the checkout) §4.1-4.4):
 
 1. M2PO (``m2_threshold``): m¹ = m ∧ keep_M2PO (:func:`m2po_mask`).
 2. Behaviour weight (``behaviour_weight``): ρ_t = exp(ℓp_t − ℓb_t) → (w_t, m′_t)

@@ -12,6 +12,7 @@ import pytest
 
 from jaxrl_async.rewards.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError, probe_isolation
 
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBE = probe_isolation()
 pytestmark = pytest.mark.skipif(not (PROBE["namespaces"] and PROBE["net"] and PROBE["root"]),
                                 reason=f"needs root + namespaces for the full sandbox: {PROBE}")
@@ -103,7 +104,8 @@ def test_huge_output_bounded(sb):
 
 def test_writes_outside_workdir_fail_or_stay_invisible(sb):
     tag = uuid.uuid4().hex
-    targets = [f"/work/main/PWNED-{tag}", f"/var/tmp/pwned-{tag}", f"/tmp/pwned-{tag}", f"/dev/shm/pwned-{tag}"]
+    in_project = os.path.join(PROJECT_DIR, f"PWNED-{tag}")  # the checkout, wherever it lives
+    targets = [in_project, f"/var/tmp/pwned-{tag}", f"/tmp/pwned-{tag}", f"/dev/shm/pwned-{tag}"]
     code = (
         "import sys\n"
         f"for p in {targets!r}:\n"
@@ -117,7 +119,7 @@ def test_writes_outside_workdir_fail_or_stay_invisible(sb):
     assert res.ok, res.stderr
     lines = dict(ln.rsplit(" ", 1) for ln in res.stdout.splitlines()[:-1])
     assert lines[f"/var/tmp/pwned-{tag}"] == "30"  # EROFS: world-writable dir, blocked by the read-only mount
-    assert lines[f"/work/main/PWNED-{tag}"] == "30"
+    assert lines[in_project] == "30"
     assert lines[f"/tmp/pwned-{tag}"] == "WROTE"  # private tmpfs: allowed inside...
     assert res.stdout.splitlines()[-1] == "ok"  # work dir writable
     for p in targets:
