@@ -16,7 +16,7 @@ scores a generated token); no shifting is done here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ __all__ = [
     "transform_rewards",
     "overlong_penalty",
     "normalize",
+    "group_slices",
     "preset_advantages",
     "grpo_advantages",
     "dr_grpo_advantages",
@@ -103,9 +104,29 @@ def _std(x, m, mu, unbiased):
     return 1.0 if n == 0 else float(np.sqrt(ss / n))
 
 
+def group_slices(batch: int, group_size) -> list[slice]:
+    """Row slices of consecutive groups: ``group_size`` an int n (B must be a multiple of n) or a
+    sequence of positive sizes summing to B (groups of unequal size, e.g. partial groups)."""
+    if isinstance(group_size, (int, np.integer)):
+        if group_size < 1:
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        if batch % group_size:
+            raise ValueError(f"batch size {batch} is not a multiple of group_size {group_size}")
+        sizes = [int(group_size)] * (batch // int(group_size))
+    else:
+        try:
+            sizes = [int(n) for n in group_size]
+        except TypeError:
+            raise ValueError(f"group_size must be a positive int or a sequence of them, got {group_size!r}") from None
+        if any(n < 1 for n in sizes) or sum(sizes) != batch:
+            raise ValueError(f"group sizes {sizes} must be positive and sum to the batch size {batch}")
+    bounds = np.cumsum([0] + sizes)
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def normalize(x, mask=None, *, mean_level: Literal["batch", "group"] | None = "batch",
               std_level: Literal["batch", "group"] | None = "batch", leave_one_out: bool = False,
-              unbiased: bool = True, eps: float = 1e-5, group_size: int = 1):
+              unbiased: bool = True, eps: float = 1e-5, group_size: int | Sequence[int] = 1):
     """AReaL ``Normalization`` (§4.5), float64, x of shape [B] or [B, T], mask same shape.
 
     Groups are consecutive blocks of ``group_size`` rows. With N = Σ m over the level:
@@ -117,6 +138,9 @@ def normalize(x, mask=None, *, mean_level: Literal["batch", "group"] | None = "b
       unbiased else / N; N ≤ 1 (unbiased) or N = 0 ⇒ σ = 1; group level with group_size 1 and
       unbiased ⇒ σ = 1. ``std_level=None`` ⇒ σ = 1 and eps = 0.
     * y = m·(x − μ)/(σ + eps). An all-masked input is returned unchanged.
+
+    ``group_size`` is an int n (groups of n consecutive rows) or a sequence of group sizes that
+    sums to B (consecutive groups of those sizes: a batch with partial groups).
     """
     if mean_level not in _LEVELS:
         raise ValueError(f"mean_level must be one of {list(_LEVELS)}, got {mean_level!r}")
@@ -131,19 +155,14 @@ def normalize(x, mask=None, *, mean_level: Literal["batch", "group"] | None = "b
     if mask is not None and m.sum() == 0:
         return x.copy()
     B = x.shape[0]
-    if "group" in (mean_level, std_level):
-        if not isinstance(group_size, (int, np.integer)) or group_size < 1:
-            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-        if B % group_size:
-            raise ValueError(f"batch size {B} is not a multiple of group_size {group_size}")
-    groups = [slice(g * group_size, (g + 1) * group_size) for g in range(B // max(group_size, 1))]
+    groups = group_slices(B, group_size) if "group" in (mean_level, std_level) else []
 
     if mean_level == "batch":
         mu = _mean(x, m, leave_one_out)
     elif mean_level == "group":
         mu = np.zeros_like(x)
         for s in groups:
-            mu[s] = 0.0 if (group_size == 1 and leave_one_out) else _mean(x[s], m[s], leave_one_out)
+            mu[s] = 0.0 if (s.stop - s.start == 1 and leave_one_out) else _mean(x[s], m[s], leave_one_out)
     else:
         mu = np.zeros_like(x)
 
@@ -152,7 +171,7 @@ def normalize(x, mask=None, *, mean_level: Literal["batch", "group"] | None = "b
     elif std_level == "group":
         sigma = np.ones_like(x)
         for s in groups:
-            sigma[s] = 1.0 if (group_size == 1 and unbiased) else _std(x[s], m[s], mu[s], unbiased)
+            sigma[s] = 1.0 if (s.stop - s.start == 1 and unbiased) else _std(x[s], m[s], mu[s], unbiased)
     else:
         sigma, eps = np.ones_like(x), 0.0
     return m * (x - mu) / (sigma + eps)
@@ -185,7 +204,7 @@ PRESETS: dict[str, NormSpec | None] = {
 }
 
 
-def preset_advantages(rewards, preset: str, group_size: int, *, eps: float = 1e-5):
+def preset_advantages(rewards, preset: str, group_size: int | Sequence[int], *, eps: float = 1e-5):
     """Per-sequence advantages of a preset = its reward normalisation of ``rewards`` [G·n].
 
     grpo: (R − mean_g)/(std_g + eps); dr_grpo / reinforce_baseline: R − mean_g;
@@ -420,13 +439,15 @@ class AdvantageOutput:
     token_rewards: np.ndarray  # [B, T] float64, KL rewards + sequence reward at the last token
 
 
-def compute_advantages(rewards, loss_mask, cfg: AdvantageConfig, *, group_size: int,
+def compute_advantages(rewards, loss_mask, cfg: AdvantageConfig, *, group_size: int | Sequence[int],
                        response_lengths=None, logprobs=None, ref_logprobs=None, values=None,
                        truncated=None) -> AdvantageOutput:
     """Scalar rewards of a batch of groups → token advantages (AReaL ``_compute_advantages``).
 
     Args: rewards [B = G·n]; loss_mask [B, T] (aligned with log-prob positions);
-    group_size n; response_lengths [B] (default Σ_t loss_mask); logprobs / ref_logprobs
+    group_size n, or the sizes of the consecutive groups (partial groups). Call it once on the
+    WHOLE training batch: the batch-level statistics (LitePPO's std, ``adv_norm``) are over all
+    its groups (AReaL normalises the consumed batch, §4.5-4.6); response_lengths [B] (default Σ_t loss_mask); logprobs / ref_logprobs
     [B, T] (required when kl_coef > 0; logprobs = behaviour log-probs in decoupled mode);
     values [B, T] critic values (default 0); truncated [B] bool (no EOS).
 

@@ -12,42 +12,42 @@ __all__ = ["build_training_batch"]
 def build_training_batch(groups: Sequence[Any], adv_cfg: Any, group_size: int) -> tuple[list[Any], dict[str, Any]]:
     """Consumed groups → trainer trajectories with GRPO-family advantages, and rollout statistics.
 
-    Rewards of the B·n trajectories are normalised per group by ``adv_cfg`` (``rl.advantages``);
-    a group with fewer than n trajectories (``allow_partial_groups``) is padded for normalisation
-    by nothing: it is normalised on its own trajectories. Token conventions: trajectory arrays are
+    Advantages are computed ONCE over the whole consumed batch (``compute_advantages`` with the
+    group structure passed in), as AReaL does: group-level statistics (GRPO's mean/std, RLOO's
+    leave-one-out mean) are per group, batch-level ones (LitePPO's std, REINFORCE++ and ``adv_norm``)
+    are over all B·n trajectories of the step. A group with fewer than ``group_size`` trajectories
+    (``allow_partial_groups``) is a group of its own size. Token conventions: trajectory arrays are
     token-aligned (``loss_mask[t] = 1`` on generated token t), which is what ``compute_advantages``
     and the trainer's packing expect.
     """
     from jaxrl_async.rl.advantages import compute_advantages
     from jaxrl_async.trainer.packing import Trajectory as TrainTrajectory
 
-    out: list[Any] = []
-    rewards_all, lengths, truncated, heads, lags = [], [], [], [], []
-    for cg in groups:
-        trajs = cg.item.trajectories
-        T = max(t.length for t in trajs)
-        mask = np.zeros((len(trajs), T), np.int32)
-        for i, t in enumerate(trajs):
-            mask[i, : t.length] = t.loss_mask
-        r = np.asarray([t.reward for t in trajs], np.float64)
-        trunc = np.asarray([t.finish_reason == "length" for t in trajs])
-        adv = compute_advantages(r, mask, adv_cfg, group_size=len(trajs), truncated=trunc,
-                                 logprobs=np.stack([np.pad(t.logprobs, (0, T - t.length)) for t in trajs]))
-        for i, t in enumerate(trajs):
-            out.append(TrainTrajectory(tokens=t.tokens, loss_mask=t.loss_mask, behaviour_logprobs=t.logprobs,
-                                       advantages=adv.advantages[i, : t.length].astype(np.float32),
-                                       versions=t.versions))
-            lengths.append(t.num_generated)
-            truncated.append(bool(trunc[i]))
-        rewards_all.extend(r.tolist())
-        heads.append(cg.head_version)
-        lags.append(cg.lag)
-    rw = np.asarray(rewards_all, np.float64)
-    ln = np.asarray(lengths, np.float64)
+    trajs = [t for cg in groups for t in cg.item.trajectories]
+    sizes = [len(cg.item.trajectories) for cg in groups]
+    if not trajs:
+        raise ValueError("build_training_batch: no trajectories")
+    if any(n > group_size for n in sizes):
+        raise ValueError(f"a group has {max(sizes)} trajectories, more than group_size {group_size}")
+    T = max(t.length for t in trajs)
+    mask = np.zeros((len(trajs), T), np.int32)
+    logprobs = np.zeros((len(trajs), T), np.float32)
+    for i, t in enumerate(trajs):
+        mask[i, : t.length] = t.loss_mask
+        logprobs[i, : t.length] = t.logprobs
+    rewards = np.asarray([t.reward for t in trajs], np.float64)
+    truncated = np.asarray([t.finish_reason == "length" for t in trajs])
+    adv = compute_advantages(rewards, mask, adv_cfg, group_size=sizes, truncated=truncated, logprobs=logprobs)
+    out = [TrainTrajectory(tokens=t.tokens, loss_mask=t.loss_mask, behaviour_logprobs=t.logprobs,
+                           advantages=adv.advantages[i, : t.length].astype(np.float32), versions=t.versions)
+           for i, t in enumerate(trajs)]
+    lengths = np.asarray([t.num_generated for t in trajs], np.float64)
+    lags = [cg.lag for cg in groups]
     stats = {
-        "reward/mean": float(rw.mean()), "reward/std": float(rw.std()), "reward/accuracy": float((rw > 0.5).mean()),
-        "response/length_mean": float(ln.mean()), "response/length_max": int(ln.max()),
-        "response/truncated_frac": float(np.mean(truncated)),
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "reward/accuracy": float((rewards > 0.5).mean()),
+        "response/length_mean": float(lengths.mean()), "response/length_max": int(lengths.max()),
+        "response/truncated_frac": float(truncated.mean()),
         "staleness/max": int(max(lags)), "staleness/mean": float(np.mean(lags)),
         "staleness/hist": {str(k): v for k, v in sorted(collections.Counter(lags).items())},
     }
