@@ -1,14 +1,17 @@
 """`python -m jaxrl_async.evaluate`: pass@k of a Hugging Face model on a prompt dataset.
 
-    python -m jaxrl_async.evaluate --model DIR --data FILE [--format generic|gsm8k|math|code] [--n 4] \\
+    python -m jaxrl_async.evaluate --model DIR --data FILE [--format auto|generic|gsm8k|math|code] [--n 4] \\
         [--temperature 0.6] [--top-p P] [--max-new-tokens N] [--output results.jsonl] [--reward math] \\
         [--seed S] [--max-items K] [--no-chat-template] [--boxed-instruction] [--system-prompt TEXT] \\
         [--max-prompt-length L] [--skip-bad-rows] [--max-concurrent B] [--dtype float32|bfloat16] \\
         [--page-size P] [--num-pages N] [--summary-json PATH]
 
 Data: read with the project's loaders (``data.DatasetConfig`` / ``load_prompt_dataset``: JSONL or
-Parquet, formats gsm8k / math / generic / code); the prompt is the problem rendered as one user turn
-by the model directory's chat template (``--no-chat-template``: raw text). Rewards: ``--reward``
+Parquet, formats gsm8k / math / generic / code; ``--format auto``, the default, tells it from the
+columns of the first rows, says which on stderr and stops when that is ambiguous). The prompt is
+the problem rendered as one user turn by the model directory's chat template, as ``generate`` and
+``score`` do (``--no-chat-template``, or a tokenizer without a template: the raw text). Generation
+stops at the EOS ids of config.json, generation_config.json and the tokenizer. Rewards: ``--reward``
 is a built-in name (``math``, ``gsm8k``, ``code``) or ``package.module:function`` (see
 ``rewards.registry``), called as ``fn(prompt, completion, answer, **row_metadata)``.
 
@@ -22,7 +25,8 @@ exceeds 0.5 (``math`` rewards are 1/0). With c_i correct samples of item i out o
 Seeds: item i samples with ``derive_seed(seed, i)``, so results do not depend on batching.
 Outputs: ``--output`` JSONL, one row per item in data order: ``id, prompt, answer, completions,
 rewards, correct, finish_reasons, completion_tokens, pass@1``; the summary table goes to stdout
-(``--summary-json`` also writes it as JSON). Exit status 2 on bad arguments, paths or rows.
+(``--summary-json`` also writes it as JSON). Exit status 2 on bad arguments, paths or rows (one line
+on stderr naming the flag, file or row), 1 on an internal error.
 
 Library use (e.g. from the RL loop, with an already running generator):
 :func:`evaluate_params` ``(params, model_cfg, tokenizer, records, reward_fn, n=..., temperature=...,
@@ -41,6 +45,9 @@ import sys
 import time
 import uuid
 from typing import Any, Callable, Iterator, Sequence
+
+from jaxrl_async.cli import (UserError, chat_template_wanted, check_model_dir, cli_main, load_model, load_tokenizer,
+                             make_parser, require_file, require_output_file)
 
 SUCCESS_THRESHOLD = 0.5
 
@@ -281,28 +288,31 @@ def _start_generator(params: Any, cfg: Any, tokenizer: Any, records: Sequence[An
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
-class CliError(Exception):
-    """A user error: printed as ``error: ...`` with exit status 2."""
+TOOL = "evaluate"
+CliError = UserError  # the former name of the CLI's user error
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxrl_async.data.formats import FORMATS
+    from jaxrl_async.data.formats import AUTO, FORMATS
 
-    ap = argparse.ArgumentParser(prog="python -m jaxrl_async.evaluate", description=__doc__.split("\n\n")[0])
+    ap = make_parser("python -m jaxrl_async.evaluate", __doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors + tokenizer)")
     ap.add_argument("--data", required=True, help="dataset file (.jsonl/.json/.parquet)")
-    ap.add_argument("--format", default="generic", choices=FORMATS, help="row format (data/formats.py)")
+    ap.add_argument("--format", default=AUTO, choices=(AUTO,) + FORMATS,
+                    help="row format (data/formats.py); auto: told from the columns of the first rows")
     ap.add_argument("--n", type=int, default=4, help="samples per item")
     ap.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     ap.add_argument("--top-k", type=int, default=0, help="0 = no top-k truncation")
-    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--max-new-tokens", type=int, default=1024, help="tokens generated per sample at most")
     ap.add_argument("--output", default=None, help="per-item results JSONL")
     ap.add_argument("--summary-json", default=None, help="write the summary as JSON here")
     ap.add_argument("--reward", default="math", help="math | gsm8k | code | package.module:function")
     ap.add_argument("--seed", type=int, default=0, help="item i samples with derive_seed(seed, i)")
     ap.add_argument("--max-items", type=int, default=None, help="evaluate the first K rows only")
-    ap.add_argument("--no-chat-template", action="store_true", help="use the raw problem text as the prompt")
+    ap.add_argument("--no-chat-template", action="store_true",
+                    help="use the raw problem text as the prompt (default: the tokenizer's chat template, when it "
+                         "has one)")
     ap.add_argument("--boxed-instruction", action="store_true",
                     help="append 'Please put your final answer within \\boxed{}.' to every problem")
     ap.add_argument("--system-prompt", default=None, help="system message (chat template only)")
@@ -327,39 +337,46 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def _load_inputs(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
-    """(tokenizer, records, reward_fn); CliError naming the path/row on any user error."""
-    from jaxrl_async.data.datasets import BOXED_INSTRUCTION, DataFormatError, DatasetConfig, load_prompt_dataset
+    """(tokenizer, records, reward_fn); UserError naming the path/row on any user error."""
+    from jaxrl_async.data.datasets import BOXED_INSTRUCTION, DataFormatError, DatasetConfig, load_prompt_dataset, \
+        sniff_format
+    from jaxrl_async.data.formats import AUTO, FormatDetectionError
     from jaxrl_async.rewards.registry import RewardLoadError, make_reward
 
-    if not os.path.isdir(args.model):
-        raise CliError(f"--model {args.model}: not a directory")
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise CliError(f"--model {args.model}: no config.json (expected a Hugging Face model directory)")
-    if not os.path.isfile(args.data):
-        raise CliError(f"--data {args.data}: file not found")
+    check_model_dir("--model", args.model)
+    require_file("--data", args.data)
+    for flag in ("--output", "--summary-json"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path is not None:
+            require_output_file(flag, path)
     try:
         reward_fn = make_reward(args.reward)
     except (RewardLoadError, TypeError, ValueError) as e:
-        raise CliError(f"--reward {args.reward}: {e}") from None
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except Exception as e:  # noqa: BLE001 - any loading failure is a user error here
-        raise CliError(f"--model {args.model}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
-    if not args.no_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise CliError(f"--model {args.model}: the tokenizer has no chat template; pass --no-chat-template to use "
-                       "the raw problem text as the prompt")
-    cfg = DatasetConfig(path=args.data, format=args.format, max_prompt_len=args.max_prompt_length,
-                        apply_chat_template=not args.no_chat_template, system_prompt=args.system_prompt,
+        raise UserError(f"--reward {args.reward}: {e}") from None
+    tokenizer = load_tokenizer("--model", args.model)
+    if tokenizer is None:
+        raise UserError(f"--model {args.model}: no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                        "evaluate needs the model's tokenizer to encode the problems")
+    chat = chat_template_wanted(TOOL, tokenizer, args.model, not args.no_chat_template)
+    fmt = args.format
+    if fmt == AUTO:
+        try:
+            fmt, how = sniff_format(args.data)
+        except FormatDetectionError as e:
+            raise UserError(f"--format auto: {e}") from None
+        except (OSError, ValueError) as e:
+            raise UserError(f"--data {args.data}: {e}") from None
+        print(f"{TOOL}: format {fmt} ({how}; --format to choose another)", file=sys.stderr)
+    cfg = DatasetConfig(path=args.data, format=fmt, max_prompt_len=args.max_prompt_length,
+                        apply_chat_template=chat, system_prompt=args.system_prompt,
                         prompt_suffix=BOXED_INSTRUCTION if args.boxed_instruction else "",
                         skip_bad_rows=args.skip_bad_rows, max_rows=args.max_items)
     try:
         ds = load_prompt_dataset(cfg, tokenizer)
     except DataFormatError as e:
-        raise CliError(f"{e} (--format {args.format}; --skip-bad-rows skips such rows)") from None
+        raise UserError(f"{e} (--format {fmt}; --skip-bad-rows skips such rows)") from None
     except (OSError, ValueError) as e:
-        raise CliError(f"--data {args.data}: {e}") from None
+        raise UserError(f"--data {args.data}: {e}") from None
     st = ds.stats
     if st.bad_rows:
         print(f"skipped {st.bad_rows} malformed row(s), e.g. {st.bad_row_examples[0]}", file=sys.stderr)
@@ -367,7 +384,7 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
         print(f"dropped {st.too_long} prompt(s) longer than --max-prompt-length {args.max_prompt_length}",
               file=sys.stderr)
     if not ds.records:
-        raise CliError(f"--data {args.data}: no usable rows ({st.rows_read} read)")
+        raise UserError(f"--data {args.data}: no usable rows ({st.rows_read} read)")
     return tokenizer, ds.records, reward_fn
 
 
@@ -381,33 +398,32 @@ def _report_reward_failures(reward_fn: Any) -> None:
               f"last: {getattr(reward_fn, 'last_error', None)}", file=sys.stderr)
 
 
+@cli_main(TOOL)
 def main(argv: list[str] | None = None) -> int:
+    from jaxrl_async.generate import stop_token_ids
+
     ap = build_parser()
     args = ap.parse_args(argv)
     _check_args(ap, args)
+    tokenizer, records, reward_fn = _load_inputs(args)
     try:
-        tokenizer, records, reward_fn = _load_inputs(args)
-        from jaxrl_async.models import load_hf
-
-        try:
-            cfg, params = load_hf(args.model, dtype=args.dtype, param_dtype=args.dtype)
-        except Exception as e:  # noqa: BLE001 - unsupported/corrupt checkpoints are user errors
-            raise CliError(f"--model {args.model}: cannot load the model ({type(e).__name__}: {e})") from None
-        try:
-            result = evaluate_params(params, cfg, tokenizer, records, reward_fn, n=args.n, temperature=args.temperature,
-                                     max_new_tokens=args.max_new_tokens, seed=args.seed, top_p=args.top_p,
-                                     top_k=args.top_k, max_concurrent=args.max_concurrent, page_size=args.page_size,
-                                     num_pages=args.num_pages, progress=True)
-        except ValueError as e:  # prompts that do not fit the model
-            raise CliError(f"--data {args.data}: {e}") from None
-        finally:
-            _report_reward_failures(reward_fn)
-            close = getattr(reward_fn, "close", None)
-            if callable(close):
-                close()
-    except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        cfg, params = load_model("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)
+        model_max = cfg.max_position_embeddings - 1
+        long = [r for r in records if len(r.prompt_ids) > model_max]
+        if long:
+            raise UserError(f"--data {args.data}: item {long[0].id}: prompt has {len(long[0].prompt_ids)} tokens, "
+                            f"more than the model maximum {model_max} (max_position_embeddings - 1); "
+                            f"{len(long)} such prompt(s) (--max-prompt-length {model_max} drops them)")
+        result = evaluate_params(params, cfg, tokenizer, records, reward_fn, n=args.n, temperature=args.temperature,
+                                 max_new_tokens=args.max_new_tokens, seed=args.seed, top_p=args.top_p,
+                                 top_k=args.top_k, max_concurrent=args.max_concurrent, page_size=args.page_size,
+                                 num_pages=args.num_pages, progress=True,
+                                 stop_token_ids=stop_token_ids(cfg, tokenizer, args.model))
+    finally:
+        _report_reward_failures(reward_fn)
+        close = getattr(reward_fn, "close", None)
+        if callable(close):
+            close()
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
             for row in result.rows():

@@ -2,55 +2,69 @@
 
     python -m jaxrl_async.generate --model DIR --input prompts.jsonl --output out.jsonl \\
         [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--n N] [--seed S] \\
-        [--max-concurrent B] [--dtype float32|bfloat16] [--chat] [--truncate-prompts] \\
+        [--max-concurrent B] [--dtype float32|bfloat16] [--no-chat-template] [--truncate-prompts] \\
         [--stop STR ...] [--ignore-eos] [--max-prompt-length L] [--page-size P] [--num-pages N]
 
-Input rows: {"prompt": "..."} (tokenised with the model directory's tokenizer; with --chat the
-prompt becomes one user message rendered by the tokenizer's chat template, when it has one) or
-{"prompt_ids": [...]}. Output rows, in input order, one per sample:
-{"row": i, ["sample_index": k,] "completion_ids": [...], "text": "...", "logprobs": [...],
-"finish_reason": "stop" | "length"} (`sample_index` only with --n > 1; `text` is null when the
-model directory has no tokenizer). `logprobs` are the behaviour log-probs of the engine
-(log-softmax of the temperature-scaled logits over the full vocabulary; raw logits when greedy).
+Input rows: {"prompt": "..."} or {"prompt_ids": [...]}, optionally with an "id" (string or integer).
+A text prompt becomes one user message rendered by the tokenizer's chat template when the model
+directory's tokenizer has one (as `evaluate` and `score` do; --no-chat-template: the raw text, encoded
+with the tokenizer's special tokens); a tokenizer without a template falls back to the raw text with a
+note. A model directory without tokenizer files (weights + config only) takes `prompt_ids` rows only
+and writes ids without text.
 
-Stopping: the model's EOS ids (config `eos_token_id`, plus the tokenizer's) unless --ignore-eos,
-and the --stop strings (the completion ends with the token that completed the string).
-Seeds: row i uses seed S + i, so rows are reproducible and independent of batching.
-Prompt length limit: --max-prompt-length (default: the longest prompt of the file, capped at the
-model's max_position_embeddings - 1). A longer prompt is an error naming its row, or with
+Output rows, in input order, one per sample: {"row": L, ["id": ...,] "prompt": "..." | "prompt_ids":
+[...], ["sample_index": k,] "completion_ids": [...], "text": "...", "logprobs": [...], "finish_reason":
+"stop" | "length"}. `row` is the input's line number (from 1), the prompt is echoed as given,
+`sample_index` appears only with --n > 1, and `text` is null without a tokenizer. `logprobs` are the
+behaviour log-probs of the engine (log-softmax of the temperature-scaled logits over the full
+vocabulary; raw logits when greedy).
+
+Stopping: the EOS ids of config.json, generation_config.json and the tokenizer (when the directory has
+one) unless --ignore-eos, and the --stop strings (the completion ends with the token that completed
+the string). Seeds: the row on line L uses seed S + L - 1, so rows are reproducible and independent
+of batching. Prompt length limit: --max-prompt-length (default: the longest prompt of the file, capped
+at the model's max_position_embeddings - 1). A longer prompt is an error naming its row, or with
 --truncate-prompts keeps its last L tokens (the end of a prompt, where the question and the
 generation prompt are) and the number of truncated prompts is printed.
+
+Exit status: 0 done; 2 a user error (bad flag, path, model directory or input row: one line on stderr
+naming it); 1 an internal error.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 import time
 from typing import Any, Callable, Iterable
 
-from jaxrl_async.jsonl import BadRowError, check_row, iter_json_rows
+from jaxrl_async.cli import (UserError, chat_template_wanted, cli_main, generation_eos_ids, iter_lines, load_model,
+                             load_tokenizer, make_parser, model_config, note, require_file, require_output_file)
+from jaxrl_async.jsonl import BadRowError, bad_rows_error, check_row, iter_json_rows
 
 PROMPT_FIELDS = ("prompt", "prompt_ids")
+TOOL = "generate"
 
 
 @dataclasses.dataclass
 class PromptRow:
-    row: int
+    row: int  # line number in the input file, from 1
     prompt_ids: list[int]
     truncated_from: int | None = None  # original length when truncated
+    echo: dict[str, Any] = dataclasses.field(default_factory=dict)  # id and prompt as given, for the output
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
-    """Token ids of a text prompt: the chat template's rendering of one user message when `chat`
-    (and the tokenizer has a template), else the plain encoding with the tokenizer's special tokens."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(text)["input_ids"])
+    """Token ids of a text prompt, built as `evaluate` and the RL data pipeline build them
+    (`data.datasets.render_prompt` / `encode_prompts`): the chat template's rendering of one user message
+    with the generation prompt when `chat` (and the tokenizer has a template), else the raw text encoded
+    with the tokenizer's special tokens."""
+    from jaxrl_async.data.datasets import encode_prompts, render_prompt
+
+    templated = bool(chat and getattr(tokenizer, "chat_template", None))
+    rendered = render_prompt(text, tokenizer, apply_chat_template=templated)
+    return encode_prompts([rendered], tokenizer, templated=templated)[0]
 
 
 def parse_row(obj: Any, row: int, encode: Callable[[str, int], list[int]], vocab_size: int) -> list[int]:
@@ -60,6 +74,8 @@ def parse_row(obj: Any, row: int, encode: Callable[[str, int], list[int]], vocab
     present = [f for f in PROMPT_FIELDS if f in obj]
     if len(present) != 1:
         raise BadRowError(f"row {row}: needs exactly one of the fields {PROMPT_FIELDS}, got {sorted(obj)}")
+    if "id" in obj and (isinstance(obj["id"], bool) or not isinstance(obj["id"], (str, int))):
+        raise BadRowError(f"row {row}: field 'id' must be a string or an integer")
     if present[0] == "prompt":
         if not isinstance(obj["prompt"], str):
             raise BadRowError(f"row {row}: field 'prompt' must be a string")
@@ -92,19 +108,23 @@ def apply_length_limit(rows: list[PromptRow], max_len: int, truncate: bool) -> t
 
 def read_rows(lines: Iterable[str], encode: Callable[[str, int], list[int]], vocab_size: int
               ) -> tuple[list[PromptRow], list[str]]:
+    """(valid rows, one `row N: ...` message per bad row); N is the line number (from 1)."""
     rows, errors = [], []
     for i, obj in iter_json_rows(lines):
         try:
-            rows.append(PromptRow(i, parse_row(check_row(i, obj), i, encode, vocab_size)))
+            ids = parse_row(check_row(i, obj), i, encode, vocab_size)
         except BadRowError as e:
             errors.append(str(e))
+            continue
+        echo = {k: obj[k] for k in ("id", "prompt", "prompt_ids") if k in obj}
+        rows.append(PromptRow(i, ids, echo=echo))
     return rows, errors
 
 
-def output_rows(row: int, samples: list, n: int) -> list[dict]:
+def output_rows(row: int, samples: list, n: int, echo: dict[str, Any] | None = None) -> list[dict]:
     out = []
     for s in samples:
-        d: dict[str, Any] = {"row": row}
+        d: dict[str, Any] = {"row": row, **(echo or {})}
         if n > 1:
             d["sample_index"] = s.sample_index
         d.update(completion_ids=s.completion_ids, text=s.text, logprobs=s.logprobs, finish_reason=s.finish_reason)
@@ -112,39 +132,60 @@ def output_rows(row: int, samples: list, n: int) -> list[dict]:
     return out
 
 
-def stop_token_ids(cfg: Any, tokenizer: Any) -> tuple[int, ...]:
-    ids = set()
-    eos = cfg.eos_token_id
+def is_real_tokenizer(tokenizer: Any) -> bool:
+    """False for None and for the empty tokenizer that `AutoTokenizer.from_pretrained` invents for a
+    directory without tokenizer files (its only tokens are special ones, e.g. an EOS with id 0)."""
+    if tokenizer is None:
+        return False
+    try:
+        return len(tokenizer) > len(set(getattr(tokenizer, "all_special_ids", ()) or ()))
+    except TypeError:  # not sized: trust it
+        return True
+
+
+def stop_token_ids(cfg: Any, tokenizer: Any = None, model_dir: str | None = None) -> tuple[int, ...]:
+    """EOS ids generation stops at: the model config's (`eos_token_id`, an int or a list), those of
+    `model_dir/generation_config.json` when a directory is given, and the tokenizer's EOS when it is a
+    real tokenizer (see `is_real_tokenizer`)."""
+    ids: set[int] = set()
+    eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
     if eos is not None:
         ids.update([eos] if isinstance(eos, int) else eos)
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+    if model_dir is not None:
+        ids.update(generation_eos_ids(model_dir))
+    if is_real_tokenizer(tokenizer) and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(int(i) for i in ids))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m jaxrl_async.generate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
+def build_parser():
+    ap = make_parser("python -m jaxrl_async.generate", __doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors "
+                    "[+ tokenizer])")
     ap.add_argument("--input", required=True, help="input JSONL ({'prompt': str} or {'prompt_ids': [int]} rows)")
     ap.add_argument("--output", required=True, help="output JSONL")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=1024, help="tokens generated per sample at most")
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     ap.add_argument("--top-k", type=int, default=0, help="0 = no top-k truncation")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (one prefill shared by the n samples)")
-    ap.add_argument("--seed", type=int, default=0, help="row i uses seed + i")
+    ap.add_argument("--seed", type=int, default=0, help="the row on line L uses seed + L - 1")
     ap.add_argument("--max-concurrent", type=int, default=32, help="decode slots (static decode batch)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute/param/KV dtype")
-    ap.add_argument("--chat", action="store_true", help="render text prompts with the tokenizer's chat template")
+    ap.add_argument("--no-chat-template", action="store_true",
+                    help="encode text prompts as raw text (default: the tokenizer's chat template, when it has one)")
+    ap.add_argument("--chat", action="store_true", help="deprecated, no effect: the chat template is the default")
     ap.add_argument("--truncate-prompts", action="store_true", help="keep the last --max-prompt-length tokens")
     ap.add_argument("--stop", nargs="+", default=[], metavar="STR", help="stop strings")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token(s)")
-    ap.add_argument("--max-prompt-length", type=int, default=None, help="longest prompt (largest prefill bucket)")
+    ap.add_argument("--max-prompt-length", type=int, default=None,
+                    help="longest prompt (largest prefill bucket; default: the longest of the file)")
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from device memory)")
     return ap
 
 
+@cli_main(TOOL)
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -153,70 +194,67 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= {lo}")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         ap.error("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
-    if args.max_prompt_length is not None and args.max_prompt_length < 1:
-        ap.error("--max-prompt-length must be >= 1")
+    for name in ("max_prompt_length", "num_pages"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.seed < 2 ** 32:
         ap.error("--seed must be in [0, 2**32)")
+    if args.chat:
+        note(TOOL, "--chat is deprecated and has no effect: the chat template is used by default "
+                   "(--no-chat-template turns it off)")
+    require_file("--input", args.input)
+    require_output_file("--output", args.output)
 
     from tqdm import tqdm
 
-    from jaxrl_async.models import ModelConfig
     from jaxrl_async.rollout.engine_api import SamplingParams
 
-    cfg = ModelConfig.from_hf(args.model, dtype=args.dtype, param_dtype=args.dtype)
-    tokenizer, tok_error = None, None
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except Exception as e:  # noqa: BLE001 - only an error if a row or option needs it
-        tok_error = e
-    if tokenizer is None and args.stop:
-        print(f"error: --stop needs a tokenizer in {args.model} ({tok_error})", file=sys.stderr)
-        return 2
-    if args.chat and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
-        print(f"warning: --chat: the tokenizer in {args.model} has no chat template; prompts are encoded as plain text",
-              file=sys.stderr)
+    cfg = model_config("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)
+    tokenizer = load_tokenizer("--model", args.model)
+    if tokenizer is None:
+        if args.stop:
+            raise UserError(f"--stop needs a tokenizer, but --model {args.model} has no tokenizer files "
+                            "(tokenizer.json / tokenizer_config.json)")
+        note(TOOL, f"{args.model} has no tokenizer files: rows must give prompt_ids, outputs carry ids only")
+    chat: bool | None = None  # decided at the first text prompt (the note only matters then)
 
     def encode(text: str, row: int) -> list[int]:
+        nonlocal chat
         if tokenizer is None:
-            raise BadRowError(f"row {row}: text prompts need a tokenizer in {args.model} ({tok_error})")
-        return encode_prompt(tokenizer, text, args.chat)
+            raise BadRowError(f"row {row}: a text prompt needs a tokenizer, but --model {args.model} has no "
+                              "tokenizer files; give prompt_ids")
+        if chat is None:
+            chat = chat_template_wanted(TOOL, tokenizer, args.model, not args.no_chat_template)
+        return encode_prompt(tokenizer, text, chat)
 
-    with open(args.input) as fh:
-        rows, errors = read_rows(fh, encode, cfg.vocab_size)
+    rows, errors = read_rows(iter_lines("--input", args.input), encode, cfg.vocab_size)
     model_max = cfg.max_position_embeddings - 1
     max_prompt = args.max_prompt_length or min(max((len(r.prompt_ids) for r in rows), default=1), model_max)
     max_prompt = min(max_prompt, model_max)
     rows, len_errors = apply_length_limit(rows, max_prompt, args.truncate_prompts)
-    errors += len_errors
+    errors = sorted(errors + len_errors, key=lambda e: int(e.split(":", 1)[0].removeprefix("row ")))
     if errors:
-        for e in errors:
-            print(f"error: {args.input}: {e}", file=sys.stderr)
-        print(f"{len(errors)} bad row(s), nothing generated", file=sys.stderr)
-        return 2
+        raise UserError(bad_rows_error(args.input, errors) + "; nothing generated")
     if not rows:
-        print(f"error: {args.input}: no prompts", file=sys.stderr)
-        return 2
+        raise UserError(f"--input {args.input}: no prompts (the file has no non-blank rows)")
     n_trunc = sum(r.truncated_from is not None for r in rows)
     if n_trunc:
         print(f"truncated {n_trunc} prompt(s) to their last {max_prompt} tokens", file=sys.stderr)
 
-    from jaxrl_async.models import load_hf
     from jaxrl_async.rollout.engine import PagedEngine
     from jaxrl_async.rollout.orchestrator import Generator
 
-    cfg, params = load_hf(args.model, cfg=cfg)
+    cfg, params = load_model("--model", args.model, cfg=cfg)
     engine = PagedEngine(cfg, max_concurrent_decodes=args.max_concurrent,
                          max_sequence_length=min(max_prompt + args.max_new_tokens, cfg.max_position_embeddings),
                          max_prefill_length=max_prompt, page_size=args.page_size, num_pages=args.num_pages)
     params = engine.place_params(params)
-    stops = () if args.ignore_eos else stop_token_ids(cfg, tokenizer)
+    stops = () if args.ignore_eos else stop_token_ids(cfg, tokenizer, args.model)
 
     def sampling(row: int) -> SamplingParams:
         return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
-                              stop_strings=tuple(args.stop), seed=(args.seed + row) % 2 ** 32, n=args.n)
+                              stop_strings=tuple(args.stop), seed=(args.seed + row - 1) % 2 ** 32, n=args.n)
 
     t0 = time.perf_counter()
     total = len(rows) * args.n
@@ -233,10 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         outputs = [h.result(timeout=None) for h in handles]  # raises GeneratorError on failure
         stats = gen.stats()
     elapsed = time.perf_counter() - t0
-    with open(args.output, "w") as fh:
+    with open(args.output, "w", encoding="utf-8") as fh:
         for r, out in zip(rows, outputs):
-            for d in output_rows(r.row, out.samples, args.n):
-                fh.write(json.dumps(d) + "\n")
+            for d in output_rows(r.row, out.samples, args.n, r.echo):
+                fh.write(json.dumps(d, ensure_ascii=False) + "\n")
     n_tok = sum(len(s.completion_ids) for o in outputs for s in o.samples)
     print(f"generated {total} sample(s), {n_tok} tokens in {elapsed:.1f} s ({n_tok / elapsed:.1f} tok/s incl. "
           f"compilation; decode {stats.tokens_per_s:.1f} tok/s, slot utilisation {stats.slot_utilisation:.2f}) "

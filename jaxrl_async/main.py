@@ -16,6 +16,8 @@ import logging
 import os
 import sys
 
+from jaxrl_async.cli import cli_main, error_line
+
 
 def _peek_config(argv: list[str]):
     """Load the config and overrides WITHOUT validation (which initialises JAX's backend)."""
@@ -43,6 +45,7 @@ def _configure_cpu_devices(n: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", int(n))
 
 
+@cli_main("main", handle_interrupt=False)  # user errors (config, model files, data rows): one line, exit 2
 def main(argv: list[str] | None = None) -> int:
     from jaxrl_async.config import ConfigError, format_config, parse_command_line
 
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg, flags = parse_command_line(argv, default_config=get_config())
     except ConfigError as e:
-        print(str(e), file=sys.stderr)
+        print(error_line("main", e), file=sys.stderr)
         return 2
     if flags["print_config"] or flags["dry_run"] or cfg.logging.print_config:
         print(format_config(cfg), file=sys.stderr)

@@ -56,26 +56,28 @@ import sys
 import time
 from typing import Any, Sequence
 
+from jaxrl_async.cli import UserError, cli_main, make_parser
+
 GiB = 1 << 30
 
 
-class PlanError(ValueError):
-    """The plan cannot be made (too few devices, no target device, unknown option)."""
+class PlanError(UserError, ValueError):
+    """The plan cannot be made (too few devices, no target device, unknown option): a user error
+    (``plan: error: ...``, exit status 2)."""
 
 
 # =============================================================================================
 # Command line and config (no JAX before the device count is set)
 # =============================================================================================
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxrl_async.plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = make_parser("python -m jaxrl_async.plan", "Will this run fit its hardware?\n\n" + __doc__.split("\n", 2)[2].strip())
     p.add_argument("--config", help="config file (default: the embedded default run)")
     p.add_argument("--devices", type=int, default=None, help="number of (simulated) devices; default: the layout's")
     p.add_argument("--platform", choices=("cpu", "native"), default="cpu",
-                   help="cpu: simulated CPU devices (default); native: this machine's accelerators")
+                   help="cpu: simulated CPU devices; native: this machine's accelerators")
     p.add_argument("--layout", default=None, help="replace the mesh section with this layout (jaxrl_async.layouts)")
     p.add_argument("--target", default=None, help="device kind to budget against (default: the layout's)")
-    p.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free (default 0.10)")
+    p.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--list", action="store_true", help="list the layouts and device kinds, then exit")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides")
@@ -156,7 +158,7 @@ def _input_shardings(compiled, n_args: int) -> list[list[Any]]:
 
     args_sh = compiled.input_shardings[0]
     if len(args_sh) != n_args:
-        raise PlanError(f"compiled executable has {len(args_sh)} argument groups, expected {n_args}")
+        raise RuntimeError(f"compiled executable has {len(args_sh)} argument groups, expected {n_args}")
     return [jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)) for s in args_sh]
 
 
@@ -621,28 +623,20 @@ def _ids(ids: Sequence[int]) -> str:
     return ",".join(map(str, ids))
 
 
+@cli_main("plan")
 def main(argv: Sequence[str] | None = None) -> int:
-    from jaxrl_async.config import ConfigError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+    args, unknown = parser.parse_known_args(argv)  # -h/--help: usage, the description and every default
+    if unknown:
+        raise PlanError(f"unknown option {unknown[0]!r} (see --help)")
+    if args.list:
+        print(format_layouts())
         return 0
-    try:
-        args, unknown = parser.parse_known_args(argv)
-        if unknown:
-            raise PlanError(f"unknown option {unknown[0]!r} (see --help)")
-        if args.list:
-            print(format_layouts())
-            return 0
-        cfg = load_plan_config(args.config, args.layout, args.overrides)
-        n = args.devices if args.devices is not None else default_num_devices(cfg)
-        _configure_devices(n, args.platform)
-        report = make_plan(cfg, num_devices=n, target=args.target, headroom=args.headroom)
-    except (ConfigError, PlanError) as e:
-        print(f"plan: {e}", file=sys.stderr)
-        return 2
+    cfg = load_plan_config(args.config, args.layout, args.overrides)
+    n = args.devices if args.devices is not None else default_num_devices(cfg)
+    _configure_devices(n, args.platform)
+    report = make_plan(cfg, num_devices=n, target=args.target, headroom=args.headroom)
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0 if report["fits"] else 1
 

@@ -1,15 +1,22 @@
 """`python -m jaxrl_async.score`: teacher-forced per-token log-probs and entropies of completions.
 
     python -m jaxrl_async.score --model DIR --input in.jsonl --output out.jsonl \
-        [--dtype float32|bfloat16] [--batch-tokens N] [--temperature T] [--skip-bad-rows]
+        [--dtype float32|bfloat16] [--batch-tokens N] [--temperature T] [--no-chat-template] [--skip-bad-rows]
 
-Input rows: {"prompt_ids": [...], "completion_ids": [...]} or {"prompt": "...", "completion": "..."}
-(text is tokenised with the model directory's tokenizer; no special tokens are added).
-Output rows, in input order: {"row": i, "logprobs": [...], "entropy": [...]}, aligned with the
-completion tokens. The computation is `models.transformer.sequence_logprobs`, the trainer's own
-log-prob path. Sequences are packed several per row (segment ids, no cross-attention) into
-power-of-two row lengths and row counts, so a file with many lengths compiles only a handful
-of shapes.
+Input rows: {"prompt_ids": [...], "completion_ids": [...]} or {"prompt": "...", "completion": "..."}.
+Text is tokenised with the model directory's tokenizer the way `generate` and `evaluate` build their
+prompts: the prompt as one user message rendered by the tokenizer's chat template with the
+generation prompt (--no-chat-template, or a tokenizer without a template: the raw prompt text with the
+tokenizer's special tokens), the completion without special tokens. So a `generate` output row scored
+here gets the log-probs of the exact sequence that was sampled.
+Output rows, in input order: {"row": L, "logprobs": [...], "entropy": [...]}, aligned with the
+completion tokens; `row` is the input's line number (from 1). The computation is
+`models.transformer.sequence_logprobs`, the trainer's own log-prob path. Sequences are packed several
+per row (segment ids, no cross-attention) into power-of-two row lengths and row counts, so a file with
+many lengths compiles only a handful of shapes.
+
+Exit status: 0 done; 2 a user error (bad flag, path, model directory or input row: one line on stderr
+naming it); 1 an internal error.
 """
 
 from __future__ import annotations
@@ -22,7 +29,11 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from jaxrl_async.cli import (UserError, chat_template_wanted, cli_main, iter_lines, load_model, load_tokenizer,
+                             make_parser, require_file, require_output_file)
 from jaxrl_async.jsonl import BadRowError, check_row, iter_json_rows
+
+TOOL = "score"
 
 
 @dataclasses.dataclass
@@ -43,7 +54,8 @@ def _int_list(v, field, row):
 
 
 def parse_row(obj: Any, row: int, tokenizer_fn, vocab_size: int, max_len: int) -> ScoreItem:
-    """Validate one input row; raise BadRowError naming the row and the problem."""
+    """Validate one input row; raise BadRowError naming the row and the problem.
+    ``tokenizer_fn(text, row, is_prompt) -> ids`` encodes text rows."""
     if not isinstance(obj, dict):
         raise BadRowError(f"row {row}: expected a JSON object")
     if "prompt_ids" in obj or "completion_ids" in obj:
@@ -58,8 +70,8 @@ def parse_row(obj: Any, row: int, tokenizer_fn, vocab_size: int, max_len: int) -
                 raise BadRowError(f"row {row}: missing field {f!r}")
             if not isinstance(obj[f], str):
                 raise BadRowError(f"row {row}: field {f!r} must be a string")
-        prompt = tokenizer_fn(obj["prompt"], row)
-        completion = tokenizer_fn(obj["completion"], row)
+        prompt = tokenizer_fn(obj["prompt"], row, True)
+        completion = tokenizer_fn(obj["completion"], row, False)
     else:
         raise BadRowError(f"row {row}: missing fields: need prompt_ids+completion_ids or prompt+completion")
     if not completion:
@@ -164,9 +176,10 @@ def build_demo(out_dir: str) -> dict[str, str]:
     return {"model": model_dir, "input": input_path, "output": os.path.join(out_dir, "scores.jsonl")}
 
 
+@cli_main(TOOL)
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxrl_async.score", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="Hugging Face model directory (config.json + safetensors)")
+    ap = make_parser("python -m jaxrl_async.score", __doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="Hugging Face model directory (config.json + safetensors [+ tokenizer])")
     ap.add_argument("--input", help="input JSONL")
     ap.add_argument("--output", help="output JSONL")
     ap.add_argument("--demo", metavar="DIR", help="build a tiny random Qwen3 model, a tokenizer and an input file "
@@ -174,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute and parameter dtype")
     ap.add_argument("--batch-tokens", type=int, default=8192, help="tokens per forward batch (memory bound)")
     ap.add_argument("--temperature", type=float, default=1.0, help="score log_softmax(logits / T)")
+    ap.add_argument("--no-chat-template", action="store_true",
+                    help="encode text prompts as raw text (default: the tokenizer's chat template, when it has one)")
     ap.add_argument("--skip-bad-rows", action="store_true", help="report bad rows on stderr and skip them")
     args = ap.parse_args(argv)
     if args.batch_tokens < 1:
@@ -188,37 +203,40 @@ def main(argv: list[str] | None = None) -> int:
     missing = [f"--{k}" for k in ("model", "input", "output") if getattr(args, k) is None]
     if missing:
         ap.error(f"the following arguments are required: {', '.join(missing)} (or --demo DIR)")
+    require_file("--input", args.input)
+    require_output_file("--output", args.output)
 
     from tqdm import tqdm
 
-    from jaxrl_async.models import load_hf
+    from jaxrl_async.generate import encode_prompt
 
-    cfg, params = load_hf(args.model, dtype=args.dtype, param_dtype=args.dtype)
-    tokenizer = None
+    cfg, params = load_model("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)
+    tokenizer = load_tokenizer("--model", args.model)
+    chat: bool | None = None  # decided at the first text row (the note about a missing template only matters then)
 
-    def tokenize(text: str, row: int) -> list[int]:
-        nonlocal tokenizer
+    def tokenize(text: str, row: int, prompt: bool) -> list[int]:
+        nonlocal chat
         if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(args.model)
-            except Exception as e:  # noqa: BLE001 - report which row needed it
-                raise BadRowError(f"row {row}: text input needs a tokenizer in {args.model} ({e})") from None
+            raise BadRowError(f"row {row}: text input needs a tokenizer, but --model {args.model} has no tokenizer "
+                              "files; give prompt_ids and completion_ids")
+        if chat is None:
+            chat = chat_template_wanted(TOOL, tokenizer, args.model, not args.no_chat_template)
+        if prompt:
+            return encode_prompt(tokenizer, text, chat)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     items: list[ScoreItem] = []
     skipped = 0
-    with open(args.input) as fh:
-        for i, obj in iter_json_rows(fh):
-            try:
-                items.append(parse_row(check_row(i, obj), i, tokenize, cfg.vocab_size, cfg.max_position_embeddings))
-            except BadRowError as e:
-                if not args.skip_bad_rows:
-                    print(f"error: {args.input}: {e}", file=sys.stderr)
-                    return 2
-                skipped += 1
-                print(f"skipped: {args.input}: {e}", file=sys.stderr)
+    for i, obj in iter_json_rows(iter_lines("--input", args.input)):
+        try:
+            items.append(parse_row(check_row(i, obj), i, tokenize, cfg.vocab_size, cfg.max_position_embeddings))
+        except BadRowError as e:
+            if not args.skip_bad_rows:
+                raise UserError(f"{args.input}: {e} (--skip-bad-rows skips such rows)") from None
+            skipped += 1
+            print(f"skipped: {args.input}: {e}", file=sys.stderr)
+    if not items:
+        raise UserError(f"--input {args.input}: no rows to score")
     with tqdm(total=len(items), desc="score", unit="seq", file=sys.stderr, disable=None) as bar:
         results = score_items(params, cfg, items, args.batch_tokens, args.temperature, bar)
     with open(args.output, "w") as fh:

@@ -149,22 +149,34 @@ def test_cli_end_to_end(model_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("no_model_dir", "--model {tmp}/missing: not a directory"),
+    ("no_model_dir", "--model {tmp}/missing: not found"),
     ("no_config", "no config.json"),
+    ("truncated", "--model {tmp}/trunc: cannot load the weights: {tmp}/trunc/model.safetensors: tensor"),
+    ("no_tokenizer", "--model {tmp}/notok: no tokenizer files"),
     ("no_data", "--data {tmp}/nope.jsonl: file not found"),
-    ("bad_row", "data.jsonl:2: [gsm8k] gsm8k field 'answer' has no '#### <number>' final-answer marker"),
-    ("bad_json", "data.jsonl:1: [gsm8k] invalid JSON"),
+    ("bad_row", "data.jsonl: row 2: [gsm8k] gsm8k field 'answer' has no '#### <number>' final-answer marker"),
+    ("bad_json", "data.jsonl: row 1: [gsm8k] invalid JSON"),
     ("bad_reward", "--reward nonexistent: unknown reward 'nonexistent'"),
-    ("no_template", "the tokenizer has no chat template; pass --no-chat-template"),
     ("empty", "no usable rows"),
+    ("ambiguous", "--format auto: ambiguous format: {tmp}/data.jsonl: row 1 looks like gsm8k but {tmp}/data.jsonl: "
+                  "row 2 looks like generic; pass --format"),
 ])
 def test_cli_errors(case, message, model_dir, tmp_path, capsys):
     data = write_rows(tmp_path / "data.jsonl", GSM_ROWS)
-    model, extra = model_dir, []
+    model, extra = model_dir, ["--format", "gsm8k"]
     if case == "no_model_dir":
         model = str(tmp_path / "missing")
     elif case == "no_config":
         model = str(tmp_path)
+    elif case == "truncated":
+        model = shutil.copytree(model_dir, tmp_path / "trunc")
+        with open(model / "model.safetensors", "r+b") as fh:
+            fh.truncate(fh.seek(0, 2) // 2)
+    elif case == "no_tokenizer":
+        model = tmp_path / "notok"
+        model.mkdir()
+        for f in ("config.json", "model.safetensors"):
+            shutil.copy(f"{model_dir}/{f}", model)
     elif case == "no_data":
         data = str(tmp_path / "nope.jsonl")
     elif case == "bad_row":
@@ -172,19 +184,35 @@ def test_cli_errors(case, message, model_dir, tmp_path, capsys):
     elif case == "bad_json":
         write_rows(tmp_path / "data.jsonl", ['{"question": '])
     elif case == "bad_reward":
-        extra = ["--reward", "nonexistent"]
-    elif case == "no_template":
-        from jaxrl_async.testing import make_tiny_tokenizer
-
-        model = str(tmp_path / "plain")
-        make_tiny_tokenizer(model)
-        shutil.copy(f"{model_dir}/config.json", model)
+        extra += ["--reward", "nonexistent"]
     elif case == "empty":
-        extra = ["--max-prompt-length", "2"]  # every prompt is longer: all dropped
-    argv = ["--model", model, "--data", data, "--format", "gsm8k"] + extra
+        extra += ["--max-prompt-length", "2"]  # every prompt is longer: all dropped
+    elif case == "ambiguous":
+        write_rows(tmp_path / "data.jsonl", [GSM_ROWS[0], {"prompt": "1+1?", "answer": "2"}])
+        extra = []
+    argv = ["--model", str(model), "--data", data] + extra
     assert evaluate.main(argv) == 2
     err = capsys.readouterr().err
     assert message.format(tmp=tmp_path) in err, err
+    assert err.strip().splitlines()[-1].startswith("evaluate: error: ") and "Traceback" not in err
+
+
+def test_cli_without_chat_template_falls_back_to_raw_text(model_dir, tmp_path, capsys):
+    """A tokenizer without a chat template: a one-line note, the raw problem text as the prompt."""
+    from jaxrl_async.testing import make_tiny_tokenizer
+
+    model = str(tmp_path / "plain")
+    make_tiny_tokenizer(model)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(f"{model_dir}/{f}", model)
+    data = write_rows(tmp_path / "data.jsonl", GSM_ROWS[:1])
+    out = tmp_path / "r.jsonl"
+    assert evaluate.main(["--model", model, "--data", data, "--n", "1", "--max-new-tokens", "2",
+                          "--output", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"evaluate: note: the tokenizer in {model} has no chat template; prompts are used as raw text" in err
+    assert "evaluate: format gsm8k (detected from the columns" in err  # no --format given
+    assert json.loads(out.read_text())["prompt"] == GSM_ROWS[0]["question"]
 
 
 def test_reward_failures_are_reported(capsys):

@@ -54,6 +54,7 @@ def test_cli_export_matches_our_logits_in_transformers(run, tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"exported step 2 of {run_dir}" in proc.stdout and "tokenizer" in proc.stdout
+    assert "Given directory is read only" not in proc.stderr, proc.stderr  # orbax's absl notice is silenced
     for f in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert os.path.isfile(os.path.join(out, f)), f
     gen = json.load(open(os.path.join(out, "generation_config.json")))
@@ -87,10 +88,35 @@ def test_export_older_step_and_bf16(run, tmp_path):
 
 def test_export_errors(run, tmp_path, capsys):
     run_dir, _, _, _ = run
-    assert main(["--run-dir", run_dir, "--step", "7", "--out", str(tmp_path / "x")]) == 1
+    assert main(["--run-dir", run_dir, "--step", "7", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "no committed checkpoint at step 7" in err and "committed: [1, 2]" in err
-    assert main(["--run-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "y")]) == 1
+    assert err.startswith("export: error: --run-dir") and err.count("\n") == 1, err
+    assert main(["--run-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "y")]) == 2
+    assert f"export: error: --run-dir {tmp_path / 'nope'}: not found" in capsys.readouterr().err
+    (tmp_path / "norun").mkdir()
+    assert main(["--run-dir", str(tmp_path / "norun"), "--out", str(tmp_path / "y")]) == 2
     assert "no checkpoints/ directory" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         main(["--run-dir", run_dir, "--out", str(tmp_path / "z"), "--dtype", "int8"])
+    assert e.value.code == 2
+
+
+def test_export_refuses_to_overwrite_without_flag(run, tmp_path, capsys):
+    run_dir, _, _, _ = run
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["--run-dir", run_dir, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"export: error: --out {out}: directory exists and is not empty (pass "
+                                       "--overwrite to replace its model files)\n")
+    assert os.listdir(out) == ["notes.txt"]
+    # --overwrite replaces an earlier (sharded) export's files, keeps other files
+    export_checkpoint(run_dir, str(out), step=1, max_shard_bytes=20_000)
+    shards = sorted(f for f in os.listdir(out) if f.startswith("model-"))
+    assert len(shards) > 1 and os.path.isfile(out / "model.safetensors.index.json")
+    assert main(["--run-dir", run_dir, "--out", str(out), "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == sorted(["notes.txt", "model.safetensors", "config.json", "generation_config.json",
+                                              "tokenizer.json", "tokenizer_config.json"])
+    assert main(["--run-dir", run_dir, "--out", str(out / "notes.txt")]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err

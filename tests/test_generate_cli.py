@@ -85,18 +85,21 @@ def test_generate_cli_rows_order_n_samples_and_truncation(model_dir, tmp_path, c
     out = str(tmp_path / "out.jsonl")
     rc = generate.main(["--model", model_dir, "--input", inp, "--output", out, "--max-new-tokens", "6",
                         "--temperature", "0", "--n", "2", "--max-concurrent", "3", "--max-prompt-length", "8",
-                        "--truncate-prompts", "--page-size", "4"])
+                        "--truncate-prompts", "--page-size", "4", "--no-chat-template"])
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "truncated 1 prompt(s) to their last 8 tokens" in err
     res = read_jsonl(out)
-    assert [(r["row"], r["sample_index"]) for r in res] == [(i, k) for i in range(5) for k in range(2)]
+    assert [(r["row"], r["sample_index"]) for r in res] == [(i, k) for i in range(1, 6) for k in range(2)]
+    for r in res:  # the prompt as given is echoed
+        given = rows[r["row"] - 1]
+        assert {k: r[k] for k in given} == given and not ({"prompt", "prompt_ids"} - set(given)) & set(r)
     vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
     prompts = [[vocab[w] for w in "the cat sat on the mat".split()], [5, 6, 7],
                [vocab[w] for w in "a big red dog ran under the small blue log and then sat".split()][-8:], [9],
                [vocab[w] for w in "one two three".split()]]
     for r in res:
-        expect = torch_greedy(model_dir, prompts[r["row"]], 6)
+        expect = torch_greedy(model_dir, prompts[r["row"] - 1], 6)
         assert r["completion_ids"] == expect, r  # greedy: both samples equal transformers' greedy
         assert len(r["logprobs"]) == len(expect) and all(lp <= 0 for lp in r["logprobs"])
         assert r["finish_reason"] == ("stop" if expect[-1] == 2 else "length")
@@ -107,17 +110,24 @@ def test_generate_cli_bad_rows_are_named(model_dir, tmp_path, capsys):
     inp = write_jsonl(tmp_path / "bad.jsonl", [
         {"prompt_ids": [1, 2]}, "{not json", {"text": "x"}, {"prompt_ids": [1, 999]},
         {"prompt": "the cat sat on the mat and then ran"}, {"prompt_ids": []}])
-    rc = generate.main(["--model", model_dir, "--input", inp, "--output", str(tmp_path / "o.jsonl"),
-                        "--max-prompt-length", "4"])
-    err = capsys.readouterr().err
+    out = tmp_path / "o.jsonl"
+    argv = ["--model", model_dir, "--input", inp, "--output", str(out), "--max-prompt-length", "4",
+            "--no-chat-template"]
+    rc = generate.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
-    assert "row 1: invalid JSON" in err
-    assert "row 2: needs exactly one of the fields" in err
-    assert "row 3: prompt_ids [999] out of the model's vocabulary [0, 64)" in err
-    assert "row 4: prompt has 9 tokens > max prompt length 4 (pass --truncate-prompts" in err
-    assert "row 5: empty prompt" in err
-    assert "row 0" not in err and "5 bad row(s)" in err
-    assert not (tmp_path / "o.jsonl").exists()
+    # one line: the first bad row in full (rows are 1-based line numbers), then every bad row's number
+    assert err == [f"generate: error: {inp}: row 2: invalid JSON (Expecting property name enclosed in double quotes "
+                   f"at column 2) (5 bad rows in all: rows 2, 3, 4, 5, 6); nothing generated"], err
+    assert not out.exists()
+    for row, needle in ((3, "row 3: needs exactly one of the fields"),
+                        (4, "row 4: prompt_ids [999] out of the model's vocabulary [0, 64)"),
+                        (5, "row 5: prompt has 9 tokens > max prompt length 4 (pass --truncate-prompts"),
+                        (6, "row 6: empty prompt")):
+        lines = open(inp).read().splitlines()
+        write_jsonl(tmp_path / "one.jsonl", [lines[0], lines[row - 1]])
+        assert generate.main(["--input", str(tmp_path / "one.jsonl")] + argv[:2] + argv[4:]) == 2
+        assert needle.replace(f"row {row}", "row 2") in capsys.readouterr().err
 
 
 def test_generate_cli_module_entry_point_help():

@@ -44,7 +44,7 @@ def test_score_matches_transformers(model_dir, tmp_path):
     _write(inp, rows)
     assert score.main(["--model", model_dir, "--input", str(inp), "--output", str(out), "--batch-tokens", "64"]) == 0
     got = [json.loads(l) for l in open(out)]
-    assert [g["row"] for g in got] == list(range(len(rows)))
+    assert [g["row"] for g in got] == list(range(1, len(rows) + 1))  # line numbers
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     worst = 0.0
     for r, g in zip(rows, got):
@@ -74,9 +74,9 @@ def test_bad_rows(model_dir, tmp_path, capsys, row, needle):
     _write(inp, [good, row, good])
     assert score.main(["--model", model_dir, "--input", str(inp), "--output", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "row 1:" in err and needle in err
+    assert err.startswith(f"score: error: {inp}: row 2: ") and needle in err and err.count("\n") == 1, err
     assert score.main(["--model", model_dir, "--input", str(inp), "--output", str(out), "--skip-bad-rows"]) == 0
-    assert [json.loads(l)["row"] for l in open(out)] == [0, 2]
+    assert [json.loads(l)["row"] for l in open(out)] == [1, 3]
     assert "skipped 1 bad rows" in capsys.readouterr().err
 
 

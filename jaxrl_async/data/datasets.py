@@ -26,7 +26,7 @@ from typing import Any
 
 import grain
 
-from jaxrl_async.data.formats import FORMATS, RowError, parse_row
+from jaxrl_async.data.formats import FORMATS, RowError, detect_format, parse_row
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +35,12 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
 class DataFormatError(ValueError):
-    """A malformed row; ``path`` and ``line`` (1-based line in JSONL, 1-based row in Parquet) name it."""
+    """A malformed row; ``path`` and ``line`` (1-based line in JSONL, 1-based row in Parquet) name it:
+    the message reads ``PATH: row LINE: reason``."""
 
     def __init__(self, path: str, line: int, message: str):
         self.path, self.line, self.reason = path, line, message
-        super().__init__(f"{path}:{line}: {message}")
+        super().__init__(f"{path}: row {line}: {message}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +156,20 @@ def iter_raw_rows(path: str) -> Iterator[tuple[int, Any]]:
     raise ValueError(f"unsupported dataset file type {path!r}; expected one of {JSONL_SUFFIXES + PARQUET_SUFFIXES}")
 
 
+def sniff_format(paths: str | Sequence[str], max_rows: int = 20) -> tuple[str, str]:
+    """(format, explanation) told from the columns of the first ``max_rows`` rows of ``paths``
+    (:func:`formats.detect_format`); FormatDetectionError when it cannot be told or is ambiguous."""
+    paths = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
+    rows: list[tuple[str, Any]] = []
+    for path in paths:
+        for lineno, row in iter_raw_rows(path):
+            if len(rows) >= max_rows:
+                break
+            if not isinstance(row, RowError):  # invalid JSON: the reader reports it
+                rows.append((f"{path}: row {lineno}", row))
+    return detect_format(rows)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Prompt rendering.
 # ----------------------------------------------------------------------------------------------------------
@@ -195,7 +210,7 @@ def read_prompt_records(cfg: DatasetConfig, tokenizer) -> tuple[list[PromptRecor
                     raise DataFormatError(path, lineno, f"[{cfg.format}] {e}") from None
                 stats.bad_rows += 1
                 if len(stats.bad_row_examples) < 10:
-                    stats.bad_row_examples.append(f"{path}:{lineno}: {e}")
+                    stats.bad_row_examples.append(f"{path}: row {lineno}: {e}")
     raw_prompts = [p.prompt + cfg.prompt_suffix for _, _, p in parsed]
     rendered = [render_prompt(t, tokenizer, apply_chat_template=cfg.apply_chat_template, system_prompt=cfg.system_prompt)
                 for t in raw_prompts]

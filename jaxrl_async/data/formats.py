@@ -21,6 +21,12 @@ are non-empty lists of equal length. Normalised to ``{"kind": "stdio"|"call", "i
 ``"fn_name"`` for call-based.
 
 A row that does not fit raises :class:`RowError` (the reader adds file and line).
+
+Detection (``format="auto"`` of the CLIs, :func:`detect_format`): from the columns of the first rows.
+``question`` + ``answer`` holding ``####`` is gsm8k; ``prompt`` + ``tests`` is code; ``prompt`` +
+``solutions`` is math; ``prompt`` + ``answer`` (no ``solutions``) is generic (which reads such a row
+exactly as math does). A row that fits two formats, or rows that fit different formats, are ambiguous:
+pass the format explicitly.
 """
 from __future__ import annotations
 
@@ -31,10 +37,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 FORMATS = ("gsm8k", "math", "generic", "code")
+AUTO = "auto"
 
 
 class RowError(ValueError):
     """A row does not match its format (message names the field)."""
+
+
+class FormatDetectionError(ValueError):
+    """The format cannot be told from the columns (no row fits one, or the rows are ambiguous)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,3 +229,50 @@ def parse_row(row: Any, fmt: str, fields: Mapping[str, str] | None = None) -> Pa
     if not isinstance(row, Mapping):
         raise RowError(f"row must be a JSON object, got {type(row).__name__}")
     return PARSERS[fmt](row, fields or {})
+
+
+def row_formats(row: Any) -> set[str]:
+    """The formats whose identifying columns the raw row has (see the module docstring); empty for a
+    row that fits none (or is not an object)."""
+    if not isinstance(row, Mapping):
+        return set()
+    cols = {k for k, v in row.items() if v is not None}
+    out = set()
+    answer = row.get("answer")
+    if {"question", "answer"} <= cols and isinstance(answer, str) and "####" in answer:
+        out.add("gsm8k")
+    if "prompt" in cols:
+        if "tests" in cols:
+            out.add("code")
+        if "solutions" in cols:
+            out.add("math")
+        elif "answer" in cols:
+            out.add("generic")
+    return out
+
+
+def detect_format(rows: list[tuple[str, Any]]) -> tuple[str, str]:
+    """(format, explanation) from ``rows`` = [(where, raw row)] (the first rows of a dataset, ``where``
+    naming each, e.g. ``data.jsonl: row 3``). Rows that fit no format are left to the parser (it reports
+    them); raises FormatDetectionError when no row fits one, a row fits several, or rows disagree."""
+    seen: dict[str, str] = {}  # format -> first row that has it
+    for where, row in rows:
+        fits = row_formats(row)
+        if len(fits) > 1:
+            raise FormatDetectionError(f"{where}: the columns {sorted(row)} fit the formats {sorted(fits)}; "
+                                       "pass --format")
+        for f in fits:
+            seen.setdefault(f, where)
+    if not seen:
+        cols = sorted(rows[0][1]) if rows and isinstance(rows[0][1], Mapping) else []
+        where = rows[0][0] if rows else "the data"
+        raise FormatDetectionError(f"{where}: cannot tell the format from the columns {cols} (gsm8k: question + "
+                                   "answer with '####'; math: prompt + solutions; generic: prompt + answer; "
+                                   "code: prompt + tests); pass --format")
+    if len(seen) > 1:
+        a, b = list(seen)[:2]  # in row order
+        raise FormatDetectionError(f"ambiguous format: {seen[a]} looks like {a} but {seen[b]} looks like {b}; "
+                                   "pass --format")
+    fmt = next(iter(seen))
+    n = sum(1 for _, r in rows if fmt in row_formats(r))
+    return fmt, f"detected from the columns of {n} of the first {len(rows)} rows"

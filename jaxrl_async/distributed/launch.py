@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 
+from jaxrl_async.cli import UserError, cli_main, make_parser
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -80,25 +81,65 @@ def _env(extra: list[str]) -> dict[str, str]:
     return env
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxrl_async.distributed.launch", add_help=False)
-    ap.add_argument("--generators", type=int, default=1)
+def build_parser():
+    ap = make_parser("python -m jaxrl_async.distributed.launch", __doc__.split("\n\n", 1)[1].strip())
+    ap.add_argument("--generators", type=int, default=1, help="generator processes")
     ap.add_argument("--trainer-processes", type=int, default=1, help="trainer processes (one SPMD group) on this "
                     "host, for trying a multi-host trainer locally (simulated CPU devices); they share --trainer-env, "
                     "so on a GPU node use one trainer process that sees all the trainer's GPUs")
-    ap.add_argument("--trainer-cpu-devices", type=int, default=None)
-    ap.add_argument("--generator-cpu-devices", type=int, default=None)
+    ap.add_argument("--trainer-cpu-devices", type=int, default=None, help="simulated CPU devices of each trainer process")
+    ap.add_argument("--generator-cpu-devices", type=int, default=None,
+                    help="simulated CPU devices of each generator process")
     ap.add_argument("--generator-devices", type=int, default=None,
                     help="devices per generator process (default: --generator-cpu-devices, else 1)")
-    ap.add_argument("--trainer-env", action="append", default=[], help="KEY=VALUE for the controller process")
-    ap.add_argument("--generator-env", action="append", default=[], help="KEY=VALUE for the generator processes")
-    ap.add_argument("--port", type=int, default=None)
-    ap.add_argument("--grace", type=float, default=60.0)
-    ap.add_argument("-h", "--help", action="store_true")
+    ap.add_argument("--trainer-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment variable of the trainer processes (repeatable)")
+    ap.add_argument("--generator-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment variable of the generator processes (repeatable)")
+    ap.add_argument("--port", type=int, default=None, help="controller port on 127.0.0.1 (default: a free one)")
+    ap.add_argument("--grace", type=float, default=60.0,
+                    help="seconds the other processes get to exit after the controller, then they are killed")
+    return ap
+
+
+# options of the run itself (main.py) that the controller passes on; the controller's own options
+# (--accept-timeout, ...) are checked by its parser
+_RUN_OPTIONS = ("--config", "--print-config", "--dry-run")
+
+
+def check_run_args(rest: list[str]) -> None:
+    """The arguments passed on to the controller: its own options, ``--config FILE`` and ``key=value``
+    overrides. Loads the config and applies the overrides (no validation: that needs the role's devices)
+    so that a missing config file or a wrong key stops here with one line, before any process starts."""
+    from jaxrl_async.distributed.controller import _split_argv
+    from jaxrl_async.main import _peek_config
+
+    _, leftover = _split_argv(["--listen", "127.0.0.1:0", "--generator-devices", "1"] + rest)
+    for a in leftover:
+        if a.startswith("-") and a.split("=", 1)[0] not in _RUN_OPTIONS:
+            raise UserError(f"unknown option {a!r} (see --help; the run's options: {', '.join(_RUN_OPTIONS)})")
+    _peek_config(leftover)
+
+
+@cli_main("launch")
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args, rest = ap.parse_known_args(argv)
-    if args.help:
-        print(__doc__)
-        return 0
+    for name in ("generators", "trainer_processes"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("trainer_cpu_devices", "generator_cpu_devices", "generator_devices"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.port is not None and not 0 < args.port < 65536:
+        ap.error("--port must be in [1, 65535]")
+    if args.grace < 0:
+        ap.error("--grace must be >= 0")
+    for flag, kvs in (("--trainer-env", args.trainer_env), ("--generator-env", args.generator_env)):
+        for kv in kvs:
+            if "=" not in kv or not kv.split("=", 1)[0]:
+                ap.error(f"{flag} {kv!r}: expected KEY=VALUE")
+    check_run_args(rest)
     if args.generator_devices is None:
         args.generator_devices = args.generator_cpu_devices or 1
     port = args.port or free_port()

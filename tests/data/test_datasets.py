@@ -18,7 +18,9 @@ from jaxrl_async.data import (
     make_train_iterator,
     shard_dataset,
 )
-from jaxrl_async.data.formats import RowError, gsm8k_final_answer, last_boxed_content, parse_row
+from jaxrl_async.data.datasets import sniff_format
+from jaxrl_async.data.formats import (FormatDetectionError, RowError, detect_format, gsm8k_final_answer,
+                                      last_boxed_content, parse_row, row_formats)
 
 
 def write_jsonl(path, rows):
@@ -127,7 +129,7 @@ def test_bad_rows_raise_with_file_and_line(tmp_path, arith_tok, line, match):
     with pytest.raises(DataFormatError, match=match) as e:
         load_prompt_dataset(DatasetConfig(path, format="generic"), arith_tok)
     assert (e.value.path, e.value.line) == (path, line)
-    assert str(e.value).startswith(f"{path}:{line}: ")
+    assert str(e.value).startswith(f"{path}: row {line}: ")  # the 1-based line number
 
 
 def test_bad_rows_skipped_and_counted(tmp_path, arith_tok):
@@ -137,7 +139,7 @@ def test_bad_rows_skipped_and_counted(tmp_path, arith_tok):
     assert [r.id for r in ds.records] == ["bad.jsonl:1", "bad.jsonl:7"]
     s = ds.stats
     assert (s.rows_read, s.kept, s.bad_rows, s.too_long) == (6, 2, 4, 0)
-    assert [ex.split(": ")[0] for ex in s.bad_row_examples] == [f"{path}:{i}" for i in (3, 4, 5, 6)]
+    assert [ex.split(": ")[:2] for ex in s.bad_row_examples] == [[path, f"row {i}"] for i in (3, 4, 5, 6)]
     assert ds.stats.as_dict()["data/bad_rows"] == 4
 
 
@@ -263,3 +265,42 @@ def test_prompt_dataset_is_grain_map_dataset():
     ds = PromptDataset(recs)
     assert isinstance(ds, grain.MapDataset)
     assert [r.id for r in ds.map(lambda r: r).slice(slice(1, 3))] == ["1", "2"]
+
+
+# -- format detection (evaluate --format auto) ---------------------------------------------------------
+GSM = {"question": "q", "answer": "3 + 4 = 7\n#### 7"}
+
+
+@pytest.mark.parametrize("row, formats", [
+    (GSM, {"gsm8k"}),
+    ({"question": "q", "answer": "7"}, set()),  # no '####': not told as gsm8k
+    ({"prompt": "p", "solutions": ["\\boxed{1}"]}, {"math"}),
+    ({"prompt": "p", "answer": "1", "solutions": ["x"], "query_id": "a"}, {"math"}),
+    ({"prompt": "p", "answer": 1}, {"generic"}),
+    ({"prompt": "p", "tests": {"inputs": ["1"], "outputs": ["1"]}}, {"code"}),
+    ({"prompt": "p", "tests": "{}", "answer": "1"}, {"code", "generic"}),
+    ({"prompt": "p", "answer": None}, set()),
+    ([1, 2], set()),
+])
+def test_row_formats(row, formats):
+    assert row_formats(row) == formats
+
+
+def test_detect_format_chooses_explains_and_refuses_ambiguity():
+    rows = [(f"f: row {i}", r) for i, r in enumerate([GSM, {"question": "bad"}, GSM], start=1)]
+    assert detect_format(rows) == ("gsm8k", "detected from the columns of 2 of the first 3 rows")
+    with pytest.raises(FormatDetectionError, match=r"f: row 1: the columns \['answer', 'prompt', 'tests'\] fit the "
+                                                   r"formats \['code', 'generic'\]; pass --format"):
+        detect_format([("f: row 1", {"prompt": "p", "tests": "{}", "answer": "1"})])
+    with pytest.raises(FormatDetectionError, match="f: row 1 looks like generic but f: row 2 looks like gsm8k"):
+        detect_format([("f: row 1", {"prompt": "p", "answer": "1"}), ("f: row 2", GSM)])
+    with pytest.raises(FormatDetectionError, match=r"f: row 1: cannot tell the format from the columns \['text'\]"):
+        detect_format([("f: row 1", {"text": "t"})])
+
+
+def test_sniff_format_reads_the_first_rows_of_the_file(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", ["", "{not json", GSM, GSM])
+    assert sniff_format(path) == ("gsm8k", "detected from the columns of 2 of the first 2 rows")
+    pq.write_table(pa.Table.from_pylist([{"prompt": "p", "answer": "1"}] * 3), tmp_path / "m.parquet")
+    assert sniff_format(str(tmp_path / "m.parquet"))[0] == "generic"
+    assert sniff_format(GSM8K_SAMPLE_PATH)[0] == "gsm8k"
