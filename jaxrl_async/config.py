@@ -101,10 +101,14 @@ class ModelConfigSection:
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     remat: Literal["none", "full", "dots"] = "none"
     scan_layers: bool = True
+    # training/scoring/prefill attention (models/attention.py): auto = blockwise from 2048 tokens per row
+    attention: Literal["auto", "xla", "blockwise"] = "auto"
+    attention_block: int = 512
     init_seed: int = 0
 
     def numerics(self) -> dict[str, Any]:
-        return dict(dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, scan_layers=self.scan_layers)
+        return dict(dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, scan_layers=self.scan_layers,
+                    attention=self.attention, attention_block=self.attention_block)
 
     def model_config(self, vocab_size: int, *, bos_token_id: int | None = None, eos_token_id: Any = None,
                      pad_token_id: int | None = None):

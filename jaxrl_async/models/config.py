@@ -62,6 +62,9 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of the parameters (master weights in training)
     remat: str = "none"  # "none" | "full" | "dots" (jax.checkpoint policy per layer)
     scan_layers: bool = True  # lax.scan over the stacked layers (fast compile) or a Python loop
+    # training / scoring / prefill attention (`models/attention.py`): "auto" | "xla" | "blockwise"
+    attention: str = "auto"
+    attention_block: int = 512  # query and key block of "blockwise" (tokens)
 
     def __post_init__(self):
         self.validate()
@@ -90,6 +93,12 @@ class ModelConfig:
             bad("param_dtype", f"must be one of {_DTYPES}, got {self.param_dtype!r}")
         if self.remat not in ("none", "full", "dots"):
             bad("remat", f"must be 'none', 'full' or 'dots', got {self.remat!r}")
+        from jaxrl_async.models.attention import ATTENTION_IMPLS
+
+        if self.attention not in ATTENTION_IMPLS:
+            bad("attention", f"must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+        if not isinstance(self.attention_block, int) or self.attention_block < 1:
+            bad("attention_block", f"must be a positive int, got {self.attention_block!r}")
         if self.rope_type not in ("default", "llama3"):
             raise UnsupportedModelError(
                 f"ModelConfig.rope_type: RoPE scaling {self.rope_type!r} is not supported (default, llama3)"

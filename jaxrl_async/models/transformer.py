@@ -18,8 +18,9 @@ Design
   the FSDP weight sharding into the activations (every device ran the whole global batch).
 * Attention is pluggable: the layer computes q/k/v and calls
   `attend(q, k, v, layer_idx, state) -> (out, state)`. Training/scoring uses
-  `segment_attention` (padded *and* packed batches via segment ids: no attention across
-  sequences, causal within); the generator passes a KV-cache attention whose `state` is the
+  `model_attention` (padded *and* packed batches via segment ids: no attention across
+  sequences, causal within; the implementation, full-score `xla` or flash-style `blockwise`, is
+  `cfg.attention`, see `attention.py`); the generator passes a KV-cache attention whose `state` is the
   cache. The layer code is shared by both.
 
 Shapes: B batch, T time, D hidden, H query heads, K kv heads, G = H // K, E head_dim,
@@ -29,20 +30,20 @@ F intermediate (mlp), V vocab, L layers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_async.models.attention import (  # noqa: F401  (grouped_attention, segment_mask: re-exported)
+    AttendFn, grouped_attention, segment_attention, segment_mask,
+)
 from jaxrl_async.models.config import ModelConfig, llama3_inv_freq_scale
 from jaxrl_async.sharding.activations import constrain
 
 Params = dict[str, Any]
-AttendFn = Callable[..., tuple[jax.Array, Any]]
-
-_NEG_INF = -1e30
 
 
 # ---------------------------------------------------------------------------------------
@@ -162,40 +163,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * c + rot * s
 
 
-def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """Grouped-query attention.
-
-    q [B, T, H, E], k/v [B, S, K, E], mask [B, T, S] (True = may attend) -> [B, T, H, E].
-    Scores and softmax in float32; probabilities cast back to the compute dtype.
-    """
-    B, T, H, E = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, T, K, H // K, E)
-    s = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask[:, None, None, :, :], s, _NEG_INF)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgts,bske->btkge", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
-    return o.reshape(B, T, H, E)
-
-
-def segment_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, T] segment ids (0 = padding) -> [B, T, T] causal mask with no attention across segments."""
-    T = segment_ids.shape[-1]
-    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    valid = (segment_ids != 0)[:, None, :]
-    return causal[None] & same & valid
-
-
-def segment_attention(segment_ids: jax.Array, scale: float) -> AttendFn:
-    """The training/scoring attention: causal within a segment, none across (packing-safe)."""
-    mask = segment_mask(segment_ids)
-
-    def attend(q, k, v, layer_idx, state):
-        del layer_idx
-        return grouped_attention(q, k, v, mask, scale), state
-
-    return attend
+def model_attention(cfg: ModelConfig, segment_ids: jax.Array) -> AttendFn:
+    """The training/scoring attention of ``cfg`` (``cfg.attention``: xla | blockwise | auto) over
+    padded or packed rows: causal within a segment, none across (``models/attention.py``)."""
+    return segment_attention(segment_ids, cfg.head_dim ** -0.5, cfg.attention, cfg.attention_block)
 
 
 # Logical axes of the activations (`jaxrl_async.sharding.activations`): no-ops unless a caller
@@ -302,7 +273,7 @@ def apply(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         segment_ids = jnp.ones((B, T), jnp.int32)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, _ = forward(params, cfg, tokens, positions, segment_attention(segment_ids, cfg.head_dim ** -0.5))
+    hidden, _ = forward(params, cfg, tokens, positions, model_attention(cfg, segment_ids))
     return logits_from_hidden(params, hidden)
 
 
@@ -368,7 +339,7 @@ def sequence_logprobs(params: Params, cfg: ModelConfig, tokens: jax.Array, segme
     B, T = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, _ = forward(params, cfg, tokens, positions, segment_attention(segment_ids, cfg.head_dim ** -0.5))
+    hidden, _ = forward(params, cfg, tokens, positions, model_attention(cfg, segment_ids))
     # position t predicts tokens[t + 1]; the last position's (dummy) target is dropped below. Projecting
     # all T positions avoids a sliced copy of the hidden states and keeps power-of-two row lengths
     # whole multiples of the chunk (no padding).

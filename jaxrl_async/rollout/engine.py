@@ -120,7 +120,7 @@ def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: Mod
     positions = jnp.arange(T, dtype=jnp.int32)[None]
     valid = positions < length
     buf = jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
-    attend = kv_cache.prefill_attend(valid, cfg.head_dim ** -0.5)
+    attend = kv_cache.prefill_attend(valid, cfg.head_dim ** -0.5, cfg.attention, cfg.attention_block)
     hidden, (k, v) = forward(params, cfg, tokens, positions, attend, (buf, buf))
     last = jax.lax.dynamic_index_in_dim(hidden[0], length - 1, axis=0, keepdims=True)
     return k, v, logits_from_hidden(params, last)[0]

@@ -315,17 +315,18 @@ def paged_decode_attend(page_table: jax.Array, positions: jax.Array, write_pages
     return attend
 
 
-def prefill_attend(valid: jax.Array, scale: float):
+def prefill_attend(valid: jax.Array, scale: float, impl: str = "xla", block: int = 512):
     """`attend` for one padded prompt [1, T]: causal attention, k/v of every layer stored in
-    `state` = (k_buf, v_buf) [L, T, K, E]. valid [1, T] bool marks real tokens."""
-    T = valid.shape[-1]
-    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    mask = causal[None] & valid[:, None, :]
+    `state` = (k_buf, v_buf) [L, T, K, E]. valid [1, T] bool marks real tokens. ``impl``: the
+    model's attention implementation (``ModelConfig.attention``, ``models/attention.py``)."""
+    from jaxrl_async.models.attention import segment_attention
+
+    inner = segment_attention(valid.astype(jnp.int32), scale, impl, block)
 
     def attend(q, k, v, layer_idx, state):
         k_buf, v_buf = state
         k_buf = jax.lax.dynamic_update_index_in_dim(k_buf, k[0].astype(k_buf.dtype), layer_idx, 0)
         v_buf = jax.lax.dynamic_update_index_in_dim(v_buf, v[0].astype(v_buf.dtype), layer_idx, 0)
-        return grouped_attention(q, k, v, mask, scale), (k_buf, v_buf)
+        return inner(q, k, v, layer_idx, None)[0], (k_buf, v_buf)
 
     return attend

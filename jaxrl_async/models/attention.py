@@ -1,0 +1,271 @@
+"""Training / scoring / prefill attention implementations behind one switch (``ModelConfig.attention``).
+
+Every implementation computes the same function: grouped-query attention (H query heads over K
+key/value heads, no repetition of K/V) that is causal within a segment and never crosses segments.
+``segment_ids`` [B, T] number the sequences of a row (packing); 0 marks padding, which attends
+nothing and is attended by nothing. Segments are contiguous runs (what ``trainer.packing`` and
+every caller produce).
+
+| name        | what                                                                            |
+|-------------|---------------------------------------------------------------------------------|
+| ``xla``     | the reference: float32 scores [B, K, G, T, T] and a [B, T, T] mask materialised |
+| ``blockwise``| pure-JAX flash attention: online softmax over key/value blocks with float32    |
+|             | accumulators, fully masked blocks (causal upper triangle, earlier segments of a |
+|             | packed row) skipped, custom VJP (FlashAttention-2 backward): memory O(T·block)  |
+|             | in forward and backward, on every platform                                      |
+| ``auto``    | ``blockwise`` from ``BLOCKWISE_MIN_LEN`` tokens per row, ``xla`` below          |
+
+Numerics follow the reference: scores and softmax statistics in float32, probabilities cast to the
+compute dtype for the value matmul, outputs accumulated in float32. Rows of padding (segment 0)
+give 0 in ``blockwise`` (the reference averages V there); no loss ever reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger("jaxrl_async")
+
+AttendFn = Callable[..., tuple[jax.Array, Any]]
+
+ATTENTION_IMPLS = ("auto", "xla", "blockwise")
+#: ``auto`` switches to ``blockwise`` at this row length (CPU crossover measured in benchmarks/RESULTS.md)
+BLOCKWISE_MIN_LEN = 2048
+DEFAULT_BLOCK = 512
+
+_NEG_INF = -1e30
+
+
+# ---------------------------------------------------------------------------------------
+# Reference (XLA): full scores
+# ---------------------------------------------------------------------------------------
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Grouped-query attention.
+
+    q [B, T, H, E], k/v [B, S, K, E], mask [B, T, S] (True = may attend) -> [B, T, H, E].
+    Scores and softmax in float32; probabilities cast back to the compute dtype.
+    """
+    B, T, H, E = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, H // K, E)
+    s = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None, :, :], s, _NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgts,bske->btkge", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
+    return o.reshape(B, T, H, E)
+
+
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] segment ids (0 = padding) -> [B, T, T] causal mask with no attention across segments."""
+    T = segment_ids.shape[-1]
+    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    valid = (segment_ids != 0)[:, None, :]
+    return causal[None] & same & valid
+
+
+def xla_attention(q, k, v, segment_ids, scale):
+    return grouped_attention(q, k, v, segment_mask(segment_ids), scale)
+
+
+# ---------------------------------------------------------------------------------------
+# Blockwise (flash) attention in pure JAX
+# ---------------------------------------------------------------------------------------
+def _block_ranges(segment_ids: jax.Array, bq: int, bk: int) -> tuple[jax.Array, jax.Array]:
+    """Per query block i, the key blocks [lo_i, hi_i] that can hold a visible key for some row.
+
+    hi_i: the causal bound (the block of the last query of block i). lo_i: the block of the earliest
+    segment start among the block's non-padding queries, over all rows (segments are contiguous
+    runs, so no key before that start is visible). A block of padding only gets lo > hi (no work).
+    """
+    B, T = segment_ids.shape
+    pos = jnp.arange(T, dtype=jnp.int32)
+    boundary = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    run_start = jax.lax.cummax(jnp.where(boundary, pos, 0), axis=1)  # first index of each token's run
+    big = jnp.int32(T)
+    start = jnp.where(segment_ids != 0, run_start, big).min(axis=0)  # [T]: over rows
+    nq = T // bq
+    lo = (start.reshape(nq, bq).min(axis=1) // bk).astype(jnp.int32)
+    hi = ((jnp.arange(nq, dtype=jnp.int32) + 1) * bq - 1) // bk
+    return lo, hi
+
+
+def _block_mask(seg_q, seg_k, q0, k0, bq, bk):
+    """[B, bq, bk] visibility of keys k0.. for queries q0.. (causal, same segment, key not padding)."""
+    causal = (q0 + jnp.arange(bq))[:, None] >= (k0 + jnp.arange(bk))[None, :]
+    return causal[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k != 0)[:, None, :]
+
+
+def _scores(qb, kb, scale):
+    """q block [B, bq, K, G, E], k block [B, bk, K, E] -> float32 scores [B, K, G, bq, bk]."""
+    return jnp.einsum("bqkge,bske->bkgqs", qb, kb, preferred_element_type=jnp.float32) * scale
+
+
+def _flash_forward(q, k, v, segment_ids, scale, bq, bk):
+    """(out [B, T, K, G, E] in q.dtype, lse [B, K, G, T] float32)."""
+    B, T, K, G, E = q.shape
+    nq = T // bq
+    lo, hi = _block_ranges(segment_ids, bq, bk)
+
+    def q_block(i):
+        q0 = i * bq
+        qb = jax.lax.dynamic_slice_in_dim(q, q0, bq, axis=1)
+        seg_q = jax.lax.dynamic_slice_in_dim(segment_ids, q0, bq, axis=1)
+
+        def step(j, carry):
+            m, l, acc = carry
+            k0 = j * bk
+            kb = jax.lax.dynamic_slice_in_dim(k, k0, bk, axis=1)
+            vb = jax.lax.dynamic_slice_in_dim(v, k0, bk, axis=1)
+            seg_k = jax.lax.dynamic_slice_in_dim(segment_ids, k0, bk, axis=1)
+            mask = _block_mask(seg_q, seg_k, q0, k0, bq, bk)[:, None, None]  # [B, 1, 1, bq, bk]
+            s = jnp.where(mask, _scores(qb, kb, scale), _NEG_INF)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = alpha * l + p.sum(axis=-1)
+            pv = jnp.einsum("bkgqs,bske->bqkge", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
+            acc = acc * jnp.moveaxis(alpha, -1, 1)[..., None] + pv
+            return m_new, l, acc
+
+        init = (jnp.full((B, K, G, bq), _NEG_INF, jnp.float32), jnp.zeros((B, K, G, bq), jnp.float32),
+                jnp.zeros((B, bq, K, G, E), jnp.float32))
+        m, l, acc = jax.lax.fori_loop(lo[i], hi[i] + 1, step, init)
+        safe = jnp.where(l > 0, l, 1.0)
+        out = (acc / jnp.moveaxis(safe, -1, 1)[..., None]).astype(q.dtype)
+        lse = jnp.where(l > 0, m + jnp.log(safe), jnp.inf)  # inf: exp(s - lse) = 0 on padding rows
+        return out, lse
+
+    out, lse = jax.lax.map(q_block, jnp.arange(nq))  # [nq, B, bq, K, G, E], [nq, B, K, G, bq]
+    out = jnp.moveaxis(out, 0, 1).reshape(B, T, K, G, E)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, T)
+    return out, lse
+
+
+def _flash_backward(q, k, v, segment_ids, out, lse, dout, scale, bq, bk):
+    B, T, K, G, E = q.shape
+    nq = T // bq
+    lo, hi = _block_ranges(segment_ids, bq, bk)
+    # D_t = sum_e dO * O (FlashAttention-2), float32 [B, K, G, T]
+    delta = jnp.einsum("btkge,btkge->bkgt", dout.astype(jnp.float32), out.astype(jnp.float32))
+
+    def q_block(i, carry):
+        dq, dk, dv = carry
+        q0 = i * bq
+        qb = jax.lax.dynamic_slice_in_dim(q, q0, bq, axis=1)
+        dob = jax.lax.dynamic_slice_in_dim(dout, q0, bq, axis=1)
+        seg_q = jax.lax.dynamic_slice_in_dim(segment_ids, q0, bq, axis=1)
+        lse_b = jax.lax.dynamic_slice_in_dim(lse, q0, bq, axis=3)
+        d_b = jax.lax.dynamic_slice_in_dim(delta, q0, bq, axis=3)
+
+        def step(j, inner):
+            dq_b, dk, dv = inner
+            k0 = j * bk
+            kb = jax.lax.dynamic_slice_in_dim(k, k0, bk, axis=1)
+            vb = jax.lax.dynamic_slice_in_dim(v, k0, bk, axis=1)
+            seg_k = jax.lax.dynamic_slice_in_dim(segment_ids, k0, bk, axis=1)
+            mask = _block_mask(seg_q, seg_k, q0, k0, bq, bk)[:, None, None]
+            s = _scores(qb, kb, scale)
+            p = jnp.where(mask, jnp.exp(s - lse_b[..., None]), 0.0)  # [B, K, G, bq, bk] float32
+            dv_j = jnp.einsum("bkgqs,bqkge->bske", p.astype(dout.dtype), dob, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bqkge,bske->bkgqs", dob, vb, preferred_element_type=jnp.float32)
+            ds = p * (dp - d_b[..., None]) * scale
+            dq_b = dq_b + jnp.einsum("bkgqs,bske->bqkge", ds.astype(k.dtype), kb, preferred_element_type=jnp.float32)
+            dk_j = jnp.einsum("bkgqs,bqkge->bske", ds.astype(q.dtype), qb, preferred_element_type=jnp.float32)
+            dk = jax.lax.dynamic_update_slice_in_dim(dk, jax.lax.dynamic_slice_in_dim(dk, k0, bk, 1) + dk_j, k0, 1)
+            dv = jax.lax.dynamic_update_slice_in_dim(dv, jax.lax.dynamic_slice_in_dim(dv, k0, bk, 1) + dv_j, k0, 1)
+            return dq_b, dk, dv
+
+        dq_b = jnp.zeros((B, bq, K, G, E), jnp.float32)
+        dq_b, dk, dv = jax.lax.fori_loop(lo[i], hi[i] + 1, step, (dq_b, dk, dv))
+        return jax.lax.dynamic_update_slice_in_dim(dq, dq_b, q0, 1), dk, dv
+
+    init = (jnp.zeros((B, T, K, G, E), jnp.float32), jnp.zeros(k.shape, jnp.float32),
+            jnp.zeros(v.shape, jnp.float32))
+    dq, dk, dv = jax.lax.fori_loop(0, nq, q_block, init)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(q, k, v, segment_ids, scale, bq, bk):
+    return _flash_forward(q, k, v, segment_ids, scale, bq, bk)[0]
+
+
+def _flash_fwd(q, k, v, segment_ids, scale, bq, bk):
+    out, lse = _flash_forward(q, k, v, segment_ids, scale, bq, bk)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _flash_bwd(scale, bq, bk, res, dout):
+    q, k, v, segment_ids, out, lse = res
+    dq, dk, dv = _flash_backward(q, k, v, segment_ids, out, lse, dout, scale, bq, bk)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float,
+                        block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK) -> jax.Array:
+    """Flash attention in pure JAX: q [B, T, H, E], k/v [B, T, K, E], segment_ids [B, T] -> [B, T, H, E].
+
+    Rows are padded (segment 0) to a multiple of the block sizes; a block larger than T shrinks to T.
+    Differentiable (custom VJP, no T x T buffer in either direction).
+    """
+    B, T, H, E = q.shape
+    K = k.shape[2]
+    if k.shape[1] != T or v.shape[1] != T or segment_ids.shape != (B, T):
+        raise ValueError(f"blockwise_attention: self-attention shapes q {q.shape}, k {k.shape}, v {v.shape}, "
+                         f"segment_ids {segment_ids.shape}")
+    bq, bk = min(int(block_q), T), min(int(block_k), T)
+    step = bq * bk // _gcd(bq, bk)
+    Tp = -(-T // step) * step
+    segment_ids = segment_ids.astype(jnp.int32)
+    if Tp != T:
+        pad = [(0, 0), (0, Tp - T), (0, 0), (0, 0)]
+        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+        segment_ids = jnp.pad(segment_ids, [(0, 0), (0, Tp - T)])
+    out = _flash(q.reshape(B, Tp, K, H // K, E), k, v, segment_ids, float(scale), bq, bk)
+    return out.reshape(B, Tp, H, E)[:, :T]
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+# ---------------------------------------------------------------------------------------
+# The switch
+# ---------------------------------------------------------------------------------------
+def resolve_attention(impl: str, seq_len: int) -> str:
+    """The implementation ``impl`` stands for at rows of ``seq_len`` tokens (``auto`` resolved)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "blockwise" if seq_len >= BLOCKWISE_MIN_LEN else "xla"
+    return impl
+
+
+def segment_attention(segment_ids: jax.Array, scale: float, impl: str = "xla",
+                      block: int = DEFAULT_BLOCK) -> AttendFn:
+    """The training/scoring/prefill attention: causal within a segment, none across (packing-safe),
+    computed by ``impl`` (``ATTENTION_IMPLS``; ``auto`` resolved from the row length)."""
+    name = resolve_attention(impl, segment_ids.shape[-1])
+    if name == "xla":
+        mask = segment_mask(segment_ids)
+
+        def attend(q, k, v, layer_idx, state):
+            del layer_idx
+            return grouped_attention(q, k, v, mask, scale), state
+    else:
+        def attend(q, k, v, layer_idx, state):
+            del layer_idx
+            return blockwise_attention(q, k, v, segment_ids, scale, block, block), state
+
+    return attend
