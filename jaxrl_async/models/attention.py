@@ -35,7 +35,7 @@ AttendFn = Callable[..., tuple[jax.Array, Any]]
 
 ATTENTION_IMPLS = ("auto", "xla", "blockwise")
 #: ``auto`` switches to ``blockwise`` at this row length (CPU crossover measured in benchmarks/RESULTS.md)
-BLOCKWISE_MIN_LEN = 2048
+BLOCKWISE_MIN_LEN = 512
 DEFAULT_BLOCK = 512
 
 _NEG_INF = -1e30
