@@ -173,16 +173,27 @@ def check_model_dir(flag: str, path: str) -> str:
     return path
 
 
-def model_config(flag: str, path: str, **policy: Any) -> Any:
+def model_config(flag: str, path: str, *, check_weights: bool = True, **policy: Any) -> Any:
     """``models.ModelConfig`` of a model directory; UserError naming the directory on any problem of its
-    config.json (missing, not JSON, unsupported architecture, missing field)."""
+    config.json (missing, not JSON, unsupported architecture, missing field) and, with ``check_weights``,
+    of its safetensors files as far as their headers tell (missing, truncated, corrupt header, tensors
+    that do not match config.json): no tensor is read, so a tool can fail fast before it loads anything."""
+    check_model_dir(flag, path)
     from jaxrl_async.models import ModelConfig
 
-    check_model_dir(flag, path)
     try:
-        return ModelConfig.from_hf(path, **policy)
+        cfg = ModelConfig.from_hf(path, **policy)
     except (OSError, ValueError, TypeError) as e:
         raise UserError(f"{flag} {path}: {e}") from None
+    if check_weights:
+        from jaxrl_async.models.hf_io import CheckpointMismatchError, check_checkpoint
+        from jaxrl_async.models.safetensors_io import SafetensorsError, SafetensorsReader
+
+        try:
+            check_checkpoint(SafetensorsReader.from_dir(path), cfg, path)
+        except (OSError, SafetensorsError, CheckpointMismatchError) as e:
+            raise UserError(f"{flag} {path}: cannot load the weights: {e}") from None
+    return cfg
 
 
 def load_model(flag: str, path: str, cfg: Any = None, **policy: Any) -> tuple[Any, Any]:

@@ -47,7 +47,7 @@ import uuid
 from typing import Any, Callable, Iterator, Sequence
 
 from jaxrl_async.cli import (UserError, chat_template_wanted, check_model_dir, cli_main, load_model, load_tokenizer,
-                             make_parser, require_file, require_output_file)
+                             make_parser, model_config, require_file, require_output_file)
 
 SUCCESS_THRESHOLD = 0.5
 
@@ -353,11 +353,6 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
         reward_fn = make_reward(args.reward)
     except (RewardLoadError, TypeError, ValueError) as e:
         raise UserError(f"--reward {args.reward}: {e}") from None
-    tokenizer = load_tokenizer("--model", args.model)
-    if tokenizer is None:
-        raise UserError(f"--model {args.model}: no tokenizer files (tokenizer.json / tokenizer_config.json); "
-                        "evaluate needs the model's tokenizer to encode the problems")
-    chat = chat_template_wanted(TOOL, tokenizer, args.model, not args.no_chat_template)
     fmt = args.format
     if fmt == AUTO:
         try:
@@ -367,6 +362,11 @@ def _load_inputs(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
         except (OSError, ValueError) as e:
             raise UserError(f"--data {args.data}: {e}") from None
         print(f"{TOOL}: format {fmt} ({how}; --format to choose another)", file=sys.stderr)
+    tokenizer = load_tokenizer("--model", args.model)
+    if tokenizer is None:
+        raise UserError(f"--model {args.model}: no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                        "evaluate needs the model's tokenizer to encode the problems")
+    chat = chat_template_wanted(TOOL, tokenizer, args.model, not args.no_chat_template)
     cfg = DatasetConfig(path=args.data, format=fmt, max_prompt_len=args.max_prompt_length,
                         apply_chat_template=chat, system_prompt=args.system_prompt,
                         prompt_suffix=BOXED_INSTRUCTION if args.boxed_instruction else "",
@@ -405,9 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     _check_args(ap, args)
+    cfg = model_config("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)  # fails fast on bad files
     tokenizer, records, reward_fn = _load_inputs(args)
     try:
-        cfg, params = load_model("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)
+        cfg, params = load_model("--model", args.model, cfg=cfg)
         model_max = cfg.max_position_embeddings - 1
         long = [r for r in records if len(r.prompt_ids) > model_max]
         if long:

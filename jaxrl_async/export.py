@@ -23,11 +23,12 @@ import glob
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from jaxrl_async.checkpoint.manager import (HOST, CheckpointError, Checkpointer, CheckpointIncompatibleError,
-                                            Restored)
 from jaxrl_async.cli import UserError, cli_main, make_parser
+
+if TYPE_CHECKING:  # imported where used: a mistyped command line fails before orbax and JAX load
+    from jaxrl_async.checkpoint.manager import Checkpointer, Restored
 
 _DTYPES = ("float32", "bfloat16", "float16")
 TOOL = "export"
@@ -57,6 +58,8 @@ class ExportResult:
 def restore_for_export(ckpt: Checkpointer, step: int | None = None, *, fallback: bool = False) -> Restored:
     """The params of checkpoint ``step`` restored onto the host, as ``export_checkpoint`` reads them
     (every process of a trainer group calls this: Orbax restores are collective)."""
+    from jaxrl_async.checkpoint.manager import HOST
+
     return ckpt.restore(step, targets={"params": HOST}, items=["params"], fallback=fallback,
                         restore_trajectories=False)
 
@@ -69,6 +72,7 @@ def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None
     files (default: the run's param_dtype). clean: once the checkpoint is restored, remove the files
     of an earlier export from `out_dir` (weights, shard index, configs, tokenizer) before writing.
     """
+    from jaxrl_async.checkpoint.manager import Checkpointer, CheckpointIncompatibleError
     from jaxrl_async.models.hf_io import save_hf
 
     if dtype is not None and dtype not in _DTYPES:
@@ -137,11 +141,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"--run-dir {args.run_dir}: " + ("not a directory" if os.path.exists(args.run_dir)
                                                          else "not found"))
     check_out_dir(args.out, args.overwrite)
+    from jaxrl_async.checkpoint.manager import CheckpointError
+
     try:
         res = export_checkpoint(args.run_dir, args.out, step=args.step, dtype=args.dtype, fallback=args.fallback,
                                 max_shard_bytes=int(args.max_shard_gb * 2**30), clean=args.overwrite)
     except (CheckpointError, FileNotFoundError) as e:
-        raise UserError(f"--run-dir {args.run_dir}: {e}") from None
+        msg = str(e)
+        named = args.run_dir in msg or os.path.abspath(args.run_dir) in msg  # the checkpoint errors name their path
+        raise UserError(msg if named else f"--run-dir {args.run_dir}: {msg}") from None
     print(f"exported step {res.step} of {os.path.abspath(args.run_dir)} to {res.out_dir}: "
           f"{', '.join(res.weight_files)}, config.json, generation_config.json"
           + (", tokenizer" if res.tokenizer_copied else " (no tokenizer)"))

@@ -39,8 +39,9 @@ import sys
 import time
 from typing import Any, Callable, Iterable
 
-from jaxrl_async.cli import (UserError, chat_template_wanted, cli_main, generation_eos_ids, iter_lines, load_model,
-                             load_tokenizer, make_parser, model_config, note, require_file, require_output_file)
+from jaxrl_async.cli import (UserError, chat_template_wanted, cli_main, generation_eos_ids, has_tokenizer_files,
+                             iter_lines, load_model, load_tokenizer, make_parser, model_config, note, require_file,
+                             require_output_file)
 from jaxrl_async.jsonl import BadRowError, bad_rows_error, check_row, iter_json_rows
 
 PROMPT_FIELDS = ("prompt", "prompt_ids")
@@ -205,27 +206,31 @@ def main(argv: list[str] | None = None) -> int:
     require_file("--input", args.input)
     require_output_file("--output", args.output)
 
-    from tqdm import tqdm
-
-    from jaxrl_async.rollout.engine_api import SamplingParams
-
     cfg = model_config("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)
-    tokenizer = load_tokenizer("--model", args.model)
-    if tokenizer is None:
+
+    has_tokenizer = has_tokenizer_files(args.model)
+    if not has_tokenizer:
         if args.stop:
             raise UserError(f"--stop needs a tokenizer, but --model {args.model} has no tokenizer files "
                             "(tokenizer.json / tokenizer_config.json)")
         note(TOOL, f"{args.model} has no tokenizer files: rows must give prompt_ids, outputs carry ids only")
+    tok: dict[str, Any] = {}  # loaded at the first text prompt, else after the rows are checked
+
+    def tokenizer() -> Any:
+        if "tok" not in tok:
+            tok["tok"] = load_tokenizer("--model", args.model) if has_tokenizer else None
+        return tok["tok"]
+
     chat: bool | None = None  # decided at the first text prompt (the note only matters then)
 
     def encode(text: str, row: int) -> list[int]:
         nonlocal chat
-        if tokenizer is None:
+        if not has_tokenizer:
             raise BadRowError(f"row {row}: a text prompt needs a tokenizer, but --model {args.model} has no "
                               "tokenizer files; give prompt_ids")
         if chat is None:
-            chat = chat_template_wanted(TOOL, tokenizer, args.model, not args.no_chat_template)
-        return encode_prompt(tokenizer, text, chat)
+            chat = chat_template_wanted(TOOL, tokenizer(), args.model, not args.no_chat_template)
+        return encode_prompt(tokenizer(), text, chat)
 
     rows, errors = read_rows(iter_lines("--input", args.input), encode, cfg.vocab_size)
     model_max = cfg.max_position_embeddings - 1
@@ -241,8 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     if n_trunc:
         print(f"truncated {n_trunc} prompt(s) to their last {max_prompt} tokens", file=sys.stderr)
 
+    from tqdm import tqdm
+
     from jaxrl_async.rollout.engine import PagedEngine
+    from jaxrl_async.rollout.engine_api import SamplingParams
     from jaxrl_async.rollout.orchestrator import Generator
+
+    tokenizer = tokenizer()
 
     cfg, params = load_model("--model", args.model, cfg=cfg)
     engine = PagedEngine(cfg, max_concurrent_decodes=args.max_concurrent,

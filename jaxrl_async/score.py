@@ -30,7 +30,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from jaxrl_async.cli import (UserError, chat_template_wanted, cli_main, iter_lines, load_model, load_tokenizer,
-                             make_parser, require_file, require_output_file)
+                             make_parser, model_config, require_file, require_output_file)
 from jaxrl_async.jsonl import BadRowError, check_row, iter_json_rows
 
 TOOL = "score"
@@ -210,12 +210,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxrl_async.generate import encode_prompt
 
-    cfg, params = load_model("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)
-    tokenizer = load_tokenizer("--model", args.model)
+    cfg = model_config("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)
+    tokenizer = None  # loaded at the first text row
     chat: bool | None = None  # decided at the first text row (the note about a missing template only matters then)
 
     def tokenize(text: str, row: int, prompt: bool) -> list[int]:
-        nonlocal chat
+        nonlocal chat, tokenizer
+        if chat is None:
+            tokenizer = load_tokenizer("--model", args.model)
         if tokenizer is None:
             raise BadRowError(f"row {row}: text input needs a tokenizer, but --model {args.model} has no tokenizer "
                               "files; give prompt_ids and completion_ids")
@@ -237,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipped: {args.input}: {e}", file=sys.stderr)
     if not items:
         raise UserError(f"--input {args.input}: no rows to score")
+    cfg, params = load_model("--model", args.model, cfg=cfg)
     with tqdm(total=len(items), desc="score", unit="seq", file=sys.stderr, disable=None) as bar:
         results = score_items(params, cfg, items, args.batch_tokens, args.temperature, bar)
     with open(args.output, "w") as fh:

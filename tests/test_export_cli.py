@@ -91,7 +91,7 @@ def test_export_errors(run, tmp_path, capsys):
     assert main(["--run-dir", run_dir, "--step", "7", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "no committed checkpoint at step 7" in err and "committed: [1, 2]" in err
-    assert err.startswith("export: error: --run-dir") and err.count("\n") == 1, err
+    assert err.startswith(f"export: error: {run_dir}") and err.count("\n") == 1, err
     assert main(["--run-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "y")]) == 2
     assert f"export: error: --run-dir {tmp_path / 'nope'}: not found" in capsys.readouterr().err
     (tmp_path / "norun").mkdir()

@@ -32,9 +32,26 @@ import time
 from jaxrl_async.cli import UserError, cli_main, make_parser
 
 def free_port() -> int:
+    """A port that was free a moment ago (racy: anything may bind it before the caller does); the
+    launcher and the tests use ``reserve_port``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_RESERVED: list[socket.socket] = []
+
+
+def reserve_port(host: str = "127.0.0.1") -> int:
+    """A free port that this process keeps bound (``SO_REUSEPORT``, not listening) until it exits, so
+    that nothing else takes it before the role process binds it: the controller's RPC listener
+    (``--listen-reuse-port``) and jax's coordinator (gRPC binds with ``SO_REUSEPORT``) share it; a
+    plain bind by anything else fails."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind((host, 0))
+    _RESERVED.append(s)
+    return s.getsockname()[1]
 
 
 def _pump(proc: subprocess.Popen, prefix: str) -> threading.Thread:
@@ -55,11 +72,13 @@ def role_commands(args: argparse.Namespace, rest: list[str], port: int,
     addr = f"127.0.0.1:{port}"
     ctrl = [py, "-m", "jaxrl_async.distributed.controller", "--listen", addr, "--generators", str(args.generators),
             "--generator-devices", str(args.generator_devices)]
+    if getattr(args, "port", None) is None:  # reserve_port holds it
+        ctrl += ["--listen-reuse-port"]
     if args.trainer_cpu_devices:
         ctrl += ["--cpu-devices", str(args.trainer_cpu_devices)]
     K = int(getattr(args, "trainer_processes", 1) or 1)
     if K > 1:
-        coord = f"127.0.0.1:{coordinator_port or free_port()}"
+        coord = f"127.0.0.1:{coordinator_port or reserve_port()}"
         trainers = [ctrl + ["--coordinator", coord, "--num-processes", str(K), "--process-id", str(i)] + rest
                     for i in range(K)]
     else:
@@ -142,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     check_run_args(rest)
     if args.generator_devices is None:
         args.generator_devices = args.generator_cpu_devices or 1
-    port = args.port or free_port()
-    os.environ.setdefault("JAXRL_RPC_AUTHKEY", secrets.token_hex(16))
+    port = args.port or reserve_port()
+    os.environ.setdefault("JAXRL_RPC_AUTHKEY", secrets.token_hex(32))
     trainer_cmds, gen_cmds = role_commands(args, rest, port)
     trainers = [subprocess.Popen(cmd, env=_env(args.trainer_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                 for cmd in trainer_cmds]
@@ -166,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         ctrl.terminate()
     rc = ctrl.wait()
+    if rc == 2:  # a configuration error: nothing ran, the others would only wait for a connection
+        for p in trainers[1:] + gens:
+            if p.poll() is None:
+                p.terminate()
     deadline = time.monotonic() + args.grace
     for p in trainers[1:] + gens:
         try:
