@@ -60,7 +60,7 @@ class ModelConfig:
     # numerical policy
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of the parameters (master weights in training)
-    remat: str = "none"  # "none" | "full" | "dots" (jax.checkpoint policy per layer)
+    remat: str = "none"  # jax.checkpoint policy per layer, by name (`models/remat.py`: none, full, minimal, ...)
     scan_layers: bool = True  # lax.scan over the stacked layers (fast compile) or a Python loop
     # training / scoring / prefill attention (`models/attention.py`): "auto" | "xla" | "blockwise"
     attention: str = "auto"
@@ -91,8 +91,10 @@ class ModelConfig:
             bad("dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         if self.param_dtype not in _DTYPES:
             bad("param_dtype", f"must be one of {_DTYPES}, got {self.param_dtype!r}")
-        if self.remat not in ("none", "full", "dots"):
-            bad("remat", f"must be 'none', 'full' or 'dots', got {self.remat!r}")
+        from jaxrl_async.models.remat import REMAT_POLICIES
+
+        if self.remat not in REMAT_POLICIES:
+            bad("remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}")
         from jaxrl_async.models.attention import ATTENTION_IMPLS
 
         if self.attention not in ATTENTION_IMPLS:

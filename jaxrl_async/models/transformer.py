@@ -36,11 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_async.models.attention import (  # noqa: F401  (grouped_attention, segment_mask: re-exported)
     AttendFn, grouped_attention, segment_attention, segment_mask,
 )
 from jaxrl_async.models.config import ModelConfig, llama3_inv_freq_scale
+from jaxrl_async.models.remat import remat
 from jaxrl_async.sharding.activations import constrain
 
 Params = dict[str, Any]
@@ -181,23 +183,15 @@ LOGITS_HIDDEN_AXES = ("logits_batch", "length", "activation_embed")
 LOGITS_AXES = ("logits_batch", "length", "activation_vocab")
 
 
-def _remat(fn, policy: str):
-    if policy == "none":
-        return fn
-    if policy == "full":
-        return jax.checkpoint(fn)
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
-
-
 def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: AttendFn, state, layer_idx):
     """One pre-norm block: x + Attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x)). Returns (x, state)."""
     dt = x.dtype
     eps = cfg.rms_norm_eps
     x = constrain(x, *RESIDUAL_AXES)
     h = rms_norm(x, p["attn_norm"], eps)
-    q = constrain(jnp.einsum("btd,dhe->bthe", h, p["q"].astype(dt)), *Q_AXES)
-    k = constrain(jnp.einsum("btd,dke->btke", h, p["k"].astype(dt)), *KV_AXES)
-    v = constrain(jnp.einsum("btd,dke->btke", h, p["v"].astype(dt)), *KV_AXES)
+    q = constrain(checkpoint_name(jnp.einsum("btd,dhe->bthe", h, p["q"].astype(dt)), "query_proj"), *Q_AXES)
+    k = constrain(checkpoint_name(jnp.einsum("btd,dke->btke", h, p["k"].astype(dt)), "key_proj"), *KV_AXES)
+    v = constrain(checkpoint_name(jnp.einsum("btd,dke->btke", h, p["v"].astype(dt)), "value_proj"), *KV_AXES)
     if cfg.qkv_bias:
         q = q + p["q_bias"].astype(dt)
         k = k + p["k_bias"].astype(dt)
@@ -209,18 +203,18 @@ def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: A
     k = apply_rope(k, cos, sin)
     a, state = attend(q, k, v, layer_idx, state)
     a = constrain(a, *Q_AXES)
-    out = jnp.einsum("bthe,hed->btd", a, p["o"].astype(dt))
+    out = checkpoint_name(jnp.einsum("bthe,hed->btd", a, p["o"].astype(dt)), "out_proj")
     if cfg.o_bias:
         out = out + p["o_bias"].astype(dt)
     x = constrain(x + out, *RESIDUAL_AXES)
     h = rms_norm(x, p["mlp_norm"], eps)
-    g = jnp.einsum("btd,df->btf", h, p["gate"].astype(dt))
-    u = jnp.einsum("btd,df->btf", h, p["up"].astype(dt))
+    g = checkpoint_name(jnp.einsum("btd,df->btf", h, p["gate"].astype(dt)), "mlpwi")
+    u = checkpoint_name(jnp.einsum("btd,df->btf", h, p["up"].astype(dt)), "mlpwi")
     if cfg.mlp_bias:
         g = g + p["gate_bias"].astype(dt)
         u = u + p["up_bias"].astype(dt)
     g, u = constrain(g, *MLP_AXES), constrain(u, *MLP_AXES)
-    y = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["down"].astype(dt))
+    y = checkpoint_name(jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["down"].astype(dt)), "mlpwo")
     if cfg.mlp_bias:
         y = y + p["down_bias"].astype(dt)
     return constrain(x + y, *RESIDUAL_AXES), state
@@ -239,7 +233,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         x, state = decoder_layer(p, x, cos, sin, cfg, attend, state, i)
         return (x, state), None
 
-    body = _remat(body, cfg.remat)
+    body = remat(body, cfg.remat)
     layers = params["layers"]
     if cfg.scan_layers:
         (x, state), _ = jax.lax.scan(body, (x, state), (layers, jnp.arange(cfg.num_layers)))
