@@ -40,7 +40,6 @@ import dataclasses
 import itertools
 import json
 import os
-import secrets
 import shutil
 import sys
 import threading
@@ -207,7 +206,7 @@ class TransferPusher(NewestWinsPusher):
     def __init__(self, remote: RemoteGenerator, plans: Sequence[Any], src_shardings: Sequence[Any], *, dtype: Any,
                  server: Any, on_applied: Callable[[int], None] | None, timeout_s: float, initial_version: int | None,
                  fallback_dir: str, log_path: str | None = None, guard: bool = True, group: Any = None,
-                 addresses: Sequence[str] | None = None):
+                 addresses: Sequence[str] | None = None, fallback_key: bytes | None = None):
         import jax.numpy as jnp
 
         from jaxrl_async.distributed.transfer import WireSender
@@ -224,7 +223,7 @@ class TransferPusher(NewestWinsPusher):
         self.fallback_dir = fallback_dir
         self.log_path = log_path
         self.routes = collections.Counter(p.route for p in self.plans)
-        self._uuid = itertools.count(secrets.randbits(40) << 16)
+        self.fallback_key = fallback_key if fallback_key is not None else _fallback_key()
         self._start()
 
     def _prepare(self, params: Any) -> tuple[list, Any]:
@@ -256,14 +255,15 @@ class TransferPusher(NewestWinsPusher):
         return stats
 
     def _deliver(self, payload: tuple[list, Any], stats: CrossPushStats, t0: float) -> None:
-        from jaxrl_async.distributed.transfer import commit_fallback, host_checksums, start_fallback, write_shards
+        from jaxrl_async.distributed.transfer import (commit_fallback, host_checksums, new_pull_id, start_fallback,
+                                                      write_shards)
 
         wire, sums_dev = payload
         v = stats.version
         sums = host_checksums(sums_dev)
         shards = self.sender.shards(wire)
         addresses = self.addresses or [self.server.address()]
-        uuids = [next(self._uuid) for _ in self.remote.peers]
+        uuids = [new_pull_id() for _ in self.remote.peers]  # 64 random bits each, sent over the encrypted RPC
         if self.group is not None:  # the other trainer processes register their shards
             self.group.call("register", v, uuids, self.timeout_s, timeout=self.timeout_s + 30.0)
         futs = []
@@ -276,11 +276,11 @@ class TransferPusher(NewestWinsPusher):
         if failed:
             stats.fallback_reason = "; ".join(f"{self.remote.peers[i].name}: {replies[i]['reason']}" for i in failed)
             tmp = start_fallback(self.fallback_dir, v)
-            entries = write_shards(tmp, wire)
+            entries = write_shards(tmp, wire, key=self.fallback_key)
             if self.group is not None:
                 for got in self.group.call("write_fallback", v, tmp, timeout=self.timeout_s + 30.0):
                     entries.extend(got)
-            path = commit_fallback(tmp, v, self.keys, wire, sums, entries)
+            path = commit_fallback(tmp, v, self.keys, wire, sums, entries, key=self.fallback_key)
             for i in failed:
                 p = self.remote.peers[i]
                 replies[i] = self._reply(p.call_async("load_weights", v, path, sums, self.timeout_s), p, "load_weights", v)
@@ -315,6 +315,12 @@ class TransferPusher(NewestWinsPusher):
             raise RuntimeError(f"{peer.name}: {method} of version {version} verified {len(r['checksums'])} leaves, "
                                f"{len(self.keys)} were sent")
         return r
+
+
+def _fallback_key() -> bytes:
+    from jaxrl_async.distributed.transfer import fallback_key
+
+    return fallback_key(rpc.authkey_from_env())
 
 
 def _result(fut: cf.Future, peer: rpc.Peer, method: str, timeout: float) -> Any:
@@ -527,9 +533,8 @@ class DistributedRLLoop(RLLoop):
 
     def _start_generator(self, params: Any, version: int) -> Any:
         import jax
-        from jax.experimental import transfer as jtransfer
 
-        from jaxrl_async.distributed.transfer import WireSender, layout_of, plan_transfer, tree_keys
+        from jaxrl_async.distributed.transfer import WireSender, layout_of, plan_transfer, start_server, tree_keys
 
         c, ro = self.cfg, self.cfg.rollout
         peers = self._peers
@@ -553,15 +558,14 @@ class DistributedRLLoop(RLLoop):
             if info["layouts"] != infos[0]["layouts"]:
                 raise RuntimeError(f"{p.name}: generator layouts differ between generator processes")
         self._src_shardings = [x.sharding for x in leaves]
-        self._transfer_server = jtransfer.start_transfer_server(jax.local_devices()[0].client, f"{self.transfer_host}:0",
-                                                                [f"{self.transfer_host}:0"])
+        self._transfer_server = start_server(self.transfer_host)
         self._addresses = [self._transfer_server.address()]
         if self.group is not None:  # one transfer server per trainer process, each serving its own shards
             self._addresses += self.group.results(self.group.send("configure_push", self._plans, dtype),
                                                   "configure_push")
         owners = WireSender(self._plans, self._src_shardings).owners
         for p in peers:
-            p.call("configure_push", src_layouts, dtype, self.transfer_host, owners, timeout=self.call_timeout_s)
+            p.call("configure_push", src_layouts, dtype, owners, timeout=self.call_timeout_s)
         self.remote = RemoteGenerator(peers, call_timeout_s=min(self.call_timeout_s, 120.0))
         self._initial_pusher = self._make_pusher(None, self.call_timeout_s, None)
         st = self._initial_pusher.push_now(params, version)
@@ -595,20 +599,28 @@ class DistributedRLLoop(RLLoop):
 # =============================================================================================
 def _split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(prog="python -m jaxrl_async.distributed.controller", add_help=False)
-    ap.add_argument("--listen", required=True, help="HOST:PORT the generator processes connect to")
+    ap.add_argument("--listen", required=True, help="HOST:PORT the generator processes connect to (mutual TLS keyed "
+                    "by $JAXRL_RPC_AUTHKEY)")
+    ap.add_argument("--listen-reuse-port", action="store_true", help="bind --listen with SO_REUSEPORT: the port was "
+                    "reserved by the launching process holding it bound (distributed.launch.reserve_port)")
     ap.add_argument("--generators", type=int, default=1)
     ap.add_argument("--generator-devices", type=int, required=True, help="devices of each generator process")
     ap.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices of this process")
     ap.add_argument("--accept-timeout", type=float, default=300.0)
     ap.add_argument("--heartbeat-timeout", type=float, default=60.0)
-    ap.add_argument("--transfer-host", default=None, help="address of this host for transfer pulls (default: the "
-                    "--listen host on process 0; on the other trainer processes the address they reach it from)")
+    ap.add_argument("--transfer-host", default=None, help="interface address the transfer server listens on and "
+                    "generators pull from (default: the --listen host on process 0; on the other trainer processes "
+                    "the address they reach process 0 from). Never 0.0.0.0: the transfer server has no "
+                    "authentication of its own (docs/launch.md)")
     g = ap.add_argument_group("trainer group (one SPMD program over several processes: jax.distributed)")
     g.add_argument("--jax-distributed", action="store_true", help="jax.distributed.initialize() with auto-detection "
                    "(SLURM, TPU pod, JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)")
     g.add_argument("--coordinator", default=None, help="HOST:PORT of the jax.distributed coordinator (process 0)")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--coordinator-bind", default=None, help="HOST[:PORT] the coordinator (process 0) listens on "
+                   "(default: $JAX_COORDINATOR_BIND_ADDRESS, else the coordinator address itself; never every "
+                   "interface: the coordination service has no authentication)")
     g.add_argument("--jax-heartbeat-timeout", type=int, default=60, help="seconds after which the JAX coordination "
                    "service gives up on a silent trainer process (and aborts the others)")
     return ap.parse_known_args(argv)
@@ -616,7 +628,8 @@ def _split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def init_distributed(a: argparse.Namespace) -> None:
     """``jax.distributed.initialize`` for a trainer group (explicit or auto-detected); no-op otherwise.
-    On CPU the cross-process collectives use gloo."""
+    On CPU the cross-process collectives use gloo. The coordinator (on process 0) listens on
+    ``coordinator_bind_address`` (below), not on every interface as jax's default ``[::]:PORT``."""
     import jax
 
     explicit = [a.coordinator, a.num_processes, a.process_id]
@@ -627,9 +640,32 @@ def init_distributed(a: argparse.Namespace) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kw = dict(heartbeat_timeout_seconds=int(a.jax_heartbeat_timeout))
     if a.coordinator:
-        jax.distributed.initialize(a.coordinator, int(a.num_processes), int(a.process_id), **kw)
+        coordinator, n, pid = a.coordinator, int(a.num_processes), int(a.process_id)
     else:
-        jax.distributed.initialize(**kw)
+        from jax._src import clusters  # jax is pinned; the auto-detection jax.distributed.initialize runs itself
+
+        coordinator, n, pid, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            None, None, None, None, None, 300)
+        if local is not None:
+            kw["local_device_ids"] = local
+    kw["coordinator_bind_address"] = coordinator_bind_address(coordinator, getattr(a, "coordinator_bind", None))
+    jax.distributed.initialize(coordinator, n, pid, **kw)
+
+
+def coordinator_bind_address(coordinator: str, explicit: str | None = None) -> str:
+    """Where process 0's coordination service listens: ``explicit`` (``HOST[:PORT]``; the port
+    defaults to the coordinator's), else ``$JAX_COORDINATOR_BIND_ADDRESS``, else the coordinator
+    address itself (the address the other processes reach it by is an address of this host). Every
+    interface is refused."""
+    from jaxrl_async.distributed.transfer import check_bind_host
+
+    bind = explicit or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or coordinator
+    try:
+        host, port = rpc.parse_address(bind)
+    except ValueError:  # HOST alone (IPv6 in brackets): the coordinator's port
+        host, port = bind.strip("[]"), rpc.parse_address(coordinator)[1]
+    check_bind_host(host, "jax.distributed coordinator (--coordinator-bind)")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -645,6 +681,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", int(a.cpu_devices))
     try:
+        if a.transfer_host is not None:
+            from jaxrl_async.distributed.transfer import check_bind_host
+
+            check_bind_host(a.transfer_host, "--transfer-host")
         init_distributed(a)
     except ValueError as e:
         print(f"[jaxrl_async] {e}", file=sys.stderr)
@@ -663,9 +703,16 @@ def main(argv: list[str] | None = None) -> int:
                             transfer_host=a.transfer_host)
     from jaxrl_async.rl_loop import FatalRunError
 
-    authkey = rpc.authkey_from_env()
-    listener = rpc.listen(a.listen, authkey)
-    host = a.transfer_host or rpc.parse_address(a.listen)[0]
+    from jaxrl_async.distributed.transfer import check_bind_host
+
+    try:
+        authkey = rpc.authkey_from_env()
+        host = check_bind_host(a.transfer_host or rpc.parse_address(a.listen)[0],
+                               "transfer server (the --listen host; give --transfer-host)")
+    except (RuntimeError, ValueError) as e:
+        print(f"[jaxrl_async] {e}", file=sys.stderr)
+        return 2
+    listener = rpc.listen(a.listen, authkey, reuse_port=a.listen_reuse_port)
     loop = None
     try:
         loop = DistributedRLLoop(cfg, listener=listener, num_generators=a.generators, accept_timeout_s=a.accept_timeout,

@@ -8,13 +8,16 @@ It connects to the controller (retrying while the controller starts), registers,
 * ``init(spec)``: build the ``PagedEngine`` on a mesh of ALL this process's devices
   (``spec["mesh_shape"]`` / ``mesh_axes`` from the run's ``mesh.generator``), reply with the
   parameter keys and their target layouts (what the trainer plans the push against);
-* ``configure_push(src layouts, dtype, host, owners)``: the per-leaf transfer plan
+* ``configure_push(src layouts, dtype, owners)``: the per-leaf transfer plan
   (``transfer.plan_transfer``), computed here from the same inputs as on the trainer, and which
   trainer process serves each shard (``owners``; a trainer group runs one transfer server per process);
+  starts this process's transfer server (it only pulls) on ``--transfer-host``, by default the
+  local address of its connection to the controller;
 * ``pull_weights(version, uuid, addresses, checksums)``: pull the shards from the trainer processes'
   transfer servers onto this process's devices, verify the checksums, hand the weights to the ``Generator``
   (applied between two decode steps); ``load_weights(version, path, checksums)`` is the disk
-  fallback; both on one worker thread, so pushes apply in order;
+  fallback (its files verified with the run key's HMAC, ``transfer.read_weights``); both on one
+  worker thread, so pushes apply in order;
 * ``start()``: compile (warmup) with the first weights and start the ``Generator``;
 * ``submit`` / ``abort`` / ``stats`` / ``stop``: the ``Generator`` API. A submit's reply is sent
   when the request finishes (one watcher thread polls the handles), so any number of requests can
@@ -41,8 +44,11 @@ EXIT_CONTROLLER_LOST = 3
 class GeneratorServer:
     """The handlers (``rpc.Peer`` calls them on its reader thread; slow work goes to threads)."""
 
-    def __init__(self, name: str, *, corrupt_versions: frozenset[int] = frozenset(), log: Callable[[str], None]):
+    def __init__(self, name: str, *, corrupt_versions: frozenset[int] = frozenset(), log: Callable[[str], None],
+                 transfer_host: str = "127.0.0.1", fallback_key: bytes | None = None):
         self.name = name
+        self.transfer_host = transfer_host
+        self.fallback_key = fallback_key
         self.corrupt_versions = corrupt_versions
         self.log = log
         self.stopped = threading.Event()
@@ -101,12 +107,10 @@ class GeneratorServer:
                 "devices": [str(d) for d in devs], "mesh": dict(mesh.shape), "host": socket.gethostname(),
                 "pid": os.getpid()}
 
-    def _configure_push(self, src_layouts: list, dtype: str, host: str, owners: list[int] | None = None
-                        ) -> dict[str, Any]:
+    def _configure_push(self, src_layouts: list, dtype: str, owners: list[int] | None = None) -> dict[str, Any]:
         import jax
-        from jax.experimental import transfer as jtransfer
 
-        from jaxrl_async.distributed.transfer import WireReceiver, layout_of, plan_transfer
+        from jaxrl_async.distributed.transfer import WireReceiver, layout_of, plan_transfer, start_server
 
         dst = jax.tree.leaves(self.engine.param_shardings)
         shapes = self.spec["param_shapes"]
@@ -114,8 +118,7 @@ class GeneratorServer:
         self.receiver = WireReceiver(plans, dst)
         self.owners = list(owners) if owners is not None else None
         if self._transfer_server is None:
-            self._transfer_server = jtransfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:0",
-                                                                    [f"{host}:0"])
+            self._transfer_server = start_server(self.transfer_host)
         return {"routes": sorted({p.route for p in plans})}
 
     def _conn(self, address: str) -> Any:
@@ -153,8 +156,11 @@ class GeneratorServer:
 
         from jaxrl_async.distributed.transfer import read_weights, verify
 
+        if self.fallback_key is None:
+            raise RuntimeError(f"{self.name}: no key for the disk fallback")
         t0 = time.perf_counter()
-        leaves, manifest = read_weights(path, self.keys, jax.tree.leaves(self.engine.param_shardings))
+        leaves, manifest = read_weights(path, self.keys, jax.tree.leaves(self.engine.param_shardings),
+                                        key=self.fallback_key, version=version)
         got = verify(leaves, checksums, self.keys, version)
         if got != manifest:
             raise RuntimeError(f"weight push fallback {path}: manifest checksums differ from the trainer's")
@@ -251,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices (CPU-only machines)")
     ap.add_argument("--connect-timeout", type=float, default=300.0)
     ap.add_argument("--heartbeat-timeout", type=float, default=120.0)
+    ap.add_argument("--transfer-host", default=None, help="interface address of this process's transfer server "
+                    "(default: the local address of its connection to the controller; never 0.0.0.0)")
     ap.add_argument("--inject-corrupt-pull", default="", help="testing only: comma-separated versions whose pulled "
                     "weights are corrupted after the pull (exercises the checksum and the disk fallback)")
     a = ap.parse_args(argv)
@@ -263,13 +271,19 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(f"[{a.name} pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
+    from jaxrl_async.distributed.transfer import check_bind_host, fallback_key
+
     corrupt = frozenset(int(v) for v in a.inject_corrupt_pull.split(",") if v.strip())
-    server = GeneratorServer(a.name, corrupt_versions=corrupt, log=say)
     try:
-        conn = rpc.connect(a.controller, rpc.authkey_from_env(), a.connect_timeout, "the controller")
-    except (TimeoutError, RuntimeError) as e:
+        if a.transfer_host is not None:
+            check_bind_host(a.transfer_host, "--transfer-host")
+        key = rpc.authkey_from_env()
+        conn = rpc.connect(a.controller, key, a.connect_timeout, "the controller")
+    except (TimeoutError, RuntimeError, ValueError, ConnectionError) as e:
         say(str(e))
         return 2
+    server = GeneratorServer(a.name, corrupt_versions=corrupt, log=say,
+                             transfer_host=a.transfer_host or conn.local_host, fallback_key=fallback_key(key))
     lost = threading.Event()
 
     def on_lost(err: BaseException) -> None:

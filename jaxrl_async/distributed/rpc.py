@@ -1,21 +1,28 @@
-"""A small authenticated RPC between role processes (controller <-> generator), with timeouts everywhere.
+"""A small authenticated RPC between role processes (controller <-> generators, leader <-> trainer
+followers), with timeouts everywhere.
 
 Why not Ray (or gRPC): the roles are a handful of long-lived processes with a static topology that
 the cluster's own launcher (``srun``, a TPU pod's ``--worker=all``, a shell on one node) already
 starts, one per host; the only traffic here is small (requests, token ids, log-probs, stats,
 weight-push control messages: weights themselves travel device-to-device through
-``jax.experimental.transfer``). ``multiprocessing.connection`` gives authenticated (HMAC
-challenge), framed, pickled messages over TCP in the standard library; this module adds request
-ids, replies that may come later (a generation request), a heartbeat, and one rule: **every wait
-has a timeout, and every error names the peer** (``PeerLostError("generator-0 (pid 1234 on
-node7, 10.0.0.7:41000) closed the connection ...")``). See ``NOTES.md`` (Multi-process) for the
-comparison with Ray.
+``jax.experimental.transfer``). This module gives request ids, replies that may come later (a
+generation request), a heartbeat, and one rule: **every wait has a timeout, and every error names
+the peer** (``PeerLostError("generator-0 (pid 1234 on node7, 10.0.0.7:41000) closed the connection
+...")``). See ``NOTES.md`` (Multi-process) for the comparison with Ray.
 
-Security: messages are pickles, so the port must only accept peers that know the shared
-``authkey`` (``JAXRL_RPC_AUTHKEY``, hex); ``authkey_from_env`` refuses to run without one.
+Security (the ports are on a cluster network): every connection is mutual TLS 1.3 keyed by the
+run's shared secret (``JAXRL_RPC_AUTHKEY``, hex, >= 16 random bytes; ``distributed.tls``), so only
+processes that know the secret connect, and every message is encrypted and authenticated: a byte
+changed or injected on the way ends the connection with ``TamperedMessageError``. Messages are
+decoded without pickle (``distributed.codec``: msgpack + raw numpy buffers + a fixed list of
+dataclasses), so even an authenticated peer cannot make this process run code; a message that does
+not decode closes that peer at once with ``MalformedMessageError`` naming it. The listener
+accepts in the background: each connection gets ``handshake_timeout_s`` to complete the handshake
+on a thread of its own, so a silent, garbage or wrong-key connection is dropped (and logged) while
+the real peers keep joining.
 
-Wire format: ``("call", id, method, args)`` and ``("reply", id, ok, value)``; ``value`` of a failed
-call is ``(exception type name, message, remote traceback)``.
+Wire format (after the handshake): ``["call", id, method, [args]]`` and ``["reply", id, ok, value]``;
+``value`` of a failed call is ``[exception type name, message, remote traceback]``.
 """
 
 from __future__ import annotations
@@ -24,22 +31,42 @@ import concurrent.futures as cf
 import itertools
 import logging
 import os
+import queue
+import socket
 import threading
 import time
 import traceback
-from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable
+
+from jaxrl_async.distributed import codec, tls
+from jaxrl_async.distributed.tls import Connection
 
 log = logging.getLogger("jaxrl_async.distributed")
 
 AUTHKEY_ENV = "JAXRL_RPC_AUTHKEY"
+MIN_KEY_BYTES = tls.MIN_KEY_BYTES
 
-__all__ = ["PeerLostError", "PeerTimeoutError", "RemoteError", "Peer", "listen", "accept", "connect",
-           "authkey_from_env", "parse_address"]
+__all__ = ["PeerLostError", "PeerTimeoutError", "RemoteError", "TamperedMessageError", "MalformedMessageError",
+           "AuthenticationError", "Peer", "Listener", "Connection", "listen", "accept", "connect", "authkey_from_env",
+           "parse_address", "answer", "is_wildcard"]
 
 
 class PeerLostError(ConnectionError):
     """The peer process closed the connection, died, or stopped answering heartbeats."""
+
+
+class TamperedMessageError(PeerLostError):
+    """A message from the peer failed its TLS authentication (bytes changed or injected on the way):
+    the connection was dropped."""
+
+
+class MalformedMessageError(PeerLostError):
+    """The (authenticated) peer sent a message that does not decode or is not a call/reply: the
+    connection was closed."""
+
+
+class AuthenticationError(ConnectionError):
+    """The other side is not a process of this run (the mutual-TLS handshake failed)."""
 
 
 class PeerTimeoutError(TimeoutError):
@@ -62,55 +89,164 @@ def parse_address(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def is_wildcard(host: str) -> bool:
+    """``0.0.0.0``, ``::`` or empty: every interface of the host."""
+    return host.strip("[]") in ("", "0.0.0.0", "::", "0:0:0:0:0:0:0:0", "*")
+
+
 def authkey_from_env(env: str = AUTHKEY_ENV) -> bytes:
-    """The shared secret of the role processes (hex in ``$JAXRL_RPC_AUTHKEY``)."""
+    """The shared secret of the role processes (hex in ``$JAXRL_RPC_AUTHKEY``, >= 16 bytes)."""
     v = os.environ.get(env)
+    hint = f"`export {env}=$(python -c 'import secrets; print(secrets.token_hex(32))')` in the job script"
     if not v:
-        raise RuntimeError(f"${env} is not set: every role process needs the same secret (e.g. "
-                           f"`export {env}=$(python -c 'import secrets; print(secrets.token_hex(16))')` in the job script)")
+        raise RuntimeError(f"${env} is not set: every role process needs the same secret (e.g. {hint})")
     try:
-        return bytes.fromhex(v)
+        key = bytes.fromhex(v)
     except ValueError:
         raise RuntimeError(f"${env} must be hex (got {len(v)} characters that are not)") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise RuntimeError(f"${env} holds {len(key)} bytes: the secret must be at least {MIN_KEY_BYTES} random bytes "
+                           f"({2 * MIN_KEY_BYTES} hex characters; e.g. {hint})")
+    return key
 
 
-def listen(address: str, authkey: bytes) -> Listener:
-    host, port = parse_address(address)
-    return Listener((host, port), family="AF_INET", authkey=authkey, backlog=64)
+class Listener:
+    """A listening socket that accepts and authenticates in the background.
+
+    Every accepted socket gets its own handshake thread (at most ``max_handshakes`` at once; more
+    are closed at once) with ``handshake_timeout_s``; authenticated connections queue up for
+    ``accept``. A failed handshake (silent, garbage, wrong key) is logged and counted in
+    ``dropped`` and never reaches ``accept``.
+
+    ``reuse_port``: bind with ``SO_REUSEPORT``, for a port that the launching process reserved by
+    holding it bound (``launch.reserve_port``).
+    """
+
+    def __init__(self, address: str, authkey: bytes, *, handshake_timeout_s: float = 10.0,
+                 max_handshakes: int = 32, reuse_port: bool = False):
+        host, port = parse_address(address)
+        tls.server_context(bytes(authkey))  # fail here (key too short) rather than in a handshake
+        self.authkey, self.handshake_timeout_s = bytes(authkey), float(handshake_timeout_s)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            sock.listen(64)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self.address = sock.getsockname()[:2]
+        self.dropped: list[str] = []  # why each dropped connection was dropped (newest last, capped)
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.BoundedSemaphore(int(max_handshakes))
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name=f"rpc-listen[{port}]", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                raw, addr = self._sock.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return
+                time.sleep(0.05)  # EMFILE and the like: keep accepting
+                continue
+            if not self._slots.acquire(blocking=False):
+                self._drop(addr, "too many connections in their handshake")
+                raw.close()
+                continue
+            threading.Thread(target=self._handshake, args=(raw, addr), name="rpc-handshake", daemon=True).start()
+
+    def _handshake(self, raw: socket.socket, addr: Any) -> None:
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = tls.server_handshake(raw, self.authkey, self.handshake_timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure drops this connection only
+            self._drop(addr, f"{type(e).__name__}: {e}")
+            try:
+                raw.close()
+            except OSError:
+                pass
+            return
+        finally:
+            self._slots.release()
+        if self._closed.is_set():
+            conn.close()
+        else:
+            self._queue.put(conn)
+
+    def _drop(self, addr: Any, why: str) -> None:
+        msg = f"dropped a connection from {addr[0]}:{addr[1]}: {why}"
+        self.dropped = (self.dropped + [msg])[-100:]
+        log.warning("rpc listener %s:%d: %s", self.address[0], self.address[1], msg)
+
+    def accept(self, timeout: float, what: str) -> Connection:
+        """The next authenticated connection; ``TimeoutError`` naming ``what`` after ``timeout``."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            extra = f" ({len(self.dropped)} connection(s) dropped: {self.dropped[-1]})" if self.dropped else ""
+            raise TimeoutError(f"no {what} connected to {self.address[0]}:{self.address[1]} within {timeout:.0f} s"
+                               f"{extra}") from None
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
+        except OSError:
+            pass
+        self._sock.close()
+        while True:
+            try:
+                self._queue.get_nowait().close()
+            except queue.Empty:
+                break
+
+
+def listen(address: str, authkey: bytes, **kw: Any) -> Listener:
+    return Listener(address, authkey, **kw)
 
 
 def accept(listener: Listener, timeout: float, what: str) -> Connection:
-    """``listener.accept()`` with a timeout (the standard one has none): the accept and its HMAC
-    handshake run on a helper thread; on timeout the caller gets a TimeoutError naming ``what``."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["conn"] = listener.accept()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            box["error"] = e
-
-    t = threading.Thread(target=run, name="rpc-accept", daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise TimeoutError(f"no {what} connected to {listener.address[0]}:{listener.address[1]} within {timeout:.0f} s")
-    if "error" in box:
-        raise ConnectionError(f"accepting {what} on {listener.address}: {type(box['error']).__name__}: {box['error']}")
-    return box["conn"]
+    """The next authenticated connection of ``listener`` (``TimeoutError`` naming ``what``)."""
+    return listener.accept(timeout, what)
 
 
 def connect(address: str, authkey: bytes, timeout: float, what: str) -> Connection:
-    """Connect to ``address``, retrying until ``timeout`` (the peer may still be starting)."""
+    """Connect to ``address`` and authenticate, retrying refused connections until ``timeout`` (the
+    peer may still be starting). Returns within ``timeout`` also when the server accepts and stays
+    silent (``TimeoutError``); ``AuthenticationError`` when the server is not of this run."""
     host, port = parse_address(address)
+    tls.client_context(bytes(authkey))
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
-    while time.monotonic() < deadline:
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
         try:
-            return Client((host, port), family="AF_INET", authkey=authkey)
-        except (ConnectionRefusedError, OSError) as e:
+            sock = socket.create_connection((host, port), timeout=left)
+        except OSError as e:  # refused (not listening yet), unreachable, timed out
             last = e
-            time.sleep(0.2)
+            time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
+            continue
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return tls.client_handshake(sock, bytes(authkey), deadline)
+        except tls.HandshakeError as e:
+            sock.close()
+            if time.monotonic() >= deadline:
+                last = e
+                break
+            raise AuthenticationError(f"{what} at {address}: {e}") from None
+        except OSError as e:  # reset during the handshake (e.g. the listener closing): retry
+            sock.close()
+            last = e
     raise TimeoutError(f"could not connect to {what} at {address} within {timeout:.0f} s (last error: {last})")
 
 
@@ -127,7 +263,7 @@ class Peer:
     """One connection to a named peer: concurrent calls (each with a timeout), served calls, heartbeat.
 
     Args:
-      conn: an authenticated ``Connection``.
+      conn: an authenticated ``Connection`` (``connect`` / ``accept``).
       name: how errors name the peer (``"generator-0 (pid 1234 on node7)"``).
       handler: serves the peer's calls: ``handler(method, args, reply)``; it must return quickly
         (it runs on the reader thread) and call ``reply(ok, value)`` exactly once, now or later
@@ -175,8 +311,8 @@ class Peer:
             cid = next(self._ids)
             self._pending[cid] = (method, fut)
         try:
-            self._send(("call", cid, method, args))
-        except PeerLostError as e:
+            self._send(["call", cid, method, list(args)])
+        except (PeerLostError, codec.EncodeError) as e:  # lost, or arguments the RPC does not send
             with self._lock:
                 self._pending.pop(cid, None)
             if not fut.done():
@@ -201,10 +337,12 @@ class Peer:
         self._lost(PeerLostError(f"{self.name}: connection closed by this side"), report=False)
 
     # -- internals --------------------------------------------------------------------------
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: list) -> None:
         try:
             with self._send_lock:
                 self.conn.send(msg)
+        except codec.EncodeError:
+            raise
         except (OSError, EOFError, ValueError) as e:
             err = PeerLostError(f"{self.name}: connection lost while sending ({type(e).__name__}: {e})")
             self._lost(err)
@@ -218,7 +356,12 @@ class Peer:
                 return
             done.set()
             try:
-                self._send(("reply", cid, bool(ok), value))
+                self._send(["reply", cid, bool(ok), value])
+            except codec.EncodeError as e:  # a value the RPC does not send: the caller gets the error
+                try:
+                    self._send(["reply", cid, False, ["EncodeError", str(e), ""]])
+                except (PeerLostError, codec.EncodeError):
+                    pass
             except PeerLostError:
                 pass  # the reader reports the loss
 
@@ -228,42 +371,70 @@ class Peer:
         while not self._closed.is_set():
             try:
                 msg = self.conn.recv()
+            except (tls.IntegrityError, tls.ProtocolError) as e:
+                if self._closed.is_set():
+                    return
+                kind = TamperedMessageError if isinstance(e, tls.IntegrityError) else MalformedMessageError
+                self._drop(kind(f"{self.name}: {'message failed authentication' if kind is TamperedMessageError else 'malformed message'}"
+                                f" ({e}); connection closed"))
+                return
             except (EOFError, OSError) as e:
                 if not self._closed.is_set():
                     self._lost(PeerLostError(f"{self.name} closed the connection ({type(e).__name__}): the process "
                                              "exited, was killed or its host is unreachable"))
                 return
-            except Exception as e:  # noqa: BLE001 - an unpicklable message: report, keep reading
-                if self._closed.is_set():  # close() from another thread while recv() ran (handle gone)
-                    return
-                log.error("%s: undecodable message: %s: %s", self.name, type(e).__name__, e)
-                continue
             self.last_reply_t = time.monotonic()
-            kind = msg[0]
-            if kind == "reply":
-                _, cid, ok, value = msg
-                with self._lock:
-                    entry = self._pending.pop(cid, None)
-                if entry is None:
-                    continue
-                method, fut = entry
-                if ok:
-                    fut.set_result(value)
-                else:
-                    rtype, rmsg, rtb = value
-                    fut.set_exception(RemoteError(self.name, method, rtype, rmsg, rtb))
-            elif kind == "call":
-                _, cid, method, args = msg
-                reply = self._reply(cid)
-                if method == "__ping__":
-                    reply(True, time.time())
-                elif self.handler is None:
-                    reply(False, ("NotImplementedError", f"this side serves no calls ({method})", ""))
-                else:
-                    try:
-                        self.handler(method, args, reply)
-                    except BaseException as e:  # noqa: BLE001 - sent back to the caller
-                        reply(False, (type(e).__name__, str(e), traceback.format_exc()))
+            try:
+                self._dispatch(msg)
+            except _Malformed as e:
+                self._drop(MalformedMessageError(f"{self.name}: malformed message ({e}); connection closed"))
+                return
+
+    def _drop(self, err: PeerLostError) -> None:
+        """Close the connection at once because of what the peer sent; report ``err``."""
+        log.error("%s", err)
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        self._lost(err)
+
+    def _dispatch(self, msg: Any) -> None:
+        if type(msg) is not list or not msg or msg[0] not in ("call", "reply") or len(msg) != 4 \
+                or type(msg[1]) is not int:
+            raise _Malformed(f"not a call or reply: {_short(msg)}")
+        kind, cid = msg[0], msg[1]
+        if kind == "reply":
+            ok, value = msg[2], msg[3]
+            if type(ok) is not bool:
+                raise _Malformed(f"reply {cid}: ok is {type(ok).__name__}")
+            if not ok and (type(value) not in (list, tuple) or len(value) != 3
+                           or not all(type(v) is str for v in value)):
+                raise _Malformed(f"reply {cid}: an error that is not [type, message, traceback]")
+            with self._lock:
+                entry = self._pending.pop(cid, None)
+            if entry is None:
+                return
+            method, fut = entry
+            if ok:
+                fut.set_result(value)
+            else:
+                rtype, rmsg, rtb = value
+                fut.set_exception(RemoteError(self.name, method, rtype, rmsg, rtb))
+            return
+        method, args = msg[2], msg[3]
+        if type(method) is not str or type(args) is not list:
+            raise _Malformed(f"call {cid}: method {type(method).__name__}, arguments {type(args).__name__}")
+        reply = self._reply(cid)
+        if method == "__ping__":
+            reply(True, time.time())
+        elif self.handler is None:
+            reply(False, ("NotImplementedError", f"this side serves no calls ({method})", ""))
+        else:
+            try:
+                self.handler(method, tuple(args), reply)
+            except BaseException as e:  # noqa: BLE001 - sent back to the caller
+                reply(False, (type(e).__name__, str(e), traceback.format_exc()))
 
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(self.heartbeat_s):
@@ -293,3 +464,12 @@ class Peer:
                 self.on_lost(err)
             except Exception:  # noqa: BLE001
                 log.exception("%s: on_lost callback failed", self.name)
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _short(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."

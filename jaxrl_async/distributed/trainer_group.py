@@ -76,14 +76,7 @@ def trainer_mesh(cfg: Any) -> Any:
 def local_address(conn: Any) -> str:
     """The IP of this end of ``conn``: the address the other end reaches this host by (the default
     transfer-server address of a follower)."""
-    try:
-        s = socket.socket(fileno=os.dup(conn.fileno()))
-        try:
-            return s.getsockname()[0]
-        finally:
-            s.close()
-    except OSError:
-        return "127.0.0.1"
+    return conn.local_host
 
 
 # =============================================================================================
@@ -262,15 +255,13 @@ class TrainerFollower:
 
     def _op_configure_push(self, plans: Sequence[Any], dtype: str) -> str:
         import jax
-        from jax.experimental import transfer as jtransfer
 
-        from jaxrl_async.distributed.transfer import WireSender
+        from jaxrl_async.distributed.transfer import WireSender, start_server
 
         self.sender = WireSender(plans, [x.sharding for x in jax.tree.leaves(self.state.params)])
         self.dtype = jax.numpy.dtype(dtype)
         if self.server is None:
-            self.server = jtransfer.start_transfer_server(jax.local_devices()[0].client, f"{self.transfer_host}:0",
-                                                          [f"{self.transfer_host}:0"])
+            self.server = start_server(self.transfer_host)
         return self.server.address()
 
     def _op_push(self, version: int) -> None:
@@ -323,9 +314,12 @@ class TrainerFollower:
         return len(shards)
 
     def _write_fallback(self, version: int, tmp: str) -> list[dict]:
-        from jaxrl_async.distributed.transfer import write_shards
+        from jaxrl_async.distributed.transfer import fallback_key, write_shards
 
-        return write_shards(tmp, self._wire(version, 60.0))
+        home = os.path.realpath(os.path.join(self.run_dir, "weight_push"))
+        if os.path.dirname(os.path.realpath(tmp)) != home:
+            raise ValueError(f"write_fallback: {tmp!r} is not a directory of {home}")
+        return write_shards(tmp, self._wire(version, 60.0), key=fallback_key(rpc.authkey_from_env()))
 
 
 def run_follower(cfg: Any, controller: str, *, connect_timeout_s: float, heartbeat_timeout_s: float,
@@ -340,7 +334,7 @@ def run_follower(cfg: Any, controller: str, *, connect_timeout_s: float, heartbe
 
     try:
         conn = rpc.connect(controller, rpc.authkey_from_env(), connect_timeout_s, "the controller (trainer process 0)")
-    except (TimeoutError, RuntimeError) as e:
+    except (TimeoutError, RuntimeError, ConnectionError) as e:
         say(str(e))
         return 2
     follower = TrainerFollower(cfg, transfer_host=transfer_host or local_address(conn), log=say)

@@ -43,9 +43,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import hmac
 import json
 import math
 import os
+import re
+import secrets
 import shutil
 import time
 from typing import Any, Sequence
@@ -57,7 +61,8 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 __all__ = ["Layout", "LeafPlan", "plan_transfer", "layout_of", "tree_keys", "checksum_fn", "checksums_async",
            "host_checksums", "WireSender", "WireReceiver", "ChecksumMismatch", "write_weights", "read_weights",
-           "write_shards", "start_fallback", "commit_fallback"]
+           "write_shards", "start_fallback", "commit_fallback", "fallback_key", "FallbackRejected", "new_pull_id",
+           "check_bind_host", "start_server"]
 
 REPLICA_AXIS = "_push_replica"
 
@@ -211,6 +216,35 @@ def host_checksums(sums: jax.Array) -> list[int]:
 def checksum_fn(leaves: Sequence[jax.Array]) -> list[int]:
     """Per-leaf checksums (host ints). Leaves must share one device set (one jitted reduction)."""
     return host_checksums(checksums_async(leaves))
+
+
+# =============================================================================================
+# Transfer servers: where they listen, pull ids
+# =============================================================================================
+def new_pull_id() -> int:
+    """A fresh pull id (uuid of ``await_pull``): 64 random bits (never sequential), so that nothing
+    but the generator it is sent to (over the authenticated, encrypted RPC) can claim the pull."""
+    return secrets.randbits(64) or 1
+
+
+def check_bind_host(host: str, what: str = "transfer server") -> str:
+    """``host`` for a listener that has no authentication of its own (the transfer servers, the
+    ``jax.distributed`` coordinator): a configured interface, never every interface by accident."""
+    h = str(host).strip("[]")
+    if h in ("", "0.0.0.0", "::", "0:0:0:0:0:0:0:0", "*"):
+        raise ValueError(f"{what}: refusing to listen on {host!r} (every interface): it serves weights to anyone "
+                         "who connects with a pull id; give the address of the cluster-internal interface (e.g. "
+                         "--transfer-host 10.0.0.7, see docs/launch.md)")
+    return h
+
+
+def start_server(host: str) -> Any:
+    """A transfer server listening on ``host`` (port chosen by the system) on this process's devices."""
+    from jax.experimental import transfer as jtransfer
+
+    h = check_bind_host(host)
+    addr = f"[{h}]:0" if ":" in h else f"{h}:0"
+    return jtransfer.start_transfer_server(jax.local_devices()[0].client, addr, [addr])
 
 
 # =============================================================================================
@@ -368,18 +402,56 @@ def verify(leaves: Sequence[jax.Array], expected: Sequence[int], keys: Sequence[
 # =============================================================================================
 # Disk fallback
 # =============================================================================================
+class FallbackRejected(RuntimeError):
+    """A disk-fallback directory failed verification (MAC, file names, sizes, version): not used."""
+
+
+_SHARD_NAME = re.compile(r"\A[0-9]{5}\.[0-9]{4}\.p[0-9]{1,6}\.bin\Z")
+_MANIFEST = "manifest.json"
+
+
+def fallback_key(authkey: bytes) -> bytes:
+    """The MAC key of the disk fallback, derived from the run's secret (``$JAXRL_RPC_AUTHKEY``)."""
+    from jaxrl_async.distributed.tls import derive_key
+
+    return derive_key(authkey, "weight push disk fallback MAC v1")
+
+
+def _mac(key: bytes, data: Any) -> str:
+    return hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def _manifest_mac(key: bytes, manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "mac"}
+    return _mac(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _private_dir(path: str) -> None:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)  # whatever the umask or an older run left
+
+
+def _write_private(path: str, data: Any) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
 def start_fallback(directory: str, version: int) -> str:
-    """A fresh temporary directory for the disk fallback of ``version`` (every trainer process
+    """A fresh temporary directory (0700) for the disk fallback of ``version`` (every trainer process
     writes its shards into it; ``commit_fallback`` renames it into place)."""
+    _private_dir(directory)
     tmp = os.path.join(directory, f"v{version:08d}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    os.mkdir(tmp, 0o700)
+    os.chmod(tmp, 0o700)
     return tmp
 
 
-def write_shards(tmp: str, leaves: Sequence[jax.Array], process_index: int | None = None) -> list[dict]:
+def write_shards(tmp: str, leaves: Sequence[jax.Array], process_index: int | None = None, *, key: bytes) -> list[dict]:
     """Write the distinct shards of ``leaves`` that this process owns (``box_owners``) as raw files
-    into ``tmp``; returns their manifest entries ``{leaf, file, box}``."""
+    (0600) into ``tmp``; returns their manifest entries ``{leaf, file, box, mac}`` (``mac``:
+    HMAC-SHA256 of the file's bytes under ``key``, see ``fallback_key``)."""
     me = jax.process_index() if process_index is None else process_index
     entries = []
     with jax.transfer_guard("allow"):
@@ -392,19 +464,21 @@ def write_shards(tmp: str, leaves: Sequence[jax.Array], process_index: int | Non
                     continue
                 done.add(box)
                 name = f"{i:05d}.{len(done) - 1:04d}.p{me}.bin"
-                np.asarray(jax.device_get(sh.data)).tofile(os.path.join(tmp, name))
-                entries.append({"leaf": i, "file": name, "box": [list(b) for b in box]})
+                data = np.ascontiguousarray(jax.device_get(sh.data)).tobytes()
+                _write_private(os.path.join(tmp, name), data)
+                entries.append({"leaf": i, "file": name, "box": [list(b) for b in box], "mac": _mac(key, data)})
     return entries
 
 
 def commit_fallback(tmp: str, version: int, keys: Sequence[str], leaves: Sequence[jax.Array],
-                    checksums: Sequence[int], entries: Sequence[dict]) -> str:
-    """Write the manifest (every process's ``write_shards`` entries) and rename ``tmp`` into place."""
+                    checksums: Sequence[int], entries: Sequence[dict], *, key: bytes) -> str:
+    """Write the manifest (every process's ``write_shards`` entries; HMAC over all of it) and rename
+    ``tmp`` into place."""
     final = tmp[: -len(".tmp")]
     by_leaf: dict[int, list] = {}
     for e in entries:
-        by_leaf.setdefault(int(e["leaf"]), []).append({"file": e["file"], "box": e["box"]})
-    manifest = {"version": int(version), "leaves": []}
+        by_leaf.setdefault(int(e["leaf"]), []).append({"file": e["file"], "box": e["box"], "mac": e["mac"]})
+    manifest: dict[str, Any] = {"version": int(version), "leaves": []}
     for i, (k, x) in enumerate(zip(keys, leaves)):
         shards = sorted(by_leaf.get(i, []), key=lambda e: e["box"])
         covered = sum(math.prod(b - a for a, b in e["box"]) for e in shards)
@@ -413,30 +487,57 @@ def commit_fallback(tmp: str, version: int, keys: Sequence[str], leaves: Sequenc
                                f"{math.prod(x.shape)} elements")
         manifest["leaves"].append({"key": k, "shape": list(x.shape), "dtype": str(jnp.dtype(x.dtype)),
                                    "checksum": int(checksums[i]), "shards": shards})
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
+    manifest["mac"] = _manifest_mac(key, manifest)
+    _write_private(os.path.join(tmp, _MANIFEST), json.dumps(manifest).encode())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
 
 
 def write_weights(directory: str, version: int, keys: Sequence[str], leaves: Sequence[jax.Array],
-                  checksums: Sequence[int]) -> str:
+                  checksums: Sequence[int], *, key: bytes) -> str:
     """One process's disk fallback: every shard of ``leaves`` under ``directory/v<version>``;
     atomic (rename). A trainer group uses ``start_fallback`` / ``write_shards`` on every process and
     ``commit_fallback`` on the first."""
     tmp = start_fallback(directory, version)
-    return commit_fallback(tmp, version, keys, leaves, checksums, write_shards(tmp, leaves))
+    return commit_fallback(tmp, version, keys, leaves, checksums, write_shards(tmp, leaves, key=key), key=key)
 
 
-def read_weights(path: str, keys: Sequence[str], shardings: Sequence[NamedSharding]) -> tuple[list[jax.Array], list[int]]:
-    """Read a ``write_weights`` directory onto ``shardings``; returns (leaves, manifest checksums)."""
-    mpath = os.path.join(path, "manifest.json")
+def _read_private(directory: str, name: str, what: str) -> bytes:
+    """The bytes of ``directory/name``: a plain file name (no separator, no ``..``), not a symlink."""
+    if name != os.path.basename(name) or name in ("", ".", "..") or "\0" in name:
+        raise FallbackRejected(f"weight push fallback {directory}: {what} names the path {name!r} (not a file of the "
+                               "directory)")
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise FallbackRejected(f"weight push fallback {directory}: {what} {name!r}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def read_weights(path: str, keys: Sequence[str], shardings: Sequence[NamedSharding], *, key: bytes,
+                 version: int | None = None) -> tuple[list[jax.Array], list[int]]:
+    """Read a ``write_weights`` directory onto ``shardings``; returns (leaves, manifest checksums).
+
+    Verified before use (``FallbackRejected`` otherwise): the manifest's HMAC, its ``version`` (when
+    given), every shard file name (``LLLLL.SSSS.pP.bin``: no path outside the directory), every
+    box inside its leaf and every shard file's size and HMAC."""
+    mpath = os.path.join(path, _MANIFEST)
     if not os.path.isfile(mpath):
         raise FileNotFoundError(f"weight push fallback: {mpath} does not exist (is {os.path.dirname(path)} on a "
                                 "filesystem both processes see?)")
-    with open(mpath) as f:
-        manifest = json.load(f)
+    raw = _read_private(path, _MANIFEST, "the manifest")
+    try:
+        manifest = json.loads(raw)
+        mac = manifest["mac"]
+    except (ValueError, KeyError, TypeError):
+        raise FallbackRejected(f"weight push fallback: {mpath} is not a manifest") from None
+    if type(mac) is not str or not hmac.compare_digest(mac, _manifest_mac(key, manifest)):
+        raise FallbackRejected(f"weight push fallback: {mpath}: MAC mismatch (changed after the trainer wrote it, or "
+                               "written with another run's key)")
+    if version is not None and manifest.get("version") != int(version):
+        raise FallbackRejected(f"weight push fallback: {mpath} holds version {manifest.get('version')}, not {version}")
     entries = manifest["leaves"]
     if [e["key"] for e in entries] != list(keys):
         raise ValueError(f"weight push fallback: {mpath} holds different parameters than this generator expects")
@@ -444,11 +545,29 @@ def read_weights(path: str, keys: Sequence[str], shardings: Sequence[NamedShardi
     with jax.transfer_guard("allow"):
         for e, s in zip(entries, shardings):
             dtype = jnp.dtype(e["dtype"])
-            arr = np.empty(e["shape"], dtype)
+            shape = tuple(int(n) for n in e["shape"])
+            arr = np.empty(shape, dtype)
+            covered = 0
             for sh in e["shards"]:
-                box = tuple(slice(a, b) for a, b in sh["box"])
-                shape = tuple(b - a for a, b in sh["box"])
-                arr[box] = np.fromfile(os.path.join(path, sh["file"]), dtype=dtype).reshape(shape)
+                name = sh["file"]
+                if type(name) is not str or not _SHARD_NAME.match(name):
+                    raise FallbackRejected(f"weight push fallback {path}: {e['key']}: shard file name {name!r} is not "
+                                           "LLLLL.SSSS.pP.bin")
+                b = [(int(lo), int(hi)) for lo, hi in sh["box"]]
+                if len(b) != len(shape) or any(not 0 <= lo < hi <= n for (lo, hi), n in zip(b, shape)):
+                    raise FallbackRejected(f"weight push fallback {path}: {e['key']}: box {b} outside {shape}")
+                bshape = tuple(hi - lo for lo, hi in b)
+                data = _read_private(path, name, f"{e['key']}: shard")
+                if len(data) != math.prod(bshape) * dtype.itemsize:
+                    raise FallbackRejected(f"weight push fallback {path}: {name}: {len(data)} bytes, expected "
+                                           f"{math.prod(bshape) * dtype.itemsize}")
+                if not hmac.compare_digest(str(sh["mac"]), _mac(key, data)):
+                    raise FallbackRejected(f"weight push fallback {path}: {name}: MAC mismatch (the file was changed)")
+                arr[tuple(slice(lo, hi) for lo, hi in b)] = np.frombuffer(data, dtype=dtype).reshape(bshape)
+                covered += math.prod(bshape)
+            if covered != math.prod(shape):
+                raise FallbackRejected(f"weight push fallback {path}: {e['key']}: shards cover {covered} of "
+                                       f"{math.prod(shape)} elements")
             leaves.append(jax.device_put(arr, s))
     return leaves, [int(e["checksum"]) for e in entries]
 

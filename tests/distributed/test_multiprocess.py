@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from jaxrl_async.distributed.launch import free_port
+from jaxrl_async.distributed.launch import reserve_port
 from jaxrl_async.rl_loop import read_data_ledger
 from role_procs import kill_all, role_env, wait_or_kill  # tests/distributed
 
@@ -31,11 +31,11 @@ ETA = 2
 
 
 def _start(run_dir, log_dir, steps, extra_gen=(), extra_cfg=()):
-    port, env = free_port(), role_env(log_dir.parent / "jax_cache")
+    port, env = reserve_port(), role_env(log_dir.parent / "jax_cache")
     addr = f"127.0.0.1:{port}"
     ctrl_log, gen_log = open(log_dir / "controller.log", "wb"), open(log_dir / "generator.log", "wb")
     ctrl = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.controller", "--listen", addr,
-                             "--generator-devices", "1", "--cpu-devices", "2", "--accept-timeout", "120",
+                             "--listen-reuse-port", "--generator-devices", "1", "--cpu-devices", "2", "--accept-timeout", "120",
                              "--heartbeat-timeout", "30", "--config", TINY, f"run_dir={run_dir}",
                              f"trainer.total_steps={steps}", f"rollout.max_head_offpolicyness={ETA}",
                              "checkpoint.every_steps=null", *extra_cfg],

@@ -33,7 +33,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_async.distributed.launch import free_port
+from jaxrl_async.distributed.launch import reserve_port
 from jaxrl_async.rl_loop import read_data_ledger
 from role_procs import kill_all, role_env, wait_or_kill  # tests/distributed
 
@@ -46,7 +46,7 @@ ETA = 2
 def test_group_updates_equal_single_process(tmp_path):
     env = role_env()
     single, group = tmp_path / "single.npz", tmp_path / "group.npz"
-    coord = f"127.0.0.1:{free_port()}"
+    coord = f"127.0.0.1:{reserve_port()}"
     procs = [subprocess.Popen([sys.executable, WORKER, str(group), "--coordinator", coord, "--process-id", str(i)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
     try:
@@ -84,11 +84,11 @@ def _start_roles(run_dir, log_dir, tag, steps, extra_gen=(), slurm=False, genera
     The trainer group forms with an explicit coordinator, or (``slurm``) by jax.distributed's
     auto-detection from the variables srun sets (``--jax-distributed``)."""
     env = role_env(log_dir / "jax_cache")
-    addr = f"127.0.0.1:{free_port()}"
-    common = ["--listen", addr, "--generators", str(generators), "--generator-devices", "1", "--cpu-devices", "1",
+    addr = f"127.0.0.1:{reserve_port()}"
+    common = ["--listen", addr, "--listen-reuse-port", "--generators", str(generators), "--generator-devices", "1", "--cpu-devices", "1",
               "--accept-timeout", "120",
               "--heartbeat-timeout", "30", "--jax-heartbeat-timeout", "20"]
-    job, coord = _slurm_job_id(), f"127.0.0.1:{free_port()}"
+    job, coord = _slurm_job_id(), f"127.0.0.1:{reserve_port()}"
     cfg = ["--config", TINY, f"run_dir={run_dir}", f"trainer.total_steps={steps}",
            f"rollout.max_head_offpolicyness={ETA}", "checkpoint.every_steps=2", "checkpoint.export_hf=true"]
     procs = {}

@@ -72,9 +72,11 @@ def test_checksum_catches_a_changed_or_moved_element(tmp_path):
     with pytest.raises(ChecksumMismatch, match="version 5.*\\['w'\\]"):
         verify([x.at[0, 0].add(1.0)], base, ["['w']"], 5)
     # disk fallback round trip onto another sharding, checksum carried in the manifest
-    path = write_weights(str(tmp_path), 5, ["['w']"], [x.astype(jnp.bfloat16)], checksum_fn([x.astype(jnp.bfloat16)]))
+    key = b"k" * 32
+    path = write_weights(str(tmp_path), 5, ["['w']"], [x.astype(jnp.bfloat16)], checksum_fn([x.astype(jnp.bfloat16)]),
+                         key=key)
     gm = make_mesh({"tensor": 4}, devices=jax.devices()[4:])
-    leaves, sums = read_weights(path, ["['w']"], [NamedSharding(gm, P(None, "tensor"))])
+    leaves, sums = read_weights(path, ["['w']"], [NamedSharding(gm, P(None, "tensor"))], key=key, version=5)
     assert verify(leaves, sums, ["['w']"], 5) == sums
     np.testing.assert_array_equal(np.asarray(leaves[0]), np.asarray(x.astype(jnp.bfloat16)))
 
@@ -87,3 +89,88 @@ def test_pull_of_an_unregistered_uuid_times_out():
     pulled = conn.pull(99, [spec], timeout=datetime.datetime.now() + datetime.timedelta(seconds=1))
     with pytest.raises(TimeoutError, match="uuid 99 not complete after 2 s"):  # never registered: no hang
         wait_ready(pulled, 2.0, "pull of uuid 99")
+
+
+def test_pull_with_a_wrong_id_fails_and_leaves_the_registered_pull_intact():
+    from jaxrl_async.distributed.transfer import new_pull_id
+
+    ids = [new_pull_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids) and max(ids) >= 2**60  # 64 random bits, not a counter
+    assert sorted(ids) != ids and sum(b - a == 1 for a, b in zip(ids, ids[1:])) == 0
+    d = jax.devices()
+    trainer_srv, gen_srv = _server(), _server()
+    x = jax.device_put(jnp.arange(8, dtype=jnp.float32), d[0])
+    good = new_pull_id()
+    trainer_srv.await_pull(good, [x])
+    conn = gen_srv.connect(trainer_srv.address())
+    spec = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(d[1]))
+    wrong = conn.pull(good ^ 1, [spec], timeout=datetime.datetime.now() + datetime.timedelta(seconds=1))
+    with pytest.raises(TimeoutError, match="not complete"):  # a guess one bit off gets nothing
+        wait_ready(wrong, 1.5, "pull with a wrong id")
+    got = conn.pull(good, [spec], timeout=datetime.datetime.now() + datetime.timedelta(seconds=30))
+    wait_ready(got, 30, "the real pull")
+    np.testing.assert_array_equal(np.asarray(got[0]), np.arange(8, dtype=np.float32))
+
+
+def _fallback(tmp_path, key):
+    tm = make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(tm, P("fsdp", None)))
+    path = write_weights(str(tmp_path / "weight_push"), 3, ["['w']"], [x], checksum_fn([x]), key=key)
+    return path, [NamedSharding(tm, P())]
+
+
+def test_disk_fallback_files_are_private_and_macs_reject_tampering(tmp_path):
+    import hashlib
+    import hmac
+    import json
+    import os
+    import stat
+
+    from jaxrl_async.distributed.transfer import FallbackRejected, _manifest_mac, fallback_key
+
+    key = fallback_key(b"r" * 32)
+    path, shardings = _fallback(tmp_path, key)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    files = sorted(os.listdir(path))
+    assert files and all(stat.S_IMODE(os.stat(os.path.join(path, f)).st_mode) == 0o600 for f in files)
+    leaves, _ = read_weights(path, ["['w']"], shardings, key=key, version=3)
+    np.testing.assert_array_equal(np.asarray(leaves[0]), np.arange(64, dtype=np.float32).reshape(8, 8))
+    with pytest.raises(FallbackRejected, match="MAC mismatch"):  # another run's key
+        read_weights(path, ["['w']"], shardings, key=fallback_key(b"s" * 32), version=3)
+    with pytest.raises(FallbackRejected, match="holds version 3, not 4"):  # an old directory replayed
+        read_weights(path, ["['w']"], shardings, key=key, version=4)
+
+    mpath = os.path.join(path, "manifest.json")
+    manifest = json.loads(open(mpath).read())
+    shard = os.path.join(path, manifest["leaves"][0]["shards"][0]["file"])
+    orig = open(shard, "rb").read()
+    # compensating edit: +d on one element, -d on another (passes the old linear checksum's structure)
+    a = np.frombuffer(orig, np.uint32).copy()
+    a[0] += 7
+    a[1] -= 7
+    open(shard, "wb").write(a.tobytes())
+    with pytest.raises(FallbackRejected, match="MAC mismatch \\(the file was changed\\)"):
+        read_weights(path, ["['w']"], shardings, key=key, version=3)
+    open(shard, "wb").write(orig)
+
+    def rewrite(m, sign=True):
+        if sign:  # even with a valid MAC (the writer's own bug), a bad name is never opened
+            m["mac"] = _manifest_mac(key, m)
+        with open(mpath, "w") as f:
+            json.dump(m, f)
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(orig)
+    for name in ("../../../../etc/passwd", str(secret), "../secret.bin", "00000.0000.p0.bin/../../x"):
+        m = json.loads(json.dumps(manifest))
+        m["leaves"][0]["shards"][0]["file"] = name
+        m["leaves"][0]["shards"][0]["mac"] = hmac.new(key, orig, hashlib.sha256).hexdigest()
+        rewrite(m)
+        with pytest.raises(FallbackRejected, match="shard file name"):
+            read_weights(path, ["['w']"], shardings, key=key, version=3)
+    m = json.loads(json.dumps(manifest))
+    m["leaves"][0]["checksum"] += 1  # an unsigned change of the manifest
+    rewrite(m, sign=False)
+    with pytest.raises(FallbackRejected, match="manifest.json: MAC mismatch"):
+        read_weights(path, ["['w']"], shardings, key=key, version=3)

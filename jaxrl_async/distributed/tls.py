@@ -1,0 +1,339 @@
+"""Mutual TLS for the RPC, keyed by the run's shared secret; message frames over it.
+
+Credentials: the run's secret (``$JAXRL_RPC_AUTHKEY``, >= 16 random bytes) determines the run's CA
+key (HKDF-SHA256 -> a P-256 scalar), so every process of the run derives the same CA without any
+file to distribute. Each process makes its own CA certificate (the same name and key), a fresh
+P-256 key and a leaf certificate signed by the CA key, all with the ``cryptography`` package. A TLS
+1.3 handshake in which both sides must present a leaf of the run's CA (``CERT_REQUIRED`` both ways)
+therefore proves that the peer knows the secret; every record afterwards is AEAD-protected
+(AES-GCM / ChaCha20-Poly1305: OpenSSL through the standard library's ``ssl``), so a flipped,
+injected, dropped or replayed byte fails the record's authentication and the connection is dropped
+(``IntegrityError``). Host names are not checked: the identity that matters is "a process of this
+run", and hosts are whatever the cluster assigns.
+
+``Connection`` drives the TLS state machine over memory BIOs (``ssl.SSLObject``), with a lock around
+it: the RPC reads on one thread and sends from several, and one OpenSSL object must not be used by
+two threads at once (an ``SSLSocket`` would). The socket I/O itself happens outside that lock.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import select
+import socket
+import ssl
+import tempfile
+import threading
+import time
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from jaxrl_async.distributed import codec
+
+ALPN = "jaxrl-rpc/1"
+MIN_KEY_BYTES = 16
+MAX_BODY = 256 << 20  # msgpack part of one message
+MAX_MESSAGE = 8 << 30  # body + array buffers of one message
+_P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+_CHUNK = 1 << 20
+
+__all__ = ["ALPN", "MIN_KEY_BYTES", "Connection", "IntegrityError", "ProtocolError", "HandshakeError",
+           "server_context", "client_context", "server_handshake", "client_handshake", "derive_key"]
+
+
+class IntegrityError(ConnectionError):
+    """A TLS record failed authentication (bytes changed, injected or cut on the way)."""
+
+
+class ProtocolError(ConnectionError):
+    """An authenticated peer sent something that is not a well-formed message."""
+
+
+class HandshakeError(ConnectionError):
+    """The connection did not complete the run's mutual-TLS handshake (wrong key, silent, not TLS)."""
+
+
+def derive_key(authkey: bytes, purpose: str, length: int = 32) -> bytes:
+    """A key for ``purpose`` derived from the run's secret (HKDF-SHA256): the RPC CA, the disk fallback MAC."""
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=b"jaxrl_async run secret",
+                info=purpose.encode()).derive(bytes(authkey))
+
+
+@functools.lru_cache(maxsize=8)
+def _credentials(authkey: bytes) -> tuple[bytes, bytes, bytes]:
+    """(CA certificate PEM, leaf certificate PEM, leaf key PEM) of this process for ``authkey``."""
+    scalar = int.from_bytes(derive_key(authkey, "rpc CA key v1", 48), "big") % (_P256_ORDER - 1) + 1
+    ca_key = ec.derive_private_key(scalar, ec.SECP256R1())
+    ca_pub = ca_key.public_key()
+    ski = x509.SubjectKeyIdentifier.from_public_key(ca_pub)
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "jaxrl_async run CA " + ski.digest[:8].hex())])
+    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_pub)
+               .serial_number(int.from_bytes(ski.digest[:8], "big") | 1)
+               .not_valid_before(datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc))
+               .not_valid_after(datetime.datetime(9999, 12, 31, tzinfo=datetime.timezone.utc))
+               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+               .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                            data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                            crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+               .add_extension(ski, critical=False)
+               .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    leaf = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"jaxrl_async role pid {os.getpid()} on "
+                                                                               f"{socket.gethostname()}"[:64])]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
+                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    return (ca_cert.public_bytes(pem), leaf.public_bytes(pem),
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+
+def _context(authkey: bytes, server: bool) -> ssl.SSLContext:
+    if len(authkey) < MIN_KEY_BYTES:
+        raise ValueError(f"rpc: the run's secret has {len(authkey)} bytes; at least {MIN_KEY_BYTES} random bytes")
+    ca, cert, key = _credentials(bytes(authkey))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(cadata=ca.decode())
+    # load_cert_chain reads files only: a private directory, gone right after
+    with tempfile.TemporaryDirectory(prefix="jaxrl_rpc_") as d:  # mode 0700
+        path = os.path.join(d, "leaf.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(cert + key)
+        ctx.load_cert_chain(path)
+    ctx.set_alpn_protocols([ALPN])
+    if server:
+        ctx.num_tickets = 0  # no session tickets: nothing is written after the handshake but our frames
+    return ctx
+
+
+@functools.lru_cache(maxsize=8)
+def server_context(authkey: bytes) -> ssl.SSLContext:
+    return _context(authkey, True)
+
+
+@functools.lru_cache(maxsize=8)
+def client_context(authkey: bytes) -> ssl.SSLContext:
+    return _context(authkey, False)
+
+
+class Connection:
+    """One mutually authenticated TLS connection carrying ``codec`` frames.
+
+    ``send`` may be called from any thread; ``recv`` from one reader thread at a time. Errors:
+    ``EOFError`` (the peer closed), ``OSError`` (socket), ``IntegrityError`` (a record failed
+    authentication), ``ProtocolError`` (a malformed frame or message).
+    """
+
+    def __init__(self, sock: socket.socket, sslobj: ssl.SSLObject, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO):
+        self.sock, self._ssl, self._in, self._out = sock, sslobj, incoming, outgoing
+        self._ssl_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._plain = bytearray()
+        self._closed = False
+        try:
+            self.peer_address = "%s:%d" % sock.getpeername()[:2]
+        except OSError:
+            self.peer_address = "?"
+
+    # -- raw TLS -------------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Send what the TLS object has written (caller holds ``_send_lock``)."""
+        with self._ssl_lock:
+            data = self._out.read()
+        if data:
+            self.sock.sendall(data)
+
+    def _fill(self, deadline: float | None = None) -> None:
+        """Read at least one more byte of plaintext into ``_plain`` (blocking; ``deadline``: monotonic)."""
+        while True:
+            with self._ssl_lock:
+                try:
+                    while True:
+                        chunk = self._ssl.read(_CHUNK)
+                        if not chunk:
+                            break
+                        self._plain += chunk
+                except ssl.SSLWantReadError:
+                    pass
+                except ssl.SSLZeroReturnError:
+                    raise EOFError("the peer closed the TLS session") from None
+                except ssl.SSLError as e:
+                    raise IntegrityError(f"TLS record rejected ({e.reason or e}): the bytes on the wire were changed, "
+                                         "injected or cut") from None
+                pending = self._out.pending
+            if pending:
+                with self._send_lock:
+                    self._flush()
+            if self._plain:
+                return
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                    raise TimeoutError("no data from the peer in time")
+            data = self.sock.recv(_CHUNK)
+            if not data:
+                raise EOFError("the peer closed the connection")
+            with self._ssl_lock:
+                self._in.write(data)
+
+    def _read_exact(self, n: int, deadline: float | None = None) -> bytearray:
+        while len(self._plain) < n:
+            self._fill(deadline)
+        out = self._plain[:n]
+        del self._plain[:n]
+        return out
+
+    # -- frames --------------------------------------------------------------------------------
+    def send(self, obj: Any) -> None:
+        """Encode ``obj`` (``codec``) and send it as one frame."""
+        chunks = codec.encode(obj)
+        small = bytearray()
+        with self._send_lock:
+            for c in chunks:
+                if len(c) < 65536:
+                    small += c
+                    continue
+                if small:
+                    self._write(small)
+                    small = bytearray()
+                for i in range(0, len(c), _CHUNK):
+                    self._write(memoryview(c)[i:i + _CHUNK])
+            if small:
+                self._write(small)
+
+    def _write(self, data: Any) -> None:
+        with self._ssl_lock:
+            mv = memoryview(data)
+            while mv.nbytes:
+                n = self._ssl.write(mv)
+                mv = mv[n:]
+            out = self._out.read()
+        self.sock.sendall(out)
+
+    def recv(self, deadline: float | None = None) -> Any:
+        """The next message (blocking; ``deadline``: a ``time.monotonic()`` time for the whole frame)."""
+        body_len, nbuf = codec.frame_sizes(bytes(self._read_exact(codec.HEADER.size, deadline)))
+        if body_len > MAX_BODY or nbuf > codec.MAX_BUFFERS:
+            raise ProtocolError(f"frame header claims a {body_len}-byte body and {nbuf} buffers")
+        lens = [codec.BUFLEN.unpack(bytes(self._read_exact(8, deadline)))[0] for _ in range(nbuf)]
+        if body_len + sum(lens) > MAX_MESSAGE:
+            raise ProtocolError(f"frame header claims {body_len + sum(lens)} bytes (at most {MAX_MESSAGE})")
+        body = self._read_exact(body_len, deadline)
+        bufs = [self._read_exact(n, deadline) for n in lens]
+        try:
+            return codec.decode(bytes(body), bufs)
+        except codec.DecodeError as e:
+            raise ProtocolError(str(e)) from None
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    @property
+    def local_host(self) -> str:
+        """The IP of this end: the address the other end reaches this host by."""
+        try:
+            return self.sock.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+    def close(self) -> None:
+        """Close at once; a reader blocked in ``recv`` gets an error."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _handshake(sock: socket.socket, ctx: ssl.SSLContext, server: bool, deadline: float) -> Connection:
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    sslobj = ctx.wrap_bio(incoming, outgoing, server_side=server)
+    while True:
+        try:
+            sslobj.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLError as e:
+            data = outgoing.read()  # the alert, so that the other side learns why
+            if data:
+                try:
+                    sock.sendall(data)
+                except OSError:
+                    pass
+            raise HandshakeError(f"TLS handshake failed: {e.reason or e} (not a process of this run: a different "
+                                 "$JAXRL_RPC_AUTHKEY, or not this protocol)") from None
+        data = outgoing.read()
+        if data:
+            sock.sendall(data)
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([sock], [], [], left)[0]:
+            raise HandshakeError("no TLS handshake in time (a silent or stuck connection)")
+        data = sock.recv(65536)
+        if not data:
+            raise HandshakeError("the other side closed the connection during the TLS handshake (it rejected this "
+                                 "process's key: a different $JAXRL_RPC_AUTHKEY?)")
+        incoming.write(data)
+    data = outgoing.read()
+    if data:
+        sock.sendall(data)
+    if sslobj.selected_alpn_protocol() != ALPN:
+        raise HandshakeError(f"the peer does not speak {ALPN} (ALPN {sslobj.selected_alpn_protocol()!r})")
+    return Connection(sock, sslobj, incoming, outgoing)
+
+
+_WELCOME = {"rpc": ALPN, "welcome": True}
+
+
+def server_handshake(sock: socket.socket, authkey: bytes, timeout: float) -> Connection:
+    """TLS as the server on an accepted socket, then the welcome frame; ``HandshakeError`` within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    sock.setblocking(True)
+    sock.settimeout(max(timeout, 0.01))  # bounds a sendall to a peer that does not read
+    conn = _handshake(sock, server_context(bytes(authkey)), True, deadline)
+    conn.send(_WELCOME)
+    sock.settimeout(None)
+    return conn
+
+
+def client_handshake(sock: socket.socket, authkey: bytes, deadline: float) -> Connection:
+    """TLS as the client, then wait for the server's welcome frame (TLS 1.3 tells a client that the
+    server rejected its certificate only after the client's half of the handshake: the welcome says
+    it was accepted)."""
+    sock.settimeout(max(deadline - time.monotonic(), 0.01))
+    conn = _handshake(sock, client_context(bytes(authkey)), False, deadline)
+    try:
+        hello = conn.recv(deadline)
+    except TimeoutError:
+        raise HandshakeError("no welcome from the server in time (a silent server)") from None
+    except (EOFError, OSError, IntegrityError) as e:
+        raise HandshakeError(f"the server closed the connection after the TLS handshake ({type(e).__name__}: {e}): it "
+                             "rejected this process's key (a different $JAXRL_RPC_AUTHKEY?)") from None
+    if hello != _WELCOME:
+        raise HandshakeError(f"unexpected first message from the server: {str(hello)[:80]!r}")
+    sock.settimeout(None)
+    return conn
