@@ -3,10 +3,11 @@
 Each :meth:`Sandbox.run` starts a fresh process tree through ``_sandbox_launcher.py`` (read its
 docstring for the process tree) and never raises for anything the untrusted program does: every
 outcome is a :class:`SandboxResult`.  Safe to call from many threads at once (no ``preexec_fn``; each
-call owns its pipes; one sandbox uid per concurrent run).
+call owns its pipes; one sandbox uid per concurrent run, host-wide).
 
 What contains what (``namespaces`` mode, i.e. running as root on Linux, as on the dev machines and
-the usual TPU/GPU VMs; checked by ``tests/rewards/test_sandbox.py``):
+the usual TPU/GPU VMs; every row is an attack in ``tests/rewards/test_sandbox.py`` or
+``tests/rewards/test_sandbox_attacks.py``):
 
 ===================  =======================================================================
 attack               containment
@@ -15,43 +16,79 @@ infinite loop        ``RLIMIT_CPU`` (SIGXCPU at the soft limit, SIGKILL one seco
                      the wall deadline (PID 1 ``kill(-1, SIGKILL)``; the parent kills the whole
                      launcher process group ``wall_timeout_s + 2`` s later as a last resort).
 fork bomb            ``RLIMIT_NPROC`` applies because the program runs as a *non-root* sandbox uid
-                     (root ignores it) that is unique per concurrent run, so the count is per
-                     sandbox; plus the PID namespace: when the program's main process exits or
-                     is killed, PID 1 exits and the kernel SIGKILLs everything left in the
-                     namespace (no escaped daemons, ``setsid`` does not help).
-memory hog           ``RLIMIT_AS`` (→ ``MemoryError``); tmpfs capped at ``tmpfs_bytes``.
+                     (root ignores it) that no other live run holds (one uid pool per process, and
+                     a byte-range lock per uid on ``/run/jaxrl-sandbox/uids.lock`` across
+                     processes), so the count is per run; plus the PID namespace: when the
+                     program's main process exits or is killed, PID 1 exits and the kernel
+                     SIGKILLs everything left in the namespace (``setsid`` does not help).
+memory hog           a memory cgroup per run (v2 ``memory.max``, or the v1 memory controller
+                     where that is the one mounted) caps everything the run's processes use
+                     together: anonymous memory of every process, tmpfs and shared-memory pages,
+                     kernel memory; the OOM killer ends the run (``killed_reason="memory_limit"``).
+                     ``RLIMIT_AS`` per process on top (→ ``MemoryError`` for a single big
+                     allocation); the tmpfs is capped at ``tmpfs_bytes``.
+SysV shm, memfd      denied by seccomp (``EPERM``), and charged to the cgroup anyway.
 huge output          the parent keeps at most ``max_output_bytes`` per stream and (by default)
                      kills the run on overflow; nothing unbounded is ever buffered.
-writes outside cwd   the whole mount tree is recursively read-only + nosuid inside the private
-                     mount namespace; the only writable place is a private, size-capped tmpfs
-                     on ``/tmp`` (work dir ``/tmp/work``) that exists only in that namespace and
-                     vanishes with it.  Guarantee: nothing the program writes is visible outside
-                     the sandbox or survives the run.  In addition the program is not root
-                     (sandbox uid, no groups, ``no_new_privs`` so setuid binaries cannot regain
-                     root) and ``RLIMIT_FSIZE`` caps each file.
+writes outside cwd   the whole mount tree is recursively read-only + nosuid + nodev inside the
+                     private mount namespace; the only writable place is one private, size-capped
+                     tmpfs on ``/tmp`` (work dir ``/tmp/work``; the same tmpfs is ``/var/tmp`` and
+                     ``/dev/shm``) that exists only in that namespace and vanishes with it.  It is
+                     ``noexec`` unless ``allow_exec=True``: dropped binaries and shared objects cannot
+                     be executed or mapped executable.  The program is not root (sandbox uid, no
+                     groups, ``no_new_privs``) and ``RLIMIT_FSIZE`` caps each file.
+host unix sockets    filesystem sockets are not network-namespaced and a read-only mount does not
+                     stop ``connect``: ``/tmp``, ``/var/tmp``, ``/dev/shm`` are the private tmpfs,
+                     ``/run`` (and ``/var/run``) an empty read-only tmpfs, ``/dev`` a minimal
+                     read-only tmpfs (null, zero, full, random, urandom): no host socket, FIFO or
+                     device node there is reachable.  Abstract sockets are per network namespace.
+kernel keyrings      a new anonymous session keyring per run (the parent's session keyring, whose
+                     keys every descendant *possesses*, is gone), the uid's user keyrings emptied,
+                     and ``keyctl`` / ``add_key`` / ``request_key`` denied by seccomp.
+kernel surface       a seccomp allow-list (``_seccomp.py``): no new namespaces (user namespaces
+                     included), ``io_uring``, ``ptrace``, ``bpf``, ``perf_event_open``, mounts,
+                     ``userfaultfd``, SysV IPC, ``memfd_create``, keyrings, ``AF_VSOCK``/``AF_ALG``
+                     sockets, ...; unknown syscalls get ``ENOSYS``.
 parent's secrets     ``execve`` with a minimal explicit environment (``PATH``, ``HOME``, ``LANG``,
                      ``TMPDIR`` plus ``SandboxConfig.env``); Python runs with ``-I``.  ``/proc`` is
                      a fresh mount of the new PID namespace, so host processes (and their
                      ``/proc/<pid>/environ``) are not even visible.
 network              new network namespace: only a down loopback device, so every connect
-                     (including to 127.0.0.1 of the host) fails with ``ENETUNREACH``; abstract
-                     unix sockets are per-namespace too.
+                     (including to 127.0.0.1 of the host) fails with ``ENETUNREACH``.
 ===================  =======================================================================
 
+Hardening (``SandboxConfig.hardening``): the seccomp filter needs x86_64 or aarch64; the memory cgroup
+needs root and a memory controller (cgroup v2 with ``memory`` available at the root of the hierarchy or
+in ``cgroup_parent``; else the v1 memory hierarchy).  ``"required"`` (the default whenever
+``network_isolation="required"``) refuses to construct a Sandbox without them
+(:class:`SandboxUnavailableError` naming what is missing); ``"best_effort"`` runs without the missing
+parts, logs one warning per process naming them and leaves them out of :attr:`Sandbox.isolation`
+(e.g. ``"namespaces+net+uid+seccomp"`` instead of ``"namespaces+net+uid+memcg+seccomp"``).  The run
+cgroups live in ``<hierarchy root>/jaxrl-sandbox/<pid>-<n>`` (one per concurrent run, reused, removed
+at exit; leftovers of dead processes are removed by the next Sandbox), or under ``cgroup_parent``
+(e.g. a systemd ``Delegate=yes`` unit) so that an outer limit covers them.
+
 Fallback (``plain`` mode: no namespaces, e.g. an unprivileged container): rlimits, uid switch
-when root, own process group killed at the end, parent-made work dir deleted afterwards; no
-network or filesystem isolation, so it is refused unless ``network_isolation="best_effort"``
-or ``"disabled"`` is configured explicitly.  Known gaps in every mode: no seccomp filter (the
-kernel attack surface is the full syscall set of an unprivileged process), world-readable host
-files remain readable, and ``RLIMIT_AS`` does not bound page cache / kernel memory.
+when root, the memory cgroup and seccomp filter when available, own process group killed at the end
+and (as root) every process of the run's uid, parent-made work dir deleted afterwards; no network or
+filesystem isolation, so it is refused unless ``network_isolation="best_effort"`` or ``"disabled"`` is
+configured explicitly.  Known gaps in every mode: world-readable host files remain readable, and so does
+a world-writable unix socket *outside* the directories above; without root (plain mode) there is no uid
+switch, no cgroup, and a ``setsid`` daemon can outlive the run (the parent stops reading its output
+0.5 s after the program ended).
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import dataclasses
+import errno
+import fcntl
 import itertools
 import json
+import logging
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -63,6 +100,8 @@ import threading
 import time
 from typing import Literal, Mapping, Sequence
 
+from jaxrl_async.rewards import _seccomp
+
 __all__ = [
     "SandboxConfig",
     "SandboxResult",
@@ -71,8 +110,13 @@ __all__ = [
     "probe_isolation",
 ]
 
+logger = logging.getLogger(__name__)
+
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_launcher.py")
 _MAIN = "main.py"
+_UID_LOCK_DIR = "/run/jaxrl-sandbox"
+_CGROUP_DIR_NAME = "jaxrl-sandbox"
+_STATUS_GRACE_S = 0.5  # output still read after the program's end (a daemon may hold the pipes)
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -86,20 +130,30 @@ class SandboxConfig:
     Attributes:
       wall_timeout_s: wall-clock limit of the program (from fork to exit).
       cpu_time_s: ``RLIMIT_CPU`` soft limit (hard = soft + 1 s), summed over the program's threads.
-      memory_bytes: ``RLIMIT_AS`` (virtual address space) of each process.
+      memory_bytes: memory of the whole run (every process, tmpfs and shared memory) through the run's
+        memory cgroup, and ``RLIMIT_AS`` (virtual address space) of each process.
       file_size_bytes: ``RLIMIT_FSIZE``: largest file the program may write.
       max_processes: ``RLIMIT_NPROC`` for the sandbox uid (processes + threads).
       max_open_files: ``RLIMIT_NOFILE``.
-      tmpfs_bytes: size cap of the private tmpfs holding ``/tmp`` and the work dir.
+      tmpfs_bytes: size cap of the private tmpfs holding ``/tmp`` (the work dir), ``/var/tmp``, ``/dev/shm``.
       max_output_bytes: bytes kept per stream (stdout, stderr); the rest is dropped.
       kill_on_output_overflow: kill the program as soon as a stream exceeds ``max_output_bytes``.
       network_isolation: ``"required"`` refuses to run without a private network namespace;
         ``"best_effort"`` uses one if possible; ``"disabled"`` shares the host network (explicit opt-in).
+      hardening: the seccomp filter and the memory cgroup (module docstring): ``"required"`` refuses to
+        construct without them, ``"best_effort"`` logs what is missing and runs; ``None`` (default):
+        ``"required"`` if ``network_isolation == "required"``, else ``"best_effort"``.
+      allow_exec: let the program execute (or map executable) files it writes to the tmpfs; off by
+        default (``noexec``), turn on only for configs that compile and run binaries.
+      cgroup_parent: directory of a delegated cgroup to create the run cgroups in (v2: ``memory`` in its
+        ``cgroup.controllers``; v1: a directory of the memory hierarchy); ``None``: a ``jaxrl-sandbox``
+        cgroup at the root of the hierarchy.
       python: interpreter for the program; ``None`` picks ``sys.executable`` if the sandbox uid can
         execute it (every path component world-searchable), else ``/usr/bin/python3``.
       env: extra environment variables for the program (nothing else is inherited).
       uid_base, uid_count: sandbox uids are drawn from ``[uid_base, uid_base + uid_count)``, one per
-        concurrent run (unused uids without a passwd entry; only when the parent is root).
+        concurrent run across every Sandbox of the process and (through a lock file) of the host
+        (unused uids without a passwd entry; only when the parent is root).
     """
 
     wall_timeout_s: float = 10.0
@@ -112,6 +166,9 @@ class SandboxConfig:
     max_output_bytes: int = 1 << 20
     kill_on_output_overflow: bool = True
     network_isolation: Literal["required", "best_effort", "disabled"] = "required"
+    hardening: Literal["required", "best_effort"] | None = None
+    allow_exec: bool = False
+    cgroup_parent: str | None = None
     python: str | None = None
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     uid_base: int = 200_000
@@ -128,6 +185,15 @@ class SandboxConfig:
         if self.network_isolation not in ("required", "best_effort", "disabled"):
             raise ValueError(f"SandboxConfig.network_isolation must be 'required', 'best_effort' or "
                              f"'disabled', got {self.network_isolation!r}")
+        if self.hardening not in (None, "required", "best_effort"):
+            raise ValueError(f"SandboxConfig.hardening must be 'required', 'best_effort' or None, "
+                             f"got {self.hardening!r}")
+
+    @property
+    def effective_hardening(self) -> str:
+        if self.hardening is not None:
+            return self.hardening
+        return "required" if self.network_isolation == "required" else "best_effort"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +202,9 @@ class SandboxResult:
 
     ``returncode``: exit code, ``-signal`` if killed by a signal, ``None`` if the program never ran
     (``killed_reason == "setup_error"``).  ``killed_reason``: ``None`` or one of ``"wall_timeout"``,
-    ``"cpu_limit"``, ``"output_limit"``, ``"signal"``, ``"setup_error"``.
+    ``"cpu_limit"``, ``"memory_limit"`` (the run's memory cgroup OOM-killed the program),
+    ``"output_limit"``, ``"signal"``, ``"setup_error"``.  ``memory_peak_bytes``: the run cgroup's peak
+    usage (``None`` without a cgroup or where the kernel cannot reset it between runs).
     """
 
     returncode: int | None
@@ -150,6 +218,7 @@ class SandboxResult:
     cpu_time_s: float | None
     isolation: str
     setup_error: str | None = None
+    memory_peak_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -162,19 +231,21 @@ _probe_cache: dict | None = None
 
 
 def probe_isolation() -> dict:
-    """What this machine allows (cached per process): ``{"root", "namespaces", "net", "error"}``."""
+    """What this machine allows (cached per process):
+    ``{"root", "namespaces", "net", "seccomp", "error", "seccomp_error"}``."""
     global _probe_cache
     with _probe_lock:
         if _probe_cache is None:
             if not sys.platform.startswith("linux"):
-                _probe_cache = {"root": False, "namespaces": False, "net": False, "error": sys.platform}
+                _probe_cache = {"root": False, "namespaces": False, "net": False, "seccomp": False,
+                                "error": sys.platform}
             else:
                 proc = subprocess.run([sys.executable, "-I", "-S", _LAUNCHER, "--probe"], capture_output=True,
                                       timeout=30, env={})
                 try:
                     _probe_cache = json.loads(proc.stdout.decode().strip().splitlines()[-1])
                 except (IndexError, ValueError):
-                    _probe_cache = {"root": os.geteuid() == 0, "namespaces": False, "net": False,
+                    _probe_cache = {"root": os.geteuid() == 0, "namespaces": False, "net": False, "seccomp": False,
                                     "error": proc.stderr.decode(errors="replace")[-500:]}
         return dict(_probe_cache)
 
@@ -206,27 +277,361 @@ def _default_python(as_other_uid: bool) -> str:
                                   "is not world-executable and /usr/bin/python3 is missing; set SandboxConfig.python")
 
 
+# ----------------------------------------------------------------------------------------- uid pool
 class _UidPool:
-    """One sandbox uid per concurrent run; the start offset depends on the pid so that two processes
-    on one host rarely share uids (sharing would only make them share the RLIMIT_NPROC budget)."""
+    """The process's one allocator of sandbox uids: a uid is never held by two live runs, whichever
+    Sandbox (code reward, Python tool, ...) asks.  Across processes of the host a run also holds a
+    byte-range lock on ``/run/jaxrl-sandbox/uids.lock`` at offset ``uid`` (released by the kernel when the
+    process dies); where that file cannot be used, uniqueness is per process only (logged).  Uids rotate
+    from a pid-dependent start so that consecutive runs rarely reuse one."""
 
-    def __init__(self, base: int, count: int):
-        self._base, self._count = base, count
-        self._next = itertools.count((os.getpid() * 1009) % count)
+    def __init__(self):
+        self._cond = threading.Condition()
         self._used: set[int] = set()
-        self._lock = threading.Lock()
+        self._cursor = (os.getpid() * 1009) % 100_003
+        self._lock_fd: int | None = None
+        self._lock_tried = False
 
-    def acquire(self) -> int:
-        with self._lock:
+    def _host_lock(self, uid: int) -> bool:
+        if not self._lock_tried:
+            self._lock_tried = True
+            try:
+                os.makedirs(_UID_LOCK_DIR, mode=0o700, exist_ok=True)
+                st = os.lstat(_UID_LOCK_DIR)
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+                    raise OSError(f"{_UID_LOCK_DIR} is not a root-owned directory writable only by root")
+                self._lock_fd = os.open(os.path.join(_UID_LOCK_DIR, "uids.lock"),
+                                        os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            except OSError as exc:
+                logger.warning("sandbox uid lock file unusable (%s): sandbox uids are unique per process only", exc)
+        if self._lock_fd is None:
+            return True
+        try:
+            fcntl.lockf(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, uid, os.SEEK_SET)
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EAGAIN):
+                return False  # another process of this host runs a sandbox on this uid
+            raise
+
+    def acquire(self, base: int, count: int) -> int:
+        """A uid of ``[base, base + count)`` held by no live run; waits while all are held."""
+        with self._cond:
             while True:
-                uid = self._base + next(self._next) % self._count
-                if uid not in self._used:
+                for i in range(count):
+                    uid = base + (self._cursor + i) % count
+                    if uid in self._used or not self._host_lock(uid):
+                        continue
                     self._used.add(uid)
+                    self._cursor += i + 1
                     return uid
+                self._cond.wait(0.05)  # a release here notifies; one in another process is polled
 
     def release(self, uid: int) -> None:
-        with self._lock:
+        with self._cond:
+            if self._lock_fd is not None:
+                try:
+                    fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, uid, os.SEEK_SET)
+                except OSError:
+                    pass
             self._used.discard(uid)
+            self._cond.notify_all()
+
+
+_UIDS = _UidPool()
+
+
+# ------------------------------------------------------------------------------------ memory cgroups
+class _CgroupUnavailable(Exception):
+    pass
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class _RunCgroup:
+    """One run's use of a cgroup slot: the OOM-kill count before the run and the peak-reset handle."""
+
+    def __init__(self, path: str, oom_before: int, peak_fd: int | None):
+        self.path, self.oom_before, self.peak_fd = path, oom_before, peak_fd
+
+
+class _MemoryCgroups:
+    """Memory cgroups of the runs under one base directory: one slot per concurrent run, reused from run
+    to run (creating and removing a memcg per run would leave dying memcgs behind and costs more), each
+    verified empty before reuse, all removed at exit."""
+
+    def __init__(self, base: str, version: int):
+        self.base, self.version = base, version
+        self._free: list[str] = []
+        self._all: set[str] = set()
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._pid = os.getpid()
+        self._memsw = False
+        self._remove_stale()
+
+    def _remove_stale(self) -> None:
+        try:
+            names = os.listdir(self.base)
+        except OSError:
+            return
+        for name in names:
+            m = re.fullmatch(r"(\d+)-\d+", name)
+            if m and not _pid_alive(int(m.group(1))):
+                path = os.path.join(self.base, name)
+                self._empty(path)
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    pass
+
+    def _new_slot(self) -> str:
+        path = os.path.join(self.base, f"{self._pid}-{next(self._seq)}")
+        os.mkdir(path, 0o755)
+        if self.version == 2:
+            for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
+                if os.path.exists(os.path.join(path, name)):
+                    _write(os.path.join(path, name), value)
+        else:
+            self._memsw = os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes"))
+        with self._lock:
+            self._all.add(path)
+        return path
+
+    def _set_limit(self, path: str, limit: int) -> None:
+        if self.version == 2:
+            _write(os.path.join(path, "memory.max"), str(limit))
+            return
+        mem, memsw = os.path.join(path, "memory.limit_in_bytes"), os.path.join(path, "memory.memsw.limit_in_bytes")
+        try:
+            _write(mem, str(limit))
+        except OSError:
+            if not self._memsw:
+                raise
+            _write(memsw, str(limit))  # raising the limit: memory+swap must grow first
+            _write(mem, str(limit))
+        if self._memsw:
+            _write(memsw, str(limit))
+
+    def _oom_kills(self, path: str) -> int:
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        for line in _read(os.path.join(path, name)).splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def acquire(self, limit: int) -> _RunCgroup:
+        with self._lock:
+            path = self._free.pop() if self._free else None
+        try:
+            if path is None:
+                path = self._new_slot()
+            self._set_limit(path, limit)
+            peak_fd = None
+            if self.version == 1:
+                _write(os.path.join(path, "memory.max_usage_in_bytes"), "0")
+                peak_fd = -1
+            elif os.path.exists(os.path.join(path, "memory.peak")):
+                fd = os.open(os.path.join(path, "memory.peak"), os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    os.write(fd, b"reset\n")  # per open file (Linux >= 6.12); older kernels refuse the write
+                    peak_fd = fd
+                except OSError:
+                    os.close(fd)
+            return _RunCgroup(path, self._oom_kills(path), peak_fd)
+        except BaseException:
+            if path is not None:
+                self._discard(path)
+            raise
+
+    def finish(self, run: _RunCgroup) -> tuple[bool, int | None]:
+        """(OOM kill during the run?, peak bytes); the slot goes back to the pool if it is empty."""
+        oom = peak = None
+        try:
+            oom = self._oom_kills(run.path) > run.oom_before
+            if run.peak_fd == -1:
+                peak = int(_read(os.path.join(run.path, "memory.max_usage_in_bytes")))
+            elif run.peak_fd is not None:
+                peak = int(os.pread(run.peak_fd, 64, 0).split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+        finally:
+            if run.peak_fd not in (None, -1):
+                os.close(run.peak_fd)
+        if self._empty(run.path):
+            with self._lock:
+                self._free.append(run.path)
+        else:
+            logger.warning("sandbox cgroup %s still has processes after the run; not reused", run.path)
+            self._discard(run.path)
+        return bool(oom), peak
+
+    def _empty(self, path: str) -> bool:
+        """Kill whatever is left in the cgroup (plain mode stragglers); True once it is empty."""
+        procs = os.path.join(path, "cgroup.procs")
+        deadline = time.monotonic() + 1.0
+        while True:
+            try:
+                pids = [int(p) for p in _read(procs).split()]
+            except (OSError, ValueError):
+                return False
+            if not pids:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            if os.path.exists(os.path.join(path, "cgroup.kill")):
+                try:
+                    _write(os.path.join(path, "cgroup.kill"), "1")
+                except OSError:
+                    pass
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.005)
+
+    def _discard(self, path: str) -> None:
+        with self._lock:
+            self._all.discard(path)
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            paths, self._free, self._all = list(self._all), [], set()
+        for path in paths:
+            self._empty(path)
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+
+
+_cgroup_lock = threading.Lock()
+_cgroups: dict[str | None, _MemoryCgroups | str] = {}
+
+
+def _mount_points() -> list[tuple[str, str, set[str]]]:
+    """(mount point, fs type, super options) of the cgroup file systems."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) >= 5 and len(rfields) >= 3 and rfields[0] in ("cgroup", "cgroup2"):
+                point = fields[4].replace("\\040", " ")
+                out.append((point, rfields[0], set(rfields[2].split(","))))
+    return out
+
+
+def _v2_enable_memory(path: str) -> None:
+    if "memory" not in _read(os.path.join(path, "cgroup.subtree_control")).split():
+        _write(os.path.join(path, "cgroup.subtree_control"), "+memory")
+
+
+def _setup_memory_cgroups(parent: str | None) -> _MemoryCgroups:
+    if not sys.platform.startswith("linux"):
+        raise _CgroupUnavailable(f"no cgroups on {sys.platform}")
+    if os.geteuid() != 0:
+        raise _CgroupUnavailable("not root: cannot create memory cgroups")
+    try:
+        if parent is not None:
+            if os.path.exists(os.path.join(parent, "cgroup.controllers")):
+                if "memory" not in _read(os.path.join(parent, "cgroup.controllers")).split():
+                    raise _CgroupUnavailable(f"cgroup_parent {parent}: no memory controller in cgroup.controllers")
+                _v2_enable_memory(parent)
+                return _MemoryCgroups(parent, 2)
+            if os.path.exists(os.path.join(parent, "memory.limit_in_bytes")):
+                return _MemoryCgroups(parent, 1)
+            raise _CgroupUnavailable(f"cgroup_parent {parent} is not a cgroup v2 directory nor a v1 memory cgroup")
+        mounts = _mount_points()
+        for point, fstype, _ in mounts:
+            if fstype == "cgroup2" and "memory" in _read(os.path.join(point, "cgroup.controllers")).split():
+                _v2_enable_memory(point)  # allowed at the root of the hierarchy (it may hold processes)
+                base = os.path.join(point, _CGROUP_DIR_NAME)
+                os.makedirs(base, mode=0o755, exist_ok=True)
+                _v2_enable_memory(base)
+                return _MemoryCgroups(base, 2)
+        for point, fstype, opts in mounts:
+            if fstype == "cgroup" and "memory" in opts:
+                base = os.path.join(point, _CGROUP_DIR_NAME)
+                os.makedirs(base, mode=0o755, exist_ok=True)
+                return _MemoryCgroups(base, 1)
+    except OSError as exc:
+        raise _CgroupUnavailable(f"cannot set up a memory cgroup: {exc}") from exc
+    raise _CgroupUnavailable("no memory controller mounted (neither cgroup v2 nor the v1 memory hierarchy)")
+
+
+def _memory_cgroups(parent: str | None) -> _MemoryCgroups:
+    """The process's run cgroups under ``parent`` (cached; raises _CgroupUnavailable with the reason)."""
+    with _cgroup_lock:
+        got = _cgroups.get(parent)
+        if got is None:
+            try:
+                got = _setup_memory_cgroups(parent)
+            except _CgroupUnavailable as exc:
+                got = str(exc)
+            _cgroups[parent] = got
+    if isinstance(got, str):
+        raise _CgroupUnavailable(got)
+    return got
+
+
+@atexit.register
+def _close_cgroups() -> None:
+    for got in list(_cgroups.values()):
+        if isinstance(got, _MemoryCgroups):
+            got.close()
+
+
+def _after_fork_in_child() -> None:
+    global _UIDS, _cgroups, _cgroup_lock
+    _UIDS = _UidPool()  # the parent's runs and locks are not this process's
+    _cgroup_lock = threading.Lock()
+    _cgroups = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(message: str) -> None:
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    logger.warning("%s", message)
 
 
 class _BoundedBuffer:
@@ -248,29 +653,71 @@ class _BoundedBuffer:
         return b"".join(self.chunks).decode("utf-8", errors="replace")
 
 
+_seccomp_cache: dict[str, str] = {}
+
+
+def _seccomp_program(arch: str) -> str:
+    """The compiled filter for ``arch``, base64 (built once per process)."""
+    with _warned_lock:
+        if arch not in _seccomp_cache:
+            _seccomp_cache[arch] = base64.b64encode(_seccomp.build_filter(arch)).decode()
+        return _seccomp_cache[arch]
+
+
 class Sandbox:
     """Runs untrusted Python programs; see the module docstring for the guarantees."""
 
     def __init__(self, config: SandboxConfig | None = None):
-        self.config = config or SandboxConfig()
+        self.config = cfg = config or SandboxConfig()
         probe = probe_isolation()
         self._root = bool(probe["root"]) and os.geteuid() == 0
-        want_net = self.config.network_isolation != "disabled"
+        want_net = cfg.network_isolation != "disabled"
         self._mode = "namespaces" if probe["namespaces"] else "plain"
         self._unshare_net = want_net and bool(probe["net"])
-        if self.config.network_isolation == "required" and not (self._mode == "namespaces" and self._unshare_net):
+        if cfg.network_isolation == "required" and not (self._mode == "namespaces" and self._unshare_net):
             raise SandboxUnavailableError(
                 "SandboxConfig.network_isolation='required' but this machine cannot create network/mount/PID "
                 f"namespaces (probe: {probe}); run as root with CAP_SYS_ADMIN, or set "
                 "network_isolation='best_effort' to accept the unisolated fallback")
-        self._python = self.config.python or _default_python(self._root)
-        self._uids = _UidPool(self.config.uid_base, self.config.uid_count)
+        self._python = cfg.python or _default_python(self._root)
+        # hardening: seccomp filter + memory cgroup (+ the keyring reset, which needs the keyctl number)
+        missing: dict[str, str] = {}
+        arch = _seccomp.host_arch()
+        self._seccomp_b64: str | None = None
+        self._keyctl_nr: int | None = None
+        if arch is None:
+            missing["seccomp"] = "no seccomp policy for this architecture (x86_64 and aarch64 only)"
+        else:
+            self._keyctl_nr = _seccomp.syscall_numbers(arch)["keyctl"]
+            if probe.get("seccomp"):
+                self._seccomp_b64 = _seccomp_program(arch)
+            else:
+                missing["seccomp"] = f"cannot install a seccomp filter here: {probe.get('seccomp_error', '?')}"
+        self._cgroups: _MemoryCgroups | None = None
+        try:
+            self._cgroups = _memory_cgroups(cfg.cgroup_parent)
+        except _CgroupUnavailable as exc:
+            missing["memcg"] = str(exc)
+        if missing:
+            detail = "; ".join(f"{k}: {v}" for k, v in sorted(missing.items()))
+            if cfg.effective_hardening == "required":
+                raise SandboxUnavailableError(
+                    f"SandboxConfig.hardening='required' (the default with network_isolation='required') but "
+                    f"{detail}; set hardening='best_effort' to run without (logged)")
+            _warn_once(f"sandbox runs without {', '.join(sorted(missing))} (hardening='best_effort'): {detail}")
+        self._missing = missing
+        # Tests only: protections to leave out, to show that an attack works without them (controls).
+        # Members: "seccomp", "memcg", "keyring", "shared_dirs", "kill_uid".
+        self._disabled: frozenset[str] = frozenset()
 
     @property
     def isolation(self) -> str:
-        """e.g. ``"namespaces+net+uid"`` or ``"plain"``."""
+        """e.g. ``"namespaces+net+uid+memcg+seccomp"`` or ``"plain"``."""
         parts = [self._mode] + (["net"] if self._mode == "namespaces" and self._unshare_net else [])
-        return "+".join(parts + (["uid"] if self._root else []))
+        parts += ["uid"] if self._root else []
+        parts += ["memcg"] if self._cgroups is not None and "memcg" not in self._disabled else []
+        parts += ["seccomp"] if self._seccomp_b64 is not None and "seccomp" not in self._disabled else []
+        return "+".join(parts)
 
     def run(self, code: str, *, stdin: str | bytes = b"", args: Sequence[str] = (),
             files: Mapping[str, str | bytes] | None = None, wall_timeout_s: float | None = None) -> SandboxResult:
@@ -289,14 +736,24 @@ class Sandbox:
         encoded = {k: base64.b64encode(v.encode() if isinstance(v, str) else bytes(v)).decode()
                    for k, v in all_files.items()}
         stdin_bytes = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
+        off = self._disabled
 
-        uid = self._uids.acquire() if self._root else None
-        staging = tempfile.mkdtemp(prefix="jaxrl-sandbox-")
+        uid = _UIDS.acquire(cfg.uid_base, cfg.uid_count) if self._root else None
+        staging = None
+        cgroup: _RunCgroup | None = None
         status_r, status_w = os.pipe()
         # fds still owned by this call; _spawn_and_collect closes the write end right after the spawn and
         # removes it here, so the finally below never closes a number another thread may have reused.
         open_fds = [status_r, status_w]
         try:
+            staging = tempfile.mkdtemp(prefix="jaxrl-sandbox-")
+            if self._cgroups is not None and "memcg" not in off:
+                try:
+                    cgroup = self._cgroups.acquire(cfg.memory_bytes)
+                except OSError as exc:
+                    if cfg.effective_hardening == "required":
+                        return self._setup_failure(f"memory cgroup: {exc}")
+                    _warn_once(f"sandbox run without its memory cgroup (hardening='best_effort'): {exc}")
             if self._mode == "namespaces":
                 workdir = "/tmp/work"
             else:
@@ -327,21 +784,47 @@ class Sandbox:
                 "tmpfs_bytes": cfg.tmpfs_bytes,
                 "wall_timeout_s": wall,
                 "status_fd": status_w,
+                "cgroup_procs": None if cgroup is None else os.path.join(cgroup.path, "cgroup.procs"),
+                "seccomp": None if "seccomp" in off else self._seccomp_b64,
+                "keyctl_nr": None if "keyring" in off else self._keyctl_nr,
+                "allow_exec": bool(cfg.allow_exec),
+                "private_shared_dirs": "shared_dirs" not in off,
+                "kill_uid": "kill_uid" not in off,
             }
             cfg_path = os.path.join(staging, "launcher.json")
             fd = os.open(cfg_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(launcher_cfg, f)
-            return self._spawn_and_collect(cfg_path, status_r, status_w, stdin_bytes, wall, open_fds)
+            res = self._spawn_and_collect(cfg_path, status_r, status_w, stdin_bytes, wall, open_fds)
+            if cgroup is not None:
+                oom, peak = self._cgroups.finish(cgroup)
+                cgroup = None
+                res = self._with_memory(res, oom, peak)
+            return res
         finally:
+            if cgroup is not None:  # not reached finish(): an exception above
+                self._cgroups.finish(cgroup)
             for fd in open_fds:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
             if uid is not None:
-                self._uids.release(uid)
+                _UIDS.release(uid)
+
+    def _setup_failure(self, error: str) -> SandboxResult:
+        return SandboxResult(returncode=None, stdout="", stderr="", stdout_truncated=False, stderr_truncated=False,
+                             timed_out=False, killed_reason="setup_error", wall_time_s=0.0, cpu_time_s=None,
+                             isolation=self.isolation, setup_error=error)
+
+    @staticmethod
+    def _with_memory(res: SandboxResult, oom: bool, peak: int | None) -> SandboxResult:
+        reason = res.killed_reason
+        if oom and reason in (None, "signal", "cpu_limit") and res.returncode == -signal.SIGKILL:
+            reason = "memory_limit"
+        return dataclasses.replace(res, killed_reason=reason, memory_peak_bytes=peak)
 
     # ------------------------------------------------------------------------------------ internals
     def _spawn_and_collect(self, cfg_path: str, status_r: int, status_w: int, stdin_bytes: bytes,
@@ -370,11 +853,14 @@ class Sandbox:
                 sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE, proc.stdin)
             else:
                 proc.stdin.close()
+            status_open = True
             while sel.get_map():
-                remaining = parent_deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = parent_deadline - now
                 if remaining <= 0:
-                    killed_reason = "wall_timeout"
-                    break
+                    if status_open:
+                        killed_reason = "wall_timeout"
+                    break  # else: the program ended long ago; something it left holds the pipes
                 for key, events in sel.select(timeout=min(remaining, 1.0)):
                     if events & selectors.EVENT_WRITE:
                         try:
@@ -392,6 +878,9 @@ class Sandbox:
                         continue
                     if not data:
                         sel.unregister(key.fd)
+                        if key.fd == status_r:  # the launcher has exited: the program's end is known
+                            status_open = False
+                            parent_deadline = min(parent_deadline, time.monotonic() + _STATUS_GRACE_S)
                         continue
                     if key.fd == status_r:
                         status_chunks.append(data[:65536])

@@ -51,7 +51,7 @@ def test_basic_run_clean_identity(sb):
     rev, uid, cwd, isolated = res.stdout.split()
     assert rev == "cba" and cwd == "/tmp/work" and isolated == "1"
     assert UID_BASE <= int(uid) < UID_BASE + UID_COUNT  # not root
-    assert sb.isolation == "namespaces+net+uid"
+    assert sb.isolation == "namespaces+net+uid+memcg+seccomp"
     fail = sb.run("import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)")
     assert (fail.returncode, fail.stdout, fail.stderr, fail.ok) == (3, "out\n", "err\n", False)
 
@@ -118,9 +118,9 @@ def test_writes_outside_workdir_fail_or_stay_invisible(sb):
     res = sb.run(code)
     assert res.ok, res.stderr
     lines = dict(ln.rsplit(" ", 1) for ln in res.stdout.splitlines()[:-1])
-    assert lines[f"/var/tmp/pwned-{tag}"] == "30"  # EROFS: world-writable dir, blocked by the read-only mount
-    assert lines[in_project] == "30"
-    assert lines[f"/tmp/pwned-{tag}"] == "WROTE"  # private tmpfs: allowed inside...
+    assert lines[in_project] == "30"  # EROFS: the whole host tree is mounted read-only
+    for shared in (f"/tmp/pwned-{tag}", f"/var/tmp/pwned-{tag}", f"/dev/shm/pwned-{tag}"):
+        assert lines[shared] == "WROTE"  # the private tmpfs: allowed inside...
     assert res.stdout.splitlines()[-1] == "ok"  # work dir writable
     for p in targets:
         assert not os.path.exists(p), p  # ...but nothing is visible outside
@@ -197,10 +197,10 @@ def test_files_and_bad_names(sb):
 
 def test_required_isolation_refused_when_unavailable(monkeypatch):
     import jaxrl_async.rewards.sandbox as sandbox_mod
-    monkeypatch.setattr(sandbox_mod, "_probe_cache", {"root": True, "namespaces": False, "net": False, "error": "x"})
+    monkeypatch.setattr(sandbox_mod, "_probe_cache", {**PROBE, "namespaces": False, "net": False, "error": "x"})
     with pytest.raises(SandboxUnavailableError, match="network_isolation"):
         Sandbox(SandboxConfig(network_isolation="required"))
     plain = Sandbox(SandboxConfig(network_isolation="best_effort", wall_timeout_s=5))
-    assert plain.isolation == "plain+uid"
+    assert plain.isolation == "plain+uid+memcg+seccomp"
     res = plain.run("import os; print(os.getuid() != 0, os.getcwd().endswith('/work'))")
     assert res.ok and res.stdout.split() == ["True", "True"]
