@@ -134,3 +134,101 @@ def test_generate_cli_module_entry_point_help():
     r = subprocess.run([sys.executable, "-m", "jaxrl_async.generate", "--help"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "--truncate-prompts" in r.stdout and "--max-concurrent" in r.stdout
+
+
+def test_generate_without_tokenizer_takes_ids_and_stops_only_at_real_eos(model_dir, tmp_path, capsys):
+    """Weights + config only (what `save_pretrained` of a model writes): no tokenizer is invented, so the
+    stop ids are config.json's / generation_config.json's EOS (2), not the empty stand-in tokenizer's EOS
+    id 0, which this model samples greedily after prompt [8]."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from jaxrl_async.models import ModelConfig
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(f"{model_dir}/{f}", bare)
+    invented = AutoTokenizer.from_pretrained(str(bare))  # what the old code used: EOS id 0
+    assert invented.eos_token_id == 0 and not generate.is_real_tokenizer(invented)
+    cfg = ModelConfig.from_hf(str(bare))
+    assert generate.stop_token_ids(cfg, invented, str(bare)) == (2,)
+
+    rows = [{"prompt_ids": [8], "id": "a"}, {"prompt_ids": [3, 4]}]
+    inp, out = write_jsonl(tmp_path / "ids.jsonl", rows), tmp_path / "out.jsonl"
+    assert generate.main(["--model", str(bare), "--input", inp, "--output", str(out), "--max-new-tokens", "10",
+                          "--temperature", "0"]) == 0
+    assert f"generate: note: {bare} has no tokenizer files: rows must give prompt_ids" in capsys.readouterr().err
+    res = read_jsonl(out)
+    assert [(r["row"], r.get("id"), r["prompt_ids"], r["text"]) for r in res] == [(1, "a", [8], None),
+                                                                                   (2, None, [3, 4], None)]
+    for r, given in zip(res, rows):
+        expect = torch_greedy(model_dir, given["prompt_ids"], 10)
+        assert r["completion_ids"] == expect
+    assert 0 in res[0]["completion_ids"][:-1]  # token 0 sampled and generation went on
+
+    text = write_jsonl(tmp_path / "text.jsonl", [{"prompt_ids": [8]}, {"prompt": "the cat"}])
+    assert generate.main(["--model", str(bare), "--input", text, "--output", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"generate: error: {text}: row 2: a text prompt needs a tokenizer, but --model {bare} has no tokenizer "
+        "files; give prompt_ids; nothing generated")
+
+
+def test_generate_uses_the_chat_template_by_default(model_dir, tmp_path, capsys):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "the cat"}])
+    outs = {}
+    for flags in (["--chat"], ["--no-chat-template"]):  # --chat: the deprecated alias of the default
+        out = tmp_path / "out.jsonl"
+        assert generate.main(["--model", model_dir, "--input", inp, "--output", str(out), "--max-new-tokens", "3",
+                              "--temperature", "0"] + flags) == 0
+        outs[flags[0]] = read_jsonl(out)[0]["completion_ids"]
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    assert outs["--chat"] == torch_greedy(model_dir, [vocab[w] for w in "<bos> the cat then".split()], 3)
+    assert outs["--no-chat-template"] == torch_greedy(model_dir, [vocab["the"], vocab["cat"]], 3)
+    assert "--chat is deprecated and has no effect" in capsys.readouterr().err
+
+
+def test_generate_and_evaluate_agree_on_an_exported_model(tmp_path, capsys):
+    """Acceptance (issue 14): on a model directory written like the RL run's `hf/` export (weights,
+    config.json, generation_config.json, a tokenizer with a chat template), `generate` and `evaluate` build
+    the same prompts and stop at the same ids by default, so greedy answers are identical; `evaluate` reads
+    a GSM8K-column file without --format."""
+    import jax
+    from transformers import AutoTokenizer
+
+    from jaxrl_async import evaluate
+    from jaxrl_async.data.tokenizer import build_tokenizer
+    from jaxrl_async.models import ModelConfig, init_params, save_hf
+
+    tok_dir = build_tokenizer(str(tmp_path / "tok"), kind="arithmetic")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    assert tok.chat_template
+    cfg = ModelConfig(model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=128,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    hf = str(tmp_path / "hf")
+    params = init_params(cfg, jax.random.PRNGKey(3))
+    # a larger EOS embedding (tied: also its output row) makes some answers end at EOS, others at the length limit
+    params["embed"] = params["embed"].at[cfg.eos_token_id].multiply(3.0)
+    save_hf(params, cfg, hf, tokenizer_dir=tok_dir)
+
+    questions = ["What is 2 + 3?", "What is 17 + 25?", "Tom has 3 apples and buys 4 more. How many now?"]
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": f"so\n#### {a}"}) + "\n"
+                            for q, a in zip(questions, (5, 42, 7))))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": q} for q in questions])
+    gen_out, eval_out = tmp_path / "gen.jsonl", tmp_path / "eval.jsonl"
+    assert generate.main(["--model", hf, "--input", prompts, "--output", str(gen_out), "--temperature", "0"]) == 0
+    assert evaluate.main(["--model", hf, "--data", str(data), "--output", str(eval_out), "--temperature", "0",
+                          "--n", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "evaluate: format gsm8k (detected from the columns of 3 of the first 3 rows" in err
+    gen, ev = read_jsonl(gen_out), read_jsonl(eval_out)
+    assert [g["prompt"] for g in gen] == questions
+    assert [e["prompt"] for e in ev] == [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                                  add_generation_prompt=True) for q in questions]
+    assert [g["text"] for g in gen] == [e["completions"][0] for e in ev]
+    assert [len(g["completion_ids"]) for g in gen] == [e["completion_tokens"][0] for e in ev]
+    assert [g["finish_reason"] for g in gen] == [e["finish_reasons"][0] for e in ev]
+    assert {g["finish_reason"] for g in gen} == {"stop", "length"}  # both endings compared (measured: 41, 36, 79)

@@ -95,3 +95,26 @@ def test_demo_builds_everything_locally(tmp_path):
     assert len(rows) == 3 and all(len(r["logprobs"]) == len(r["entropy"]) > 0 for r in rows)
     assert all(lp < 0 for r in rows for lp in r["logprobs"])
     transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))  # a real HF directory
+
+
+def test_text_rows_use_the_chat_template_by_default(tmp_path, capsys):
+    """Text rows are encoded as generate/evaluate build prompts: the chat template by default (one line's note
+    and raw text when the tokenizer has none: see test_score_matches_transformers), --no-chat-template: raw."""
+    from jaxrl_async.data.tokenizer import build_tokenizer
+    from jaxrl_async.generate import encode_prompt
+
+    d = build_tokenizer(str(tmp_path / "m"), kind="arithmetic")
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    make_tiny_hf_model(d, "qwen3", vocab_size=len(tok))
+    q, c = "What is 2+3?", " \\boxed{5}"
+    comp = tok(c, add_special_tokens=False)["input_ids"]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [{"prompt": q, "completion": c},
+                 {"prompt_ids": encode_prompt(tok, q, chat=True), "completion_ids": comp},
+                 {"prompt_ids": encode_prompt(tok, q, chat=False), "completion_ids": comp}])
+    assert encode_prompt(tok, q, chat=True) != encode_prompt(tok, q, chat=False)
+    for flags, same_as in (([], 1), (["--no-chat-template"], 2)):
+        assert score.main(["--model", d, "--input", str(inp), "--output", str(out)] + flags) == 0
+        got = [json.loads(l)["logprobs"] for l in open(out)]
+        assert np.allclose(got[0], got[same_as], atol=1e-6) and not np.allclose(got[1], got[2], atol=1e-3)
+    assert "note" not in capsys.readouterr().err
