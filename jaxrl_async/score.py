@@ -176,8 +176,7 @@ def build_demo(out_dir: str) -> dict[str, str]:
     return {"model": model_dir, "input": input_path, "output": os.path.join(out_dir, "scores.jsonl")}
 
 
-@cli_main(TOOL)
-def main(argv: list[str] | None = None) -> int:
+def build_parser():
     ap = make_parser("python -m jaxrl_async.score", __doc__.split("\n\n")[0])
     ap.add_argument("--model", help="Hugging Face model directory (config.json + safetensors [+ tokenizer])")
     ap.add_argument("--input", help="input JSONL")
@@ -190,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-chat-template", action="store_true",
                     help="encode text prompts as raw text (default: the tokenizer's chat template, when it has one)")
     ap.add_argument("--skip-bad-rows", action="store_true", help="report bad rows on stderr and skip them")
+    return ap
+
+
+@cli_main(TOOL)
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.batch_tokens < 1:
         ap.error("--batch-tokens must be >= 1")

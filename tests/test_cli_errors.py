@@ -206,3 +206,20 @@ def test_cli_main_keeps_tracebacks_of_internal_errors(capsys):
     assert capsys.readouterr().err == "tool: error: --x y: not found\n"
     with pytest.raises(KeyError):
         fails("bug")
+
+
+@pytest.mark.parametrize("module, parser, expected", [
+    ("jaxrl_async.generate", "build_parser", ["--max-new-tokens MAX_NEW_TOKENS", "(default: 1024)", "(default: float32)"]),
+    ("jaxrl_async.score", "build_parser", ["(default: 8192)"]),
+    ("jaxrl_async.evaluate", "build_parser", ["(default: auto)", "(default: 0.6)", "(default: math)"]),
+    ("jaxrl_async.export", "build_parser", ["(default: 2.0)"]),
+    ("jaxrl_async.plan", "_parser", ["(default: cpu)", "(default: 0.1)"]),
+    ("jaxrl_async.distributed.launch", "build_parser", ["(default: 1)", "(default: 60.0)"]),
+])
+def test_help_shows_defaults(module, parser, expected):
+    import importlib
+
+    text = " ".join(getattr(importlib.import_module(module), parser)().format_help().split())
+    for e in expected:
+        assert e in text, (e, text)
+    assert "(default: None)" not in text and "(default: False)" not in text
