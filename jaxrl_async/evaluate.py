@@ -40,7 +40,6 @@ import concurrent.futures as cf
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 import uuid

@@ -21,7 +21,6 @@ naming it); 1 an internal error.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
