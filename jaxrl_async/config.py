@@ -312,8 +312,11 @@ class EvalConfig:
 class CheckpointSection:
     """Checkpoint hooks (``checkpoint.manager``): Orbax saves of model + optimizer + loop state.
 
-    ``resume``: ``"auto"`` (resume from the run directory's latest checkpoint if any), ``"never"``,
-    ``"must"`` (fail if there is none). ``export_hf``: write a Hugging Face export at the end.
+    ``every_steps`` / ``every_seconds``: periodic saves of the RL state (asynchronous: the step blocks
+    only for the device-to-host copy); ``every_seconds`` also paces the saves of an SFT warm start
+    (``RUN/warm_start``). A stop signal always saves. ``resume``: ``"auto"`` (resume from the run
+    directory's latest checkpoint if any), ``"never"``, ``"must"`` (fail if there is none).
+    ``export_hf``: write a Hugging Face export at the end.
     """
 
     every_steps: int | None = None
@@ -327,10 +330,13 @@ class CheckpointSection:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
+    """Console and files. ``print_config``: print the resolved config at the start (it is always
+    written to ``RUN/config.json``; ``main --print-config`` prints it once)."""
+
     tensorboard: bool = True
     progress: bool = True
     log_every: int = 1
-    print_config: bool = True
+    print_config: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 
+from jaxrl_async.checkpoint import handle_signals
 from jaxrl_async.cli import cli_main, error_line
 
 
@@ -46,6 +47,7 @@ def _configure_cpu_devices(n: int | None) -> None:
 
 
 @cli_main("main", handle_interrupt=False)  # user errors (config, model files, data rows): one line, exit 2
+@handle_signals  # SIGTERM/SIGINT from here on: every phase of the run stops in order (one line, exit 0)
 def main(argv: list[str] | None = None) -> int:
     from jaxrl_async.config import ConfigError, format_config, parse_command_line
 
@@ -74,10 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except FatalRunError as e:
         print(f"[jaxrl_async] run failed: {e}", file=sys.stderr)
         return 1
-    if result.eval_history:
-        first, last = result.eval_history[0], result.eval_history[-1]
-        print(f"[jaxrl_async] held-out accuracy {first[2]:.3f} (step {first[0]}) -> {last[2]:.3f} (step {last[0]}) "
-              f"in {result.wall_s:.0f} s; run directory {result.run_dir}", file=sys.stderr)
+    line = result.final_line()  # the whole run's accuracy (warm start -> end) and its resumes
+    if line:
+        print(line, file=sys.stderr)
     return 0
 
 

@@ -43,12 +43,23 @@ groups themselves are saved too. A resume puts the finished groups back into the
 (or drops them with a reason when their lag under the restored version exceeds η) and replays the
 other items first (with the same group seeds), so resuming loses and duplicates nothing; the event
 log ``RUN/data_ledger.jsonl`` (``read_data_ledger``) is the audit trail that shows it.
+
+Stops and resumes: a SIGTERM/SIGINT at any moment ends the run in order (``main`` installs the
+handler before anything else; the loop polls it between phases and steps): during setup nothing is
+saved; during the SFT warm start its state is checkpointed after the current step
+(``RUN/warm_start/checkpoints``) and the rerun continues the warm start there; once the warm start is
+done it is checkpointed as step 0; during RL the current step finishes and is checkpointed; an
+evaluation in progress is abandoned (the resumed run redoes it); the final evaluation, checkpoint and
+export of a finished run complete. The last line says what was saved and that the same command
+resumes. Periodic checkpoints (``checkpoint.every_steps`` / ``every_seconds``) bound what a SIGKILL
+loses. A resumed run reads as one run: ``wall_time`` is cumulative over the processes (the checkpoint
+stores it), ``metrics.jsonl``/TensorBoard/``curves.png`` keep the earlier rows up to the checkpoint
+(redone steps dropped), and ``summary.json`` lists the whole ``eval_history`` and the ``resumes``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import importlib
 import inspect
 import json
@@ -70,10 +81,12 @@ from jaxrl_async.data.ledger import (
     LEDGER_LOG, DataLedger, LedgerHistory, read_data_ledger, record_from_json, repair_jsonl_tail,
 )
 from jaxrl_async.rl.batch import build_training_batch
+from jaxrl_async.run_record import RunResult
 from jaxrl_async.run_state import (
     _group_record, _state_from_items, _state_items, build_checkpointer, initial_params,
     restore_buffered_groups, restore_train_state,
 )
+from jaxrl_async.warm_start import WARM_START_DIR, WarmStartMixin, committed_steps
 
 log = logging.getLogger("jaxrl_async")
 
@@ -85,21 +98,6 @@ __all__ = ["RLLoop", "RunResult", "DataLedger", "LedgerHistory", "LEDGER_LOG", "
 # =============================================================================================
 # The run
 # =============================================================================================
-@dataclasses.dataclass
-class RunResult:
-    run_dir: str
-    steps: int
-    version: int
-    wall_s: float
-    eval_history: list[tuple[int, float, float]]  # (step, wall time, accuracy)
-    counts: dict[str, Any]
-    lag_by_group: list[tuple[int, int, int]]  # (step, ticket id, lag) of every trained group
-    last_metrics: dict[str, Any]
-    checkpoint_step: int | None = None
-    export_dir: str | None = None
-    stopped_by: str = "completed"
-
-
 class FatalRunError(RuntimeError):
     """The run cannot continue (message says why); a checkpoint is attempted before raising."""
 
@@ -112,7 +110,7 @@ def _import_string(spec: str, what: str) -> Any:
         raise ValueError(f"{what}: cannot import {spec!r}: {e}") from e
 
 
-class RLLoop:
+class RLLoop(WarmStartMixin):
     """One run of ``RunConfig`` (build everything in ``__init__``, train in ``run()``).
 
     ``cfg`` must be validated (``config.validate``). Everything the run writes lives in
@@ -121,19 +119,75 @@ class RLLoop:
     ``summary.json``.
     """
 
-    def __init__(self, cfg: RunConfig, *, log_fn: Callable[[str], None] | None = None):
+    def __init__(self, cfg: RunConfig, *, log_fn: Callable[[str], None] | None = None, signals: Any = None):
+        from jaxrl_async.checkpoint import SignalHandler
+
         self.cfg = cfg
         self.run_dir = os.path.abspath(cfg.resolved_run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
         self._say = log_fn or (lambda s: print(f"[jaxrl_async] {s}", file=sys.stderr, flush=True))
         self.t_start = time.monotonic()
+        self.wall0 = 0.0  # wall time of the run before this process (from the checkpoint it resumes)
+        self.resume_rows: list[dict[str, Any]] = []  # this process's resume, logged as a metrics row
+        # stop signals: the handler ``main`` installed (every phase stops cleanly), else run() installs
+        # one for the RL phase when it runs on the main thread
+        self.signals = signals if signals is not None else SignalHandler.active()
+        self._phase("setup (devices, tokenizer, data, model)", "stopping when this phase ends")
+        self._check_stop()
         self._setup_devices()
+        self._check_stop()
         self._setup_tokenizer_and_data()
+        self._check_stop()
         self._setup_model()
+        self._check_stop()
         save_config(cfg, self.run_dir, extra={
             "generator_devices": list(self.gen_ids), "trainer_devices": list(self.trainer_ids),
             "vocab_size": self.model_cfg.vocab_size, "tokenizer_dir": self.tokenizer_dir,
             "train_records": len(self.train_ds), "eval_records": len(self.eval_records)})
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.init_params))
+        tr, ro = cfg.trainer, cfg.rollout
+        self._say(f"run {self.run_dir}: {self.model_cfg.num_layers}-layer model, {n_params / 1e6:.2f} M parameters; "
+                  + (f"SFT warm start {tr.sft.steps} steps, then " if tr.sft.steps > 0 else "")
+                  + f"RL {tr.total_steps} steps ({ro.mode}, eta {ro.effective_max_head_offpolicyness}, "
+                  f"{tr.batch_size} prompts x {ro.n_samples} samples); config in config.json (--print-config "
+                  "prints it)")
+
+    # -- time and stops -----------------------------------------------------------------------
+    def wall(self) -> float:
+        """The run's wall time: the processes before a resume (``wall0``) plus this one."""
+        return self.wall0 + time.monotonic() - self.t_start
+
+    def _phase(self, name: str, plan: str) -> None:
+        self.phase = name
+        if self.signals is not None:
+            self.signals.set_phase(name, plan)
+
+    def _stop_requested(self) -> bool:
+        return self.signals is not None and self.signals.requested
+
+    def _check_stop(self) -> None:
+        """Between the phases before RL: a stop signal ends the run here (``StopRequested``)."""
+        if self._stop_requested():
+            raise self._stopped(self._saved_before())
+
+    def _stopped(self, saved: str | None) -> Exception:
+        from jaxrl_async.checkpoint import StopRequested
+
+        again = "resume" if saved else "start the run"
+        return StopRequested(f"stopped by {self.signals.signal_name} during {self.phase}: "
+                             f"{saved or 'nothing to save yet (no training step had run)'}; "
+                             f"run the same command again to {again}")
+
+    def _saved_before(self) -> str | None:
+        """What earlier processes left to resume from (a listing of the run directory)."""
+        rl = committed_steps(os.path.join(self.run_dir, "checkpoints"))
+        if rl:
+            return f"nothing new to save, checkpoint {os.path.join(self.run_dir, 'checkpoints', str(rl[-1]))} is the latest"
+        ws = committed_steps(os.path.join(self.run_dir, WARM_START_DIR, "checkpoints"))
+        if ws:
+            return (f"nothing new to save, warm-start checkpoint "
+                    f"{os.path.join(self.run_dir, WARM_START_DIR, 'checkpoints', str(ws[-1]))} is the latest")
+        return None
 
     # -- setup ------------------------------------------------------------------------------
     def _setup_devices(self) -> None:
@@ -279,17 +333,6 @@ class RLLoop:
     def _init_state(self, trainer: Any, params: Any) -> Any:
         return trainer.init_state(params)
 
-    def _warm_start(self, params: Any, examples: Sequence[Any]) -> Any:
-        from jaxrl_async.trainer.sft import run_sft
-
-        c, tr = self.cfg, self.cfg.trainer
-        t0 = time.monotonic()
-        params, hist = run_sft(params, self.model_cfg, examples, tr.sft, mesh=self.trainer_mesh, seed=c.seed,
-                               progress=c.logging.progress)
-        self._say(f"SFT warm start: {tr.sft.steps} steps in {time.monotonic() - t0:.1f} s, "
-                  f"loss {hist[0]['loss']:.3f} -> {hist[-1]['loss']:.3f}")
-        return params
-
     def _restore_checkpoint(self, ckpt: Any, trainer: Any) -> Any:
         """The newest usable checkpoint restored onto the trainer's shardings (``Restored``)."""
         return restore_train_state(ckpt, trainer, self.init_params)
@@ -315,8 +358,10 @@ class RLLoop:
         return export_checkpoint(ckpt, os.path.join(self.run_dir, "hf"), step=step)
 
     # -- evaluation ---------------------------------------------------------------------------
-    def evaluate(self, generator: Any, reward_fn: Any, pool: cf.Executor, version: int) -> dict[str, Any]:
-        """Greedy (eval.temperature) pass@1 on the held-out records with the generator's current weights."""
+    def evaluate(self, generator: Any, reward_fn: Any, pool: cf.Executor, version: int,
+                 stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Greedy (eval.temperature) pass@1 on the held-out records with the generator's current weights
+        ({} when there are none, or when ``stop()`` became true while waiting: the evaluation is abandoned)."""
         ev, sa = self.cfg.eval, self.cfg.rollout.sampling
         if not self.eval_records:
             return {}
@@ -329,7 +374,16 @@ class RLLoop:
         rewards, lengths, versions = [], [], set()
         futures = []
         for r, h in zip(self.eval_records, handles):
-            s = h.result(timeout).samples[0]
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    s = h.result(min(1.0, max(deadline - time.monotonic(), 0.01))).samples[0]
+                    break
+                except TimeoutError:
+                    if stop is not None and stop():
+                        return {}
+                    if time.monotonic() > deadline:
+                        raise
             text = s.text if s.text is not None else self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
             futures.append(pool.submit(reward_fn, r.prompt, text, r.answer))
             lengths.append(len(s.completion_ids))
@@ -344,7 +398,7 @@ class RLLoop:
     def run(self) -> RunResult:
         from jaxrl_async.checkpoint import NonFiniteTracker, SignalHandler, TrainingDivergedError, TrainMeta
         from jaxrl_async.data.datasets import make_train_iterator
-        from jaxrl_async.metrics import METRICS_FILE, MetricsLogger
+        from jaxrl_async.metrics import METRICS_FILE, MetricsLogger, resumes_from_rows
         from jaxrl_async.rewards.registry import make_reward
         from jaxrl_async.rollout.staleness import StalenessManager
         from jaxrl_async.rollout.workflow import RolloutDispatcher, derive_seed
@@ -352,6 +406,7 @@ class RLLoop:
         c, ro, tr = self.cfg, self.cfg.rollout, self.cfg.trainer
         eta = ro.effective_max_head_offpolicyness
         B, n = tr.batch_size, ro.n_samples
+        self._phase("the trainer's setup", "stopping when this phase ends")
         trainer = self._build_trainer()
         self.trainer = trainer
         ck = c.checkpoint
@@ -364,35 +419,40 @@ class RLLoop:
         nonfinite = NonFiniteTracker()
         start_step, replay, next_draw, extra0, log_records, saved_groups = 0, [], 0, {}, 0, []
         resumed_from: int | None = None
-        if resume:
-            r = self._restore_checkpoint(ckpt, trainer)
-            state = _state_from_items(r.arrays)
-            start_step = int(r.meta.step)
-            ds = r.meta.data_state or {}
-            if ds.get("source") is not None:
-                data_iter.set_state(ds["source"])
-            replay = [(int(o["draw"]), record_from_json(o["item"])) for o in ds.get("outstanding", [])]
-            next_draw = int(ds.get("next_draw", 0))
-            log_records = ds.get("log_records")
-            saved_groups = list(r.trajectories or [])
-            resumed_from = r.step
-            extra0 = r.meta.extra or {}
-            if "nonfinite" in extra0:
-                nonfinite.load_state_dict(extra0["nonfinite"])
-            self._say(f"resumed from {ckpt.step_dir(r.step)}: step {start_step}, policy version {r.meta.policy_version}, "
-                      f"{len(replay)} outstanding prompts ({len(saved_groups)} with finished groups in the checkpoint)"
-                      + (f" (skipped unusable steps {[s for s, _ in r.skipped]})" if r.skipped else ""))
-        else:
-            state = self._initial_state(trainer)
+        try:
+            if resume:
+                r = self._restore_checkpoint(ckpt, trainer)
+                state = _state_from_items(r.arrays)
+                start_step = int(r.meta.step)
+                ds = r.meta.data_state or {}
+                if ds.get("source") is not None:
+                    data_iter.set_state(ds["source"])
+                replay = [(int(o["draw"]), record_from_json(o["item"])) for o in ds.get("outstanding", [])]
+                next_draw = int(ds.get("next_draw", 0))
+                log_records = ds.get("log_records")
+                saved_groups = list(r.trajectories or [])
+                resumed_from = r.step
+                extra0 = r.meta.extra or {}
+                self.wall0 = float(extra0.get("wall_s", 0.0))
+                if "nonfinite" in extra0:
+                    nonfinite.load_state_dict(extra0["nonfinite"])
+                self._say(f"resumed from {ckpt.step_dir(r.step)}: step {start_step}, policy version "
+                          f"{r.meta.policy_version}, {len(replay)} outstanding prompts ({len(saved_groups)} with "
+                          "finished groups in the checkpoint)"
+                          + (f" (skipped unusable steps {[s for s, _ in r.skipped]})" if r.skipped else ""))
+            else:
+                state = self._initial_state(trainer)  # a stop during the warm start: StopRequested
+                if tr.sft.steps > 0:  # costly to redo: checkpoint 0 at once
+                    self._save_warm_start(ckpt, state, data_iter, nonfinite)
+        except BaseException:
+            self._close_checkpoint(ckpt)
+            raise
         self.init_params = None  # (on the trainer devices when read from model.path: free them either way)
         version = start_step
         if start_step >= tr.total_steps:
-            self._close_checkpoint(ckpt)
-            self._say(f"{self.run_dir} is already complete at step {start_step} (trainer.total_steps="
-                      f"{tr.total_steps}); raise trainer.total_steps to continue, or use a new run_dir")
-            return RunResult(self.run_dir, start_step, version, 0.0, [], {}, [], {}, checkpoint_step=latest,
-                             stopped_by="already_complete")
+            return self._already_complete(ckpt, start_step, latest)
 
+        self._phase("the generator's start (engine compile)", "stopping once it is ready")
         generator = self._start_generator(state.params, version)
         staleness = StalenessManager(eta, B, ro.effective_max_concurrent(B), version=version)
         reward_fn = make_reward(ro.reward)
@@ -422,18 +482,26 @@ class RLLoop:
             on_draw=ledger.on_draw, on_reject=ledger.on_reject)
         pusher = self._build_pusher(generator, on_applied=staleness.set_version,
                                     timeout_s=max(300.0, ro.group_timeout_s or 0), initial_version=version)
+        # one history across resumes: the rows up to the checkpoint stay, the redone ones go
         metrics = MetricsLogger(self.run_dir, tr.total_steps, tensorboard=c.logging.tensorboard,
-                                progress=c.logging.progress, start_step=start_step)
+                                progress=c.logging.progress, start_step=start_step, clock=self.wall,
+                                keep_until_step=start_step if resumed_from is not None else -1,
+                                title=f"{c.name}: {os.path.basename(self.run_dir)}", eta=eta)
         if resumed_from is not None:
-            metrics.log(start_step, {"resume/checkpoint_step": resumed_from, "resume/replayed_prompts": len(replay),
-                                     **{f"resume/{k}": v for k, v in restore_info.items()}}, advance=False)
+            self.resume_rows.append({"resume/checkpoint_step": resumed_from, "resume/replayed_prompts": len(replay),
+                                     "resume/checkpoint": os.path.relpath(ckpt.step_dir(resumed_from), self.run_dir),
+                                     **{f"resume/{k}": v for k, v in restore_info.items()}})
+        resume_rows = [metrics.log(start_step, row, advance=False) for row in self.resume_rows]
         eval_pool = cf.ThreadPoolExecutor(ro.reward_workers, thread_name_prefix="eval-reward")
-        result = RunResult(self.run_dir, start_step, version, 0.0, [], {}, [], {})
+        result = RunResult(self.run_dir, start_step, version, 0.0, [], {}, [], {}, warm_start=tr.sft.steps > 0)
+        result.eval_history = [(int(r["step"]), float(r["wall_time"]), float(r["eval/accuracy"]))
+                               for r in metrics.history if r.get("eval/accuracy") is not None]
         stop_reason = "completed"
         step = start_step
         t_loop0 = time.monotonic()
         idle_s = 0.0
         last = {"t": t_loop0, "gen": generator.stats(), "trained_tokens": 0}
+        save_stats: list[Any] = []
 
         def snapshot_stats() -> dict[str, Any]:
             sc = staleness.counts()
@@ -449,30 +517,42 @@ class RLLoop:
             buffered = [_group_record(g, ledger.draw_index(g.ticket)) for g in staleness.buffered_groups()]
             meta = TrainMeta(step=step_, policy_version=version_, data_state=ledger.state(),
                              staleness=snapshot_stats(), config=to_dict(c),
-                             extra={"nonfinite": nonfinite.state_dict(), "why": why,
-                                    "wall_s": time.monotonic() - self.t_start})
+                             extra={"nonfinite": nonfinite.state_dict(), "why": why, "wall_s": self.wall()})
             st = self._save_checkpoint(ckpt, _state_items(state), meta, buffered)
             result.checkpoint_step = step_
-            metrics.message(f"checkpoint {ckpt.step_dir(step_)} ({why}; {len(buffered)} finished groups saved; "
-                            f"blocking {st.blocking_s:.2f} s)")
+            save_stats.append(st)
+            if why == "periodic":  # quiet: the cost goes to the metrics
+                metrics.log(step_, {"checkpoint/blocking_s": st.blocking_s, "checkpoint/wait_s": st.wait_s},
+                            advance=False)
+            else:
+                metrics.message(f"checkpoint {ckpt.step_dir(step_)} ({why}; {len(buffered)} finished groups saved; "
+                                f"blocking {st.blocking_s:.2f} s)")
 
-        def do_eval(step_: int) -> None:
+        def do_eval(step_: int, final: bool = False) -> None:
             pusher.wait(version)
-            row = self.evaluate(generator, reward_fn, eval_pool, version)
+            row = self.evaluate(generator, reward_fn, eval_pool, version,
+                                stop=None if final else self._stop_requested)
             if row:
                 metrics.log(step_, row, advance=False)
                 result.eval_history.append((step_, metrics.elapsed(), row["eval/accuracy"]))
                 metrics.message(f"eval @ step {step_} (version {version}): accuracy {row['eval/accuracy']:.3f} "
                                 f"({row['eval/n']} held-out, {row['eval/seconds']:.1f} s)")
 
-        signals = SignalHandler() if threading.current_thread() is threading.main_thread() else None
-        if signals is not None:
+        def eval_due(step_: int) -> bool:  # (also the one a stop or a kill left undone at the resumed step)
+            return ((step_ == 0 and c.eval.at_start) or bool(c.eval.every_steps and step_ % c.eval.every_steps == 0
+                                                            and 0 < step_ < tr.total_steps))
+
+        signals, own_signals = self.signals, False
+        if signals is None and threading.current_thread() is threading.main_thread():
+            signals, own_signals = SignalHandler(), True
             signals.__enter__()
+        if signals is not None:
+            signals.set_phase("RL", "finishing the current step, saving a checkpoint and exiting")
         try:
             generator.start()
             dispatcher.start()
-            if c.eval.at_start and step == 0:
-                do_eval(0)
+            if eval_due(step) and step not in {s for s, _, _ in result.eval_history}:
+                do_eval(step)
             stall_limit = (ro.group_timeout_s or 600.0) + 120.0
             while step < tr.total_steps:
                 # 1. wait for B accepted groups (earliest deadline first), watching for failures
@@ -557,19 +637,23 @@ class RLLoop:
                     metrics.log(step, row)
                 result.last_metrics = row
                 # 5. eval and checkpoint hooks
-                if c.eval.every_steps and step % c.eval.every_steps == 0 and step < tr.total_steps:
+                if eval_due(step):
                     do_eval(step)
                 if ckpt.should_save(step) and step < tr.total_steps:
                     save(step, version, "periodic")
+            if stop_reason == "completed" and signals is not None:
+                signals.set_phase("the final evaluation, checkpoint and export",
+                                  "the run is complete: finishing them, then exiting")
             if c.eval.at_end and stop_reason == "completed":
-                do_eval(step)
+                do_eval(step, final=True)
         except BaseException as e:
             stop_reason = f"error: {type(e).__name__}"
             metrics.message(f"run stopped by {type(e).__name__}: {e}")
             if not isinstance(e, (FatalRunError, KeyboardInterrupt)):
                 metrics.message(traceback.format_exc())
             ledger.freeze()
-            self._shutdown(dispatcher, staleness, pusher, generator, eval_pool, metrics, signals)
+            self._shutdown(dispatcher, staleness, pusher, generator, eval_pool, metrics,
+                           signals if own_signals else None)
             if step > max(start_step, ckpt.last_saved_step):
                 self._emergency_save(save, state, step, step)  # a resumed run uses version = step
             self._close_checkpoint(ckpt)
@@ -581,7 +665,8 @@ class RLLoop:
         result.counts = snapshot_stats()
         final_data = ledger.state()
         ledger.close()
-        signal_name = signals.signal_name if signals is not None else None
+        signal_name = signals.signal_name if (signals is not None and stop_reason == "signal") else None
+        stop_line = None
         try:
             # a stop by signal or time limit always saves (preemption); a periodic save of this very
             # step already holds a consistent state
@@ -590,10 +675,10 @@ class RLLoop:
             self._wait_checkpoint(ckpt)
             if stop_reason != "completed":
                 latest_now = ckpt.latest_committed_step()
-                self._say(f"stopped by {signal_name or stop_reason} after step {step}: "
-                          + (f"checkpoint {ckpt.step_dir(latest_now)} is committed" if latest_now is not None
-                             else "no checkpoint (no step completed)")
-                          + "; run the same command again to resume")
+                stop_line = (f"stopped by {signal_name or stop_reason} after step {step}: "
+                             + (f"checkpoint {ckpt.step_dir(latest_now)} is committed; run the same command again "
+                                "to resume" if latest_now is not None
+                                else "nothing saved (no step completed); run the same command again to start"))
             if ck.export_hf and result.checkpoint_step is not None and stop_reason == "completed":
                 ex = self._export(ckpt, result.checkpoint_step)
                 result.export_dir = ex.out_dir
@@ -601,24 +686,58 @@ class RLLoop:
         finally:
             self._close_checkpoint(ckpt)
             plot = metrics.close()
-            if signals is not None:
+            if own_signals:
                 signals.__exit__(None, None, None)
         result.steps, result.version = step, version
-        result.wall_s = time.monotonic() - self.t_start
+        result.wall_s, result.process_wall_s = self.wall(), time.monotonic() - self.t_start
         result.stopped_by = stop_reason
-        summary = {"steps": step, "version": version, "wall_s": result.wall_s, "stopped_by": stop_reason,
-                   "signal": signal_name, "resumed_from": resumed_from,
+        result.resumes = resumes_from_rows(metrics.history + resume_rows)
+        blocking = [st.blocking_s for st in save_stats]
+        evals = result.eval_history
+        summary = {"steps": step, "version": version, "wall_s": result.wall_s, "process_wall_s": result.process_wall_s,
+                   "stopped_by": stop_reason, "signal": signal_name, "resumed_from": resumed_from,
+                   "resumes": result.resumes,
+                   "warm_start_accuracy": evals[0][2] if (evals and evals[0][0] == 0 and result.warm_start) else None,
+                   "final_accuracy": evals[-1][2] if (evals and stop_reason == "completed") else None,
                    "data": {"next_draw": final_data["next_draw"], "log_records": final_data["log_records"],
                             "outstanding_draws": [o["draw"] for o in final_data["outstanding"]]},
-                   "eval_history": result.eval_history, "counts": result.counts,
+                   "eval_history": evals, "counts": result.counts,
                    "max_lag": max((l for _, _, l in result.lag_by_group), default=0), "eta": eta,
                    "checkpoint_step": result.checkpoint_step, "export_dir": result.export_dir, "plot": plot,
+                   "checkpoint_blocking_s": {"saves": len(blocking), "max": max(blocking, default=None),
+                                             "mean": float(np.mean(blocking)) if blocking else None},
                    "push_s_mean": float(np.mean([h.total_s for h in pusher.history])) if pusher.history else None}
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        self._say(f"done: {step} steps, version {version}, {result.wall_s:.1f} s ({stop_reason}); "
-                  f"accounting: {result.counts}")
+        if stop_line is not None:
+            self._say(stop_line)
         return result
+
+    def _already_complete(self, ckpt: Any, step: int, latest: int | None) -> RunResult:
+        """A rerun of a finished run: nothing to train; the export is redone if it is missing (a kill
+        during the export)."""
+        ck, export_dir = self.cfg.checkpoint, None
+        summary_path = os.path.join(self.run_dir, "summary.json")
+        try:
+            with open(summary_path) as f:
+                summary = json.load(f)
+        except (OSError, ValueError):
+            summary = {}
+        try:
+            if ck.export_hf and latest is not None and not summary.get("export_dir"):
+                self._phase("the export", "finishing it, then exiting")
+                export_dir = self._export(ckpt, latest).out_dir
+                self._say(f"Hugging Face export: {export_dir}")
+                if summary:
+                    summary["export_dir"] = export_dir
+                    with open(summary_path, "w") as f:
+                        json.dump(summary, f, indent=2)
+        finally:
+            self._close_checkpoint(ckpt)
+        self._say(f"{self.run_dir} is already complete at step {step} (trainer.total_steps="
+                  f"{self.cfg.trainer.total_steps}); raise trainer.total_steps to continue, or use a new run_dir")
+        return RunResult(self.run_dir, step, step, 0.0, [], {}, [], {}, checkpoint_step=latest, export_dir=export_dir,
+                         stopped_by="already_complete")
 
     def _emergency_save(self, save: Callable, state: Any, step: int, version: int) -> None:
         try:

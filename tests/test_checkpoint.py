@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
@@ -431,6 +432,65 @@ def test_signal_handler_sets_flag_forces_exit_on_second_and_restores_handlers():
         assert _wait_for(lambda: seen == [signal.SIGTERM]) and not seen[1:]
     finally:
         signal.signal(signal.SIGTERM, old_term)
+
+
+def test_signal_is_noticed_while_the_main_thread_is_busy_in_native_code():
+    """A Python-level handler waits for the main thread to leave native code (an XLA compile, a BLAS
+    call); the watcher thread of the wakeup pipe sets the flag (and prints the line) at once."""
+    n, rng = 512, np.random.default_rng(0)
+    while True:  # one matrix product of >= 0.3 s on this machine: one native call, no bytecode in between
+        x = rng.standard_normal((n, n))
+        t0 = time.monotonic()
+        x @ x
+        if time.monotonic() - t0 >= 0.3 or n >= 8192:
+            break
+        n *= 2
+    seen: dict[str, float] = {}
+    with SignalHandler(force_exit=lambda code: None) as stop:
+        waiter = threading.Thread(target=lambda: (stop.wait(30), seen.setdefault("flag", time.monotonic())))
+        waiter.start()
+        threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        x @ x  # numpy releases the GIL in BLAS
+        t_end = time.monotonic()
+        waiter.join(30)
+    assert stop.requested and stop.signal_name == "SIGTERM"
+    assert seen["flag"] < t_end, (seen["flag"] - t0, t_end - t0)
+
+
+def test_handle_signals_installs_a_handler_for_the_whole_command_and_prints_a_stop(capsys):
+    from jaxrl_async.checkpoint import StopRequested, handle_signals
+
+    old = signal.getsignal(signal.SIGINT)
+    calls = []
+
+    @handle_signals
+    def command(arg):
+        h = SignalHandler.active()
+        calls.append((arg, h is not None, signal.getsignal(signal.SIGINT) == h._handle))
+        if arg == "stop":
+            raise StopRequested("stopped by SIGINT during the test: nothing saved; run the same command again")
+        return 3
+
+    assert SignalHandler.active() is None
+    assert command("go") == 3 and command("stop") == 0
+    assert calls == [("go", True, True), ("stop", True, True)]
+    assert SignalHandler.active() is None and signal.getsignal(signal.SIGINT) is old
+    assert capsys.readouterr().err == ("[jaxrl_async] stopped by SIGINT during the test: nothing saved; run the same "
+                                       "command again\n")
+
+
+def test_remains_of_an_interrupted_deletion_are_removed_at_start(tmp_path):
+    """A kill while keep_last deletes an old step can leave its directory without commit_success.txt; the
+    next Checkpointer removes it (Orbax would warn about it on every listing), committed steps stay."""
+    tree = {"w": np.arange(4, dtype=np.float32)}
+    with Checkpointer(str(tmp_path), CheckpointConfig(keep_last=3)) as ck:
+        for step in (1, 2, 3):
+            ck.save({"params": tree}, TrainMeta(step=step, policy_version=step))
+    os.remove(os.path.join(tmp_path, "checkpoints", "1", "commit_success.txt"))
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(keep_last=3))
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints", "1")) and ck.all_steps() == [2, 3]
+    ck.close()
 
 
 def test_non_finite_tracker_counts_and_raises_after_consecutive():

@@ -64,3 +64,71 @@ def test_log_after_close_fails_and_resume_appends(tmp_path):
     m2.log(1, {"x": 2})
     m2.close(plot=False)
     assert [r["x"] for r in read_metrics(os.path.join(tmp_path, METRICS_FILE))] == [1, 2]
+
+
+def _tb_series(run_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    acc = EventAccumulator(os.path.join(run_dir, "tb"), size_guidance={"tensors": 0})
+    acc.Reload()
+    return [(e.step, e.wall_time, float(make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+
+
+def test_a_resumed_run_keeps_one_history_with_a_cumulative_clock(tmp_path):
+    """Process 1 logs steps 1-6 (10 s each) and is killed mid-line; process 2 resumes from the checkpoint
+    of step 4 (saved at 40 s) and starts 5 s later: metrics.jsonl and TensorBoard hold steps 1-4 of the
+    first process and 5-6 of the second, once each, on one monotonic clock; the plot marks the resume."""
+    clock = {"t": 0.0}
+    m = MetricsLogger(tmp_path, progress=False, clock=lambda: clock["t"], keep_until_step=-1)
+    for s in range(1, 7):
+        clock["t"] = 10.0 * s
+        m.log(s, {"reward/mean": 0.1 * s, "staleness/max": 1, "response/length_mean": 5.0 + s})
+        if s == 2:
+            m.log(s, {"eval/accuracy": 0.5}, advance=False)
+    m.close(plot=False)
+    with open(os.path.join(tmp_path, METRICS_FILE), "a") as f:
+        f.write('{"step": 7, "wall_')  # a writer killed mid-line
+    clock = {"t": 45.0}
+    m2 = MetricsLogger(tmp_path, progress=False, clock=lambda: clock["t"], keep_until_step=4)
+    assert [r["step"] for r in m2.history] == [1, 2, 2, 3, 4] and m2.dropped_rows == 2
+    m2.log(4, {"resume/checkpoint_step": 4, "resume/checkpoint": "checkpoints/4"}, advance=False)
+    for s in (5, 6):
+        clock["t"] = 45.0 + 10 * (s - 4)
+        m2.log(s, {"reward/mean": 0.2 * s, "staleness/max": 2, "response/length_mean": 9.0})
+    png = m2.close()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 2, 3, 4, 4, 5, 6]
+    walls = [r["wall_time"] for r in rows]
+    assert walls == sorted(walls) and walls[-1] == 65.0
+    assert [r["reward/mean"] for r in rows if "reward/mean" in r] == pytest.approx([0.1, 0.2, 0.3, 0.4, 1.0, 1.2])
+    series = _tb_series(tmp_path, "reward/mean")
+    assert [s for s, _, _ in series] == [1, 2, 3, 4, 5, 6]  # the redone steps 5 and 6 of process 1 are gone
+    tb_walls = [w for _, w, _ in series]
+    np.testing.assert_allclose(np.diff(tb_walls), [10, 10, 10, 15, 10], atol=0.01)  # TensorBoard: the same clock
+    from jaxrl_async.metrics import resumes_from_rows
+
+    assert resumes_from_rows(rows) == [{"at_step": 4, "from_checkpoint": "checkpoints/4", "phase": "rl",
+                                        "wall_time": 45.0}]
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_series_break_at_missing_steps_and_the_trend_restarts():
+    from jaxrl_async.metrics import _series, ema
+
+    rows = [{"step": s, "reward/mean": float(s)} for s in (1, 2, 3, 7, 8)] + [{"step": 9, "reward/mean": None}]
+    xs, ys = _series(rows, "reward/mean", rows)
+    assert list(xs) == [1, 2, 3, 5, 7, 8, 9] and np.isnan(ys[3]) and np.isnan(ys[6])  # no line across 3..7
+    smooth = ema(ys)
+    assert smooth[0] == 1.0 and np.isnan(smooth[3]) and smooth[4] == 7.0  # restarted after the gap
+
+
+def test_progress_bar_fields_are_labelled(tmp_path, capsys):
+    with MetricsLogger(tmp_path, total_steps=2, tensorboard=False, progress=True) as m:
+        m.log(1, {"reward/mean": 0.25, "staleness/max": 2, "response/length_mean": 17.5, "train/loss": 0.1})
+        m.log(1, {"eval/accuracy": 0.5}, advance=False)
+    err = capsys.readouterr().err
+    for field in ("reward_mean=0.25", "lag_max=2", "len_mean=17.5", "loss=0.1", "eval_acc=0.5"):
+        assert field in err, err
+    assert " mean=" not in err and " max=" not in err

@@ -338,10 +338,19 @@ class Checkpointer:
         return ocp.CheckpointManager(self.directory, options=options)
 
     def _remove_unfinished_saves(self) -> None:
-        """Delete `<step>.orbax-checkpoint-tmp*` directories left by a killed writer (one writer per run)."""
+        """Delete `<step>.orbax-checkpoint-tmp*` directories left by a killed writer (one writer per run),
+        and the remains of old steps whose deletion (keep_last) a kill interrupted: step directories
+        older than the newest committed one that lack `commit_success.txt` (a commit is an atomic
+        rename of a complete directory, so only a deletion leaves one; Orbax warns on every listing)."""
         for p in glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*")):
             log.warning("removing unfinished checkpoint save %s", p)
             shutil.rmtree(p, ignore_errors=True)
+        steps = [int(n) for n in os.listdir(self.directory) if n.isdigit()]
+        committed = [s for s in steps if os.path.isfile(os.path.join(self.step_dir(s), "commit_success.txt"))]
+        for s in steps:
+            if committed and s < max(committed) and s not in committed:
+                log.info("removing the remains of deleted checkpoint %s", self.step_dir(s))
+                shutil.rmtree(self.step_dir(s), ignore_errors=True)
 
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> "Checkpointer":

@@ -19,6 +19,10 @@ indices per step (a batch may straddle two epochs). Shapes: unless a `PackingCon
 longest example rounded up to 8, rows = the most first-fit-decreasing rows any planned batch
 needs, rounded up to the data-parallel size), so the step compiles exactly once.
 
+Interruption: `SFTRun` is the same training step by step: it stops between steps when asked and
+continues from a saved (state, step) exactly where it stopped, since the batch schedule is seeded and
+the learning rate follows the optimizer's step count (the RL loop checkpoints the warm start this way).
+
 Evaluation: `greedy_completions` / `greedy_accuracy` decode the prompts (rendered by the
 tokenizer's chat template) at temperature 0 with the paged engine and the continuous-batching
 generator, stopping on the EOS ids, and score them with a reward function.
@@ -43,7 +47,7 @@ from jaxrl_async.trainer.packing import PackingConfig, Trajectory, _ffd_rows
 from jaxrl_async.trainer.train_step import Trainer, TrainerConfig, _batch_axis_size
 
 __all__ = [
-    "nll_loss", "SFTExample", "encode_examples", "batch_schedule", "sft_packing", "sft_trainer_config", "run_sft",
+    "nll_loss", "SFTExample", "encode_examples", "batch_schedule", "sft_packing", "sft_trainer_config", "run_sft", "SFTRun",
     "generate_completions", "greedy_completions", "greedy_accuracy",
 ]
 
@@ -221,10 +225,102 @@ def _record(step: int, metrics: Mapping[str, Any], compilations: int, t0: float)
             "skipped": int(metrics["skipped"]), "compilations": compilations, "time_s": time.perf_counter() - t0}
 
 
+class SFTRun:
+    """The warm start step by step: `run_sft` that can stop between steps and continue from a saved state.
+
+    ``state`` (the trainer's ``TrainState``: fp32 params, AdamW state, counters) and ``step`` (steps done)
+    are everything a continuation needs: the batches come from the seeded `batch_schedule` and the
+    learning rate from the optimizer's step count, so ``load(state, k)`` then ``run()`` trains exactly
+    what the uninterrupted run trains after step k (bit for bit on the same device layout). Arguments
+    as `run_sft`; the trainer (``self.trainer``) is built and the step planned in ``__init__``.
+    """
+
+    def __init__(self, params: Params, model_cfg: ModelConfig, examples: Sequence[SFTExample], cfg: Any,
+                 mesh: Mesh | None = None, *, seed: int = 0, packing: PackingConfig | None = None):
+        if not examples:
+            raise ValueError("run_sft: no examples")
+        for i, ex in enumerate(examples):
+            if not isinstance(ex, SFTExample):
+                raise TypeError(f"run_sft: example {i} is a {type(ex).__name__}, expected SFTExample "
+                                "(see encode_examples)")
+        lengths = [len(ex) for ex in examples]
+        longest = int(np.argmax(lengths))
+        if lengths[longest] > model_cfg.max_position_embeddings:
+            raise ValueError(f"run_sft: example {longest} has {lengths[longest]} tokens > the model's "
+                             f"max_position_embeddings {model_cfg.max_position_embeddings}")
+        sft_trainer_config(cfg, PackingConfig())  # validates cfg before any planning
+        self.cfg = cfg
+        self.batches = batch_schedule(len(examples), cfg.batch_size, cfg.steps, seed)
+        dp = _batch_axis_size(mesh) if mesh is not None else 1
+        if packing is None:
+            packing = sft_packing(lengths, self.batches, data_parallel=dp)
+        self.trainer = Trainer(model_cfg, sft_trainer_config(cfg, packing), mesh, loss_fn=nll_loss,
+                               normaliser_fn=lambda n_loss_tokens, n_loss_seqs: float(n_loss_tokens))
+        self._trajs = [ex.trajectory() for ex in examples]
+        self.state = self.trainer.init_state(params)
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.batches)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= len(self.batches)
+
+    def load(self, state: Any, step: int) -> None:
+        """Continue from ``state`` after ``step`` steps (a state saved by an earlier, interrupted run)."""
+        if not 0 <= int(step) <= len(self.batches):
+            raise ValueError(f"SFTRun.load: step {step} is outside 0..{len(self.batches)} (trainer.sft.steps changed?)")
+        self.state, self.step = state, int(step)
+
+    def run(self, *, progress: bool = True, log_fn: LogFn | None = None, should_stop: Callable[[], bool] | None = None,
+            after_step: Callable[[int], None] | None = None) -> bool:
+        """Train from ``step`` to the end. True when done; False when ``should_stop()`` (asked before every
+        step) stopped it, with ``state`` / ``step`` those after the last completed step. ``after_step(k)``
+        runs once step k's state is ``self.state`` (a hook for periodic saves)."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(self.batches), initial=self.step, desc="sft", unit="step", disable=not progress,
+                   dynamic_ncols=True)
+        t0 = time.perf_counter()
+        trainer = self.trainer
+
+        def flush(step: int, metrics: Mapping[str, Any], compilations: int) -> None:
+            rec = _record(step, metrics, compilations, t0)
+            self.history.append(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
+            if log_fn is not None:
+                log_fn(rec)
+
+        pending = None
+        try:
+            while self.step < len(self.batches):
+                if should_stop is not None and should_stop():
+                    break
+                idx = self.batches[self.step]
+                packed = trainer.pack([self._trajs[i] for i in idx], [int(i) for i in idx])
+                self.state, metrics = trainer.step(self.state, packed)
+                self.step += 1
+                if pending is not None:
+                    flush(*pending)
+                pending = (self.step, metrics, trainer.n_compilations["step"])
+                if after_step is not None:
+                    after_step(self.step)
+            if pending is not None:
+                flush(*pending)
+        finally:
+            bar.close()
+        return self.done
+
+
 def run_sft(params: Params, model_cfg: ModelConfig, examples: Sequence[SFTExample], cfg: Any,
             mesh: Mesh | None = None, *, seed: int = 0, packing: PackingConfig | None = None, progress: bool = True,
             log_fn: LogFn | None = None) -> tuple[Params, list[dict[str, Any]]]:
-    """`cfg.steps` AdamW steps of `nll_loss` on minibatches of `cfg.batch_size` examples.
+    """`cfg.steps` AdamW steps of `nll_loss` on minibatches of `cfg.batch_size` examples (`SFTRun`
+    whole; use `SFTRun` directly to stop part-way and continue later).
 
     Args:
       params: initial weights (any dtype; trained as fp32 master copies).
@@ -244,53 +340,9 @@ def run_sft(params: Params, model_cfg: ModelConfig, examples: Sequence[SFTExampl
     skipped (non-finite guard), compilations (step traces so far), time_s (since the start).
     Metrics are read back one step late, so the host packs batch k + 1 while the device runs k.
     """
-    if not examples:
-        raise ValueError("run_sft: no examples")
-    for i, ex in enumerate(examples):
-        if not isinstance(ex, SFTExample):
-            raise TypeError(f"run_sft: example {i} is a {type(ex).__name__}, expected SFTExample (see encode_examples)")
-    lengths = [len(ex) for ex in examples]
-    longest = int(np.argmax(lengths))
-    if lengths[longest] > model_cfg.max_position_embeddings:
-        raise ValueError(f"run_sft: example {longest} has {lengths[longest]} tokens > the model's "
-                         f"max_position_embeddings {model_cfg.max_position_embeddings}")
-    sft_trainer_config(cfg, PackingConfig())  # validates cfg before any planning
-    batches = batch_schedule(len(examples), cfg.batch_size, cfg.steps, seed)
-    dp = _batch_axis_size(mesh) if mesh is not None else 1
-    if packing is None:
-        packing = sft_packing(lengths, batches, data_parallel=dp)
-    trainer = Trainer(model_cfg, sft_trainer_config(cfg, packing), mesh, loss_fn=nll_loss,
-                      normaliser_fn=lambda n_loss_tokens, n_loss_seqs: float(n_loss_tokens))
-    trajs = [ex.trajectory() for ex in examples]
-    state = trainer.init_state(params)
-
-    from tqdm import tqdm
-
-    bar = tqdm(total=cfg.steps, desc="sft", unit="step", disable=not progress, dynamic_ncols=True)
-    history: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-
-    def flush(step: int, metrics: Mapping[str, Any], compilations: int) -> None:
-        rec = _record(step, metrics, compilations, t0)
-        history.append(rec)
-        bar.update(1)
-        bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
-        if log_fn is not None:
-            log_fn(rec)
-
-    pending = None
-    try:
-        for k, idx in enumerate(batches):
-            packed = trainer.pack([trajs[i] for i in idx], [int(i) for i in idx])
-            state, metrics = trainer.step(state, packed)
-            if pending is not None:
-                flush(*pending)
-            pending = (k + 1, metrics, trainer.n_compilations["step"])
-        if pending is not None:
-            flush(*pending)
-    finally:
-        bar.close()
-    return state.params, history
+    sft = SFTRun(params, model_cfg, examples, cfg, mesh, seed=seed, packing=packing)
+    sft.run(progress=progress, log_fn=log_fn)
+    return sft.state.params, sft.history
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import glob
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -72,15 +73,16 @@ def _unfinished(run_dir: str) -> list[str]:
 
 
 class Attempt:
-    """One ``python -m jaxrl_async.main`` process of a run, in its own session (kill -9 takes the group)."""
+    """One ``python -m jaxrl_async.main`` process of a run, in its own session (kill -9 takes the group).
+    ``config``: the config file (default ``tiny_config.py``; None: the embedded default)."""
 
-    def __init__(self, run_dir: str, args: list[str], cache: str, name: str, instrument: list[str] | None = None):
+    def __init__(self, run_dir: str, args: list[str], cache: str, name: str, instrument: list[str] | None = None,
+                 config: str | None = CONFIG):
         self.run_dir, self.name = run_dir, name
         self.log_path = os.path.join(os.path.dirname(run_dir), f"{name}.log")
-        metrics = os.path.join(run_dir, "metrics.jsonl")
-        self._offset = os.path.getsize(metrics) if os.path.exists(metrics) else 0
+        self._t0 = time.time()  # rows this process logs have a later "time" (metrics.jsonl is rewritten on resume)
         head = [INSTRUMENTED, *instrument, "--"] if instrument else ["-m", "jaxrl_async.main"]
-        cmd = [sys.executable, *head, "--config", CONFIG, f"run_dir={run_dir}", *args]
+        cmd = [sys.executable, *head, *(["--config", config] if config else []), f"run_dir={run_dir}", *args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(cache), stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -101,10 +103,9 @@ class Attempt:
         if not os.path.exists(path):
             return []
         with open(path, "rb") as f:
-            f.seek(self._offset)
             data = f.read()
         rows = [json.loads(line) for line in data.split(b"\n")[:-1] if line.strip()]
-        return [r["step"] for r in rows if "train/loss" in r]
+        return [r["step"] for r in rows if "train/loss" in r and r["time"] >= self._t0]
 
     def wait_for(self, pred, what: str, timeout: float, poll_s: float = 0.002) -> None:
         t0 = time.monotonic()
@@ -120,8 +121,9 @@ class Attempt:
         assert self.proc.wait(30) == -signal.SIGKILL
         self._log.close()
 
-    def stop(self, sig: int) -> int:
-        os.kill(self.proc.pid, sig)
+    def stop(self, sig: int, group: bool = False) -> int:
+        """Send ``sig`` (to the process group when ``group``: as Ctrl-C in a terminal does) and wait."""
+        (os.killpg if group else os.kill)(self.proc.pid, sig)
         return self.wait(STOP_TIMEOUT_S)
 
     def wait(self, timeout: float) -> int:
@@ -164,8 +166,9 @@ def _check_signal_stop(a: Attempt, rc: int, sig: signal.Signals) -> int:
     summary = json.load(open(os.path.join(a.run_dir, "summary.json")))
     step = summary["steps"]
     assert summary["stopped_by"] == "signal" and summary["signal"] == sig.name, summary
-    assert f"received {sig.name}" in out
-    assert f"stopped by {sig.name} after step {step}: checkpoint {a.run_dir}/checkpoints/{step} is committed" in out
+    assert f"received {sig.name}" in out and "Traceback" not in out
+    assert out.rstrip().endswith(f"stopped by {sig.name} after step {step}: checkpoint {a.run_dir}/checkpoints/{step} "
+                                 "is committed; run the same command again to resume")
     assert _committed(a.run_dir)[-1] == step and not _unfinished(a.run_dir)
     return step
 
@@ -426,3 +429,106 @@ def test_many_random_kills(tmp_path, jax_cache):
         a.fail(f"exit code {a.proc.returncode}")
     _audit(run, T, [eta] * (kills + 1), expected_resume)
     print(f"seed {seed}: {kills} kills, {mid_write} inside a checkpoint write")
+
+
+def _sft_progress(a: Attempt) -> int:
+    """The SFT step the warm start's progress bar last showed (0: none yet)."""
+    done = re.findall(r"sft:\s+\d+%\|[^|\r\n]*\|\s*(\d+)/\d+", a.output())
+    return int(done[-1]) if done else 0
+
+
+def _clean_stop(a: Attempt, rc: int, sig: signal.Signals) -> str:
+    """Exit 0, no traceback, the signal acknowledged, the last line says what was saved and how to go on."""
+    out = a.output()
+    if rc != 0:
+        a.fail(f"exit code {rc} after {sig.name}, expected 0")
+    assert "Traceback" not in out and f"received {sig.name} during " in out, out[-3000:]
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith(f"[jaxrl_async] stopped by {sig.name} ") and "run the same command again to" in last, last
+    return last
+
+
+def test_embedded_default_stops_on_signals_in_any_phase_and_resumes_as_one_run(tmp_path, jax_cache):
+    """The embedded default (few SFT/RL steps), as a user runs it: SIGTERM during the SFT warm start ->
+    the same command continues the warm start from its checkpoint -> SIGINT (to the process group, as
+    Ctrl-C) during RL -> the same command resumes -> kill -9 in mid-RL -> the same command resumes from
+    the default's periodic checkpoint (not from step 0) and finishes. Every signal stop: exit 0, no
+    traceback, one last line naming what was saved. The finished run reads as one run: metrics and
+    TensorBoard hold every step once on a monotonic cumulative clock, summary.json lists the whole
+    eval history (warm start -> end) and the three resumes, the final line reports both accuracies."""
+    run = str(tmp_path / "run")
+    N, T = 120, 12
+    args = [f"trainer.sft.steps={N}", f"trainer.total_steps={T}", "data.arithmetic.num_train=400",
+            "data.arithmetic.num_eval=16", "eval.every_steps=6"]
+    t_start = time.monotonic()
+
+    # 1. SIGTERM part-way through the warm start: its state is checkpointed after the current step
+    a = Attempt(run, args, jax_cache, "p1_sigterm_sft", config=None)
+    a.wait_for(lambda: _sft_progress(a) >= 20, "20 SFT steps", START_TIMEOUT_S, poll_s=0.05)
+    last = _clean_stop(a, a.stop(signal.SIGTERM), signal.SIGTERM)
+    m = re.search(rf"warm-start checkpoint {re.escape(run)}/warm_start/checkpoints/(\d+) \(SFT step (\d+) of {N}\) "
+                  "is committed", last)
+    assert m and m.group(1) == m.group(2), last
+    k = int(m.group(1))
+    assert 20 <= k < N and _committed(os.path.join(run, "warm_start")) == [k] and not _committed(run)
+    assert "trainer.total_steps =" not in a.output()  # quiet: the config goes to config.json, not the console
+
+    # 2. the same command continues the warm start at k + 1, checkpoints its result as step 0; SIGINT in RL
+    a = Attempt(run, args, jax_cache, "p2_sigint_rl", config=None)
+    a.wait_for(lambda: len(a.trained_steps()) >= 2, "2 RL steps", START_TIMEOUT_S, poll_s=0.05)
+    last = _clean_stop(a, a.stop(signal.SIGINT, group=True), signal.SIGINT)
+    out = a.output()
+    assert f"warm start resumed from {run}/warm_start/checkpoints/{k}: SFT step {k} of {N}" in out
+    assert f"SFT warm start: steps {k + 1}..{N} in" in out
+    s = json.load(open(os.path.join(run, "summary.json")))["steps"]
+    assert last == (f"[jaxrl_async] stopped by SIGINT after step {s}: checkpoint {run}/checkpoints/{s} is committed; "
+                    "run the same command again to resume"), last
+    assert 2 <= s < 5 and not os.path.exists(os.path.join(run, "warm_start")) and 0 in _committed(run)
+
+    # 3. the same command resumes at s; kill -9 once the default's periodic checkpoint (every 5 steps) is
+    #    committed and a later step trained
+    a = Attempt(run, args, jax_cache, "p3_kill9_rl", config=None)
+
+    def past_periodic() -> bool:
+        c = [x for x in _committed(run) if x >= 5]
+        return bool(c) and max(a.trained_steps(), default=0) > c[-1]
+
+    a.wait_for(past_periodic, "a periodic checkpoint and a step after it", START_TIMEOUT_S, poll_s=0.02)
+    a.kill9()
+    killed_at, resume_at = max(a.trained_steps()), _committed(run)[-1]
+    assert f"resumed from {run}/checkpoints/{s}: step {s}" in a.output()
+    assert 5 <= resume_at < killed_at < T
+
+    # 4. the same command resumes there (not from step 0) and finishes
+    a = Attempt(run, args, jax_cache, "p4_finish", config=None)
+    if a.wait(START_TIMEOUT_S + 120) != 0:
+        a.fail(f"exit code {a.proc.returncode}")
+    out = a.output()
+    assert f"resumed from {run}/checkpoints/{resume_at}: step {resume_at}" in out and "Traceback" not in out
+    assert min(a.trained_steps()) == resume_at + 1
+
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["stopped_by"] == "completed" and summary["steps"] == T
+    assert [(r["phase"], r["at_step"], r["from_checkpoint"]) for r in summary["resumes"]] == [
+        ("warm_start", 0, f"warm_start/checkpoints/{k}"), ("rl", s, f"checkpoints/{s}"),
+        ("rl", resume_at, f"checkpoints/{resume_at}")]
+    assert [e[0] for e in summary["eval_history"]] == [0, 6, 12]  # the eval a kill dropped is redone
+    assert summary["warm_start_accuracy"] == summary["eval_history"][0][2]
+    assert summary["final_accuracy"] == summary["eval_history"][-1][2]
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, T + 1))
+    walls = [r["wall_time"] for r in rows]
+    assert walls == sorted(walls) and summary["wall_s"] >= walls[-1] > summary["process_wall_s"]
+    final = out.rstrip().splitlines()[-1]
+    assert final.startswith(f"[jaxrl_async] done: {T} steps in ") and "after the warm start -> " in final, final
+    assert f"at step {T}; resumed 3x (warm-start step {k}, step {s}, step {resume_at})" in final, final
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(os.path.join(run, "tb"), size_guidance={"tensors": 0})
+    tb.Reload()
+    events = tb.Tensors("reward/mean")
+    assert [e.step for e in events] == list(range(1, T + 1))  # one history (redone steps dropped)
+    assert all(x.wall_time <= y.wall_time for x, y in zip(events, events[1:]))
+    assert os.path.getsize(os.path.join(run, "curves.png")) > 10_000
+    print(f"default chain: SFT stop at {k}, SIGINT at {s}, kill at {killed_at} -> resume {resume_at}; "
+          f"{time.monotonic() - t_start:.0f} s")

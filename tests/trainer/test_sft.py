@@ -19,7 +19,7 @@ from jaxrl_async.models.transformer import apply, init_params, sequence_logprobs
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.trainer import PackingConfig, Trainer, TrainerConfig, pack
 from jaxrl_async.trainer.sft import (
-    SFTExample, batch_schedule, encode_examples, greedy_accuracy, greedy_completions, nll_loss, run_sft,
+    SFTExample, SFTRun, batch_schedule, encode_examples, greedy_accuracy, greedy_completions, nll_loss, run_sft,
     sft_packing,
 )
 
@@ -59,9 +59,16 @@ def params(cfg):
 
 
 @pytest.fixture(scope="module")
-def sft_run(params, cfg, examples):
-    out, hist = run_sft(params, cfg, examples, SFT, seed=1, progress=False)
-    return out, hist
+def sft_runner(params, cfg, examples):
+    """The 30-step warm start (``run_sft`` is this, whole); its compiled step is reused below."""
+    sft = SFTRun(params, cfg, examples, SFT, seed=1)
+    assert sft.run(progress=False)
+    return sft
+
+
+@pytest.fixture(scope="module")
+def sft_run(sft_runner):
+    return sft_runner.state.params, list(sft_runner.history)
 
 
 def test_nll_loss_value_gradient_and_stats():
@@ -177,6 +184,31 @@ def test_run_sft_loss_decreases_one_compilation(sft_run, params, cfg):
         assert a.dtype == jnp.float32 and a.shape == b.shape
     pairs = zip(jax.tree.leaves(out), jax.tree.leaves(params))
     assert all(not np.allclose(np.asarray(a), np.asarray(b)) for a, b in pairs)  # every weight was trained
+
+
+def test_stopped_warm_start_continues_from_its_checkpoint_bit_for_bit(sft_runner, sft_run, params, tmp_path):
+    """The warm start stopped after 12 steps (as a signal stops it), its state saved and restored by the
+    loop's checkpoint path, then continued: the same losses and params as the uninterrupted run, bit
+    for bit (the compiled step of the fixture's run is reused)."""
+    from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
+    from jaxrl_async.run_state import _state_from_items, _state_items, restore_train_state
+
+    out, hist = sft_run
+    sft, seen = sft_runner, []
+    sft.load(sft.trainer.init_state(params), 0)
+    sft.history = []
+    assert not sft.run(progress=False, should_stop=lambda: sft.step >= 12, after_step=seen.append)
+    assert sft.step == 12 and seen == list(range(1, 13)) and [h["step"] for h in sft.history] == seen
+    with Checkpointer(str(tmp_path), CheckpointConfig()) as ck:
+        ck.save(_state_items(sft.state), TrainMeta(step=sft.step, policy_version=0))
+    r = restore_train_state(Checkpointer(str(tmp_path), CheckpointConfig()), sft.trainer, params)
+    sft.load(_state_from_items(r.arrays), r.step)
+    assert sft.run(progress=False) and sft.step == STEPS and sft.history[12]["step"] == 13
+    assert [h["loss"] for h in sft.history] == [h["loss"] for h in hist]
+    for a, b in zip(jax.tree.leaves(sft.state.params), jax.tree.leaves(out)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    with pytest.raises(ValueError, match="outside 0..30"):
+        sft.load(sft.state, STEPS + 1)
 
 
 def test_sharded_run_matches_single_device(sft_run, params, cfg, examples):
