@@ -16,12 +16,26 @@ of these forms is accepted too):
   result and prints it after a per-run random marker; the *parent* compares it to ``expected``
   (lists == tuples, floats within ``float_tol``, bools only equal bools).  Comparing outside the
   untrusted process defeats results whose ``__eq__`` always returns True.
-* assert strings: items ``{"assert": "assert f(2) == 4"}``, executed in the program's namespace;
-  passing = the harness reaches the end and prints the marker.  These trust ``==`` on objects the
-  program returns; prefer call-based cases for adversarial settings.
-
-The marker is read from stdin before the program is imported, so it cannot be printed by accident;
-a program built to introspect the harness's frames could still find it (known limitation).
+* assert strings: items ``{"assert": "assert f(2) == 4"}`` (any statements: ``def check(candidate):
+  ...`` then ``check(f)`` works too).  The test runs in a *different process* from the program, so
+  the program can neither read the test (its expected values) nor patch the code that runs it: the
+  harness (``main.py``) reads the marker and the test from stdin, makes itself non-dumpable (so
+  ``/proc/<pid>/mem``, ``environ``, ``fd`` are closed to the same uid; ``ptrace`` is denied by the
+  sandbox's seccomp filter anyway) and only then starts the program's process (``_runner.py`` importing
+  ``solution.py``, stdout sent to stderr, no inherited descriptor but its two request/answer pipes).
+  The names the test uses are looked up in the program's module: data values are copied over by value
+  (a tagged JSON of builtin types: ``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``,
+  ``bytes``, ``list``, ``tuple``, ``dict``, ``set``, ``frozenset``, ``range``), functions, classes and
+  other objects become proxies whose calls, attribute reads, ``len``, iteration, indexing, ``str``,
+  ``repr`` and truth value are answered by the program's process, again by value.  So ``==`` in a test
+  compares builtin values in the harness (an object whose ``__eq__`` always returns True stays a proxy,
+  and a proxy equals only itself); exceptions come back by name (``ValueError`` raised in the program
+  is a ``ValueError`` in the test).  Modules the program imported are imported by the harness from the
+  read-only interpreter path.  Passing = the harness reaches the end and prints the marker.
+* The call-based harness runs in the program's process (one interpreter start instead of two): the
+  program could find its marker by introspecting the harness's frames, but the expected value never
+  enters the sandbox (it is compared in the parent), so printing the marker with a value of its choice
+  gains nothing over returning that value.
 
 Tests of all concurrent calls share one thread pool of ``max_concurrency`` threads, so at most that
 many sandboxes run at once per :class:`CodeReward`.
@@ -53,6 +67,7 @@ __all__ = [
 
 _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _SOLUTION = "solution.py"
+_RUNNER = "_runner.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,20 +218,241 @@ def _harness():
     mod = importlib.util.module_from_spec(spec)
     sys.modules["solution"] = mod
     spec.loader.exec_module(mod)
-    if case["kind"] == "call":
-        fn = getattr(mod, case["fn_name"], None)
-        if fn is None and hasattr(mod, "Solution"):
-            fn = getattr(mod.Solution(), case["fn_name"])
-        if fn is None:
-            raise NameError("function %r not defined" % case["fn_name"])
-        payload = json.dumps(fn(*case["args"]))
-    else:
-        exec(compile(case["assert_src"], "<test>", "exec"), mod.__dict__)
-        payload = "true"
+    fn = getattr(mod, case["fn_name"], None)
+    if fn is None and hasattr(mod, "Solution"):
+        fn = getattr(mod.Solution(), case["fn_name"])
+    if fn is None:
+        raise NameError("function %r not defined" % case["fn_name"])
+    payload = json.dumps(fn(*case["args"]))
     out.flush()
     sys.__stdout__.write("\n" + marker + payload + "\n")
     sys.__stdout__.flush()
 _harness()
+'''
+
+
+# Assert tests: the harness (trusted, main.py) and the program's process (_runner.py + solution.py)
+# exchange one JSON line per request/answer; values use the tagged encoding below on both sides.
+_CODEC = r'''
+import base64 as _b64
+import importlib as _importlib
+import types as _types
+
+
+class Remote:
+    "A proxy for an object living in the program's process (identity equality only)."
+    __slots__ = ("_h", "_link")
+
+    def __init__(self, h, link):
+        object.__setattr__(self, "_h", h)
+        object.__setattr__(self, "_link", link)
+
+    def __call__(self, *args, **kwargs):
+        return self._link("call", self._h, args=[enc(a) for a in args],
+                          kwargs=[[k, enc(v)] for k, v in kwargs.items()])
+
+    def __getattr__(self, name):
+        return self._link("getattr", self._h, name=name)
+
+    def __len__(self):
+        return self._link("len", self._h)
+
+    def __iter__(self):
+        return iter(self._link("list", self._h))
+
+    def __getitem__(self, key):
+        return self._link("getitem", self._h, key=enc(key))
+
+    def __bool__(self):
+        return self._link("bool", self._h) is True
+
+    def __str__(self):
+        return self._link("str", self._h)
+
+    def __repr__(self):
+        return self._link("repr", self._h)
+
+    def __eq__(self, other):
+        return isinstance(other, Remote) and other._h == self._h
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    def __hash__(self):
+        return hash(("Remote", self._h))
+
+
+def enc(v, handle=None):
+    t = type(v)
+    if v is None or t in (bool, int, float, str):
+        return v
+    if t is list:
+        return ["L", [enc(x, handle) for x in v]]
+    if t is tuple:
+        return ["T", [enc(x, handle) for x in v]]
+    if t is dict:
+        return ["D", [[enc(k, handle), enc(x, handle)] for k, x in v.items()]]
+    if t is set:
+        return ["S", [enc(x, handle) for x in v]]
+    if t is frozenset:
+        return ["F", [enc(x, handle) for x in v]]
+    if t is bytes:
+        return ["B", _b64.b64encode(v).decode()]
+    if t is complex:
+        return ["C", v.real, v.imag]
+    if t is range:
+        return ["R", v.start, v.stop, v.step]
+    if t is Remote:
+        return ["H", v._h]
+    if t is _types.ModuleType:
+        return ["M", v.__name__]
+    if handle is not None:
+        return ["H", handle(v)]
+    raise TypeError("a %s cannot be passed to the program's process" % t.__name__)
+
+
+def dec(v, remote=None):
+    if not isinstance(v, list):
+        if v is None or type(v) in (bool, int, float, str):
+            return v
+        raise ValueError("bad value")
+    tag = v[0]
+    if tag == "L":
+        return [dec(x, remote) for x in v[1]]
+    if tag == "T":
+        return tuple(dec(x, remote) for x in v[1])
+    if tag == "D":
+        return {dec(k, remote): dec(x, remote) for k, x in v[1]}
+    if tag == "S":
+        return {dec(x, remote) for x in v[1]}
+    if tag == "F":
+        return frozenset(dec(x, remote) for x in v[1])
+    if tag == "B":
+        return _b64.b64decode(v[1])
+    if tag == "C":
+        return complex(float(v[1]), float(v[2]))
+    if tag == "R":
+        return range(int(v[1]), int(v[2]), int(v[3]))
+    if tag == "H":
+        return remote(int(v[1]))
+    if tag == "M":  # a module the program imported: the same one from the (read-only) interpreter path
+        return _importlib.import_module(str(v[1]))
+    raise ValueError("bad tag")
+'''
+
+_ASSERT_HARNESS = r'''
+import ctypes, json, os, subprocess, sys
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the program's process (same uid) cannot read us
+marker = sys.stdin.readline().strip()
+case = json.loads(sys.stdin.readline())
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the test's pipe is never inherited
+''' + _CODEC + r'''
+import builtins
+
+req_r, req_w = os.pipe()
+ans_r, ans_w = os.pipe()
+child = subprocess.Popen([sys.executable, "-I", "_runner.py", str(req_r), str(ans_w)], stdin=subprocess.DEVNULL,
+                         stdout=2, pass_fds=(req_r, ans_w), close_fds=True)
+os.close(req_r)
+os.close(ans_w)
+to_prog = os.fdopen(req_w, "w")
+from_prog = os.fdopen(ans_r, "r")
+
+
+def link(op, h=None, raw=False, **kw):
+    to_prog.write(json.dumps(dict(kw, op=op, h=h)) + "\n")
+    to_prog.flush()
+    line = from_prog.readline()
+    if not line:
+        raise RuntimeError("the program's process ended")
+    answer = json.loads(line)
+    if "exc" in answer:
+        name, msg = str(answer["exc"][0]), str(answer["exc"][1])
+        exc = getattr(builtins, name, None)
+        if not (isinstance(exc, type) and issubclass(exc, Exception)):
+            exc = RuntimeError
+        raise exc(msg)
+    return answer["ok"] if raw else dec(answer["ok"], lambda h: Remote(h, link))
+
+
+def code_names(code):
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= code_names(const)
+    return names
+
+
+test = compile(case["assert_src"], "<test>", "exec")
+namespace = {"__name__": "__test__", "__builtins__": builtins}
+for name, value in link("names", raw=True, names=sorted(code_names(test))):
+    try:
+        namespace[str(name)] = dec(value, lambda h: Remote(h, link))
+    except ImportError:
+        pass
+exec(test, namespace)
+sys.stdout.write("\n" + marker + "true\n")
+sys.stdout.flush()
+to_prog.close()
+child.kill()
+'''
+
+_ASSERT_RUNNER = r'''
+import json, os, sys
+rq = os.fdopen(int(sys.argv[1]), "r")
+aw = os.fdopen(int(sys.argv[2]), "w")
+''' + _CODEC + r'''
+objects = []
+
+
+def handle(obj):
+    objects.append(obj)
+    return len(objects) - 1
+
+
+def answer(**kw):
+    aw.write(json.dumps(kw) + "\n")
+    aw.flush()
+
+
+import importlib.util
+spec = importlib.util.spec_from_file_location("solution", "solution.py")
+mod = importlib.util.module_from_spec(spec)
+sys.modules["solution"] = mod
+spec.loader.exec_module(mod)
+while True:
+    line = rq.readline()
+    if not line:
+        break
+    req = json.loads(line)
+    op = req["op"]
+    try:
+        obj = objects[req["h"]] if req["h"] is not None else None
+        unwrap = lambda v: dec(v, lambda h: objects[h])
+        if op == "names":
+            answer(ok=[[n, enc(mod.__dict__[n], handle)] for n in req["names"] if n in mod.__dict__])
+            continue
+        if op == "call":
+            result = obj(*[unwrap(a) for a in req["args"]], **{k: unwrap(v) for k, v in req["kwargs"]})
+        elif op == "getattr":
+            result = getattr(obj, req["name"])
+        elif op == "len":
+            result = len(obj)
+        elif op == "list":
+            result = list(obj)
+        elif op == "getitem":
+            result = obj[unwrap(req["key"])]
+        elif op == "bool":
+            result = bool(obj)
+        elif op == "str":
+            result = str(obj)
+        elif op == "repr":
+            result = repr(obj)
+        else:
+            raise ValueError("unknown op")
+        answer(ok=enc(result, handle))
+    except Exception as exc:
+        answer(exc=[type(exc).__name__, str(exc)[:1000]])
 '''
 
 
@@ -300,8 +536,11 @@ class CodeReward:
             return self._judge(res, lambda out: stdout_matches(out, case.stdout, self.config.stdout_match))
         marker = "@@jaxrl-result-" + secrets.token_hex(16) + "@@"
         payload = {"kind": case.kind, "fn_name": case.fn_name, "args": list(case.args), "assert_src": case.assert_src}
-        res = self.sandbox.run(_CALL_HARNESS, stdin=marker + "\n" + json.dumps(payload) + "\n",
-                               files={_SOLUTION: code})
+        if case.kind == "assert":  # the test must not run in the program's process (module docstring)
+            main, files = _ASSERT_HARNESS, {_SOLUTION: code, _RUNNER: _ASSERT_RUNNER}
+        else:
+            main, files = _CALL_HARNESS, {_SOLUTION: code}
+        res = self.sandbox.run(main, stdin=marker + "\n" + json.dumps(payload) + "\n", files=files)
 
         def check(out: str) -> bool:
             lines = [ln for ln in out.split("\n") if ln.startswith(marker)]
