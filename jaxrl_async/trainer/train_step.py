@@ -169,6 +169,10 @@ def accumulate_gradients(params: Params, batch: PackedBatch, normaliser: jax.Arr
                          *, grad_shardings: Any = None, **loss_kw) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
     """(sum_k grad L_k, sum_k L_k, combined stats) over the leading micro-batch axis (lax.scan).
 
+    A micro-batch without loss tokens (the empty micro-batches that round the count up to a bucket)
+    skips its forward and backward (``lax.cond``; the predicate is a global reduction, so every
+    device of the mesh takes the same branch) and contributes zeros.
+
     `loss_kw` are the keyword arguments of `micro_batch_loss`. The accumulator is fp32 and, when
     `grad_shardings` is given, constrained to the parameter shardings at every micro-batch.
     """
@@ -177,11 +181,20 @@ def accumulate_gradients(params: Params, batch: PackedBatch, normaliser: jax.Arr
     def constrain(g):
         return g if grad_shardings is None else jax.lax.with_sharding_constraint(g, grad_shardings)
 
+    def run(mb):
+        (loss, stats), g = grad_fn(params, mb, normaliser, policy_version)
+        return loss, stats, g
+
+    def skip(mb):  # an empty (bucket padding) micro-batch: no forward/backward at all
+        shapes = jax.eval_shape(run, mb)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
     def body(carry, mb):
         g_acc, loss_acc = carry
-        (loss, stats), g = grad_fn(params, mb, normaliser, policy_version)
+        weight = mb.loss_mask.sum()
+        loss, stats, g = jax.lax.cond(weight > 0, run, skip, mb)
         g_acc = constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g))
-        return (g_acc, loss_acc + loss), (stats, mb.loss_mask.sum())
+        return (g_acc, loss_acc + loss), (stats, weight)
 
     zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     (grads, loss), (stats, weights) = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), batch)
@@ -287,7 +300,10 @@ class Trainer:
             return sequence_logprobs(params, self.model_cfg, mb.tokens, mb.segment_ids, mb.positions,
                                      self.cfg.temperature, self.cfg.logprob_chunk)
 
-        return jax.lax.map(one, batch)
+        def skip(mb):  # bucket padding: no forward
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, mb))
+
+        return jax.lax.map(lambda mb: jax.lax.cond((mb.segment_ids != 0).any(), one, skip, mb), batch)
 
     def compute_logprobs(self, params: Params, batch: PackedBatch) -> tuple[jax.Array, jax.Array]:
         """(log-probs, entropies) [n_micro, rows, row_len] of the batch under `params` (no grad)."""

@@ -5,6 +5,7 @@ One tiny random model; the step/gradient functions compile once per shape and ar
 tests through module-scoped trainers (compilation dominates the run time on CPU).
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -246,3 +247,27 @@ def test_bf16_compute_keeps_fp32_master_weights_and_gradients(trainer, params):
     assert tr16.state_shardings is not None and tr16.model_cfg.param_dtype == "float32"
     np.testing.assert_allclose(float(loss16), float(loss32), rtol=5e-2)
     assert 1e-6 < _rel_err(g16, g32) < 0.1  # bf16 really ran, and still agrees to bf16 precision
+
+
+def test_empty_bucket_micro_batches_are_skipped_and_change_nothing(params):
+    """3 real micro-batches rounded up to 4 (power-of-two bucket) vs exactly 3: the same update, bit for
+    bit; the step and the proximal pass branch on emptiness (a `cond` in the micro-batch loop), so the
+    empty one costs no forward/backward (time saved: benchmarks/bench_micro_padding.py, RESULTS)."""
+    trajs = make_trajs(11, n=6)
+    common = dict(optimizer=OPT, proximal="recompute")
+    pad = Trainer(CFG, TrainerConfig(packing=dataclasses.replace(PADDED, tokens_per_micro=2 * ROW), **common),
+                  loss_cfg=LOSS)
+    exact = Trainer(CFG, TrainerConfig(packing=dataclasses.replace(PADDED, tokens_per_micro=2 * ROW,
+                                                                   n_micro_buckets=(3,)), **common), loss_cfg=LOSS)
+    assert (pad.pack(trajs).n_micro, pad.pack(trajs).n_real_micro, exact.pack(trajs).n_micro) == (4, 3, 3)
+    s_pad, m_pad = pad.train_batch(pad.init_state(params), trajs)
+    s_exact, m_exact = exact.train_batch(exact.init_state(params), trajs)
+    assert float(m_pad[0]["loss"]) == float(m_exact[0]["loss"])
+    assert float(m_pad[0]["grad_norm"]) == float(m_exact[0]["grad_norm"])
+    for a, b in zip(jax.tree.leaves(s_pad.params), jax.tree.leaves(s_exact.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    batch = pad.put_batch(pad.pack(trajs))
+    step = functools.partial(pad._step_impl, num_seqs=pad.pack(trajs).num_seqs)
+    step_jaxpr = str(jax.make_jaxpr(step)(pad.init_state(params), batch, jnp.float32(1.0), jnp.int32(0)))
+    lp_jaxpr = str(jax.make_jaxpr(pad._logprobs_impl)(params, batch))
+    assert "cond[" in step_jaxpr and "cond[" in lp_jaxpr
