@@ -42,7 +42,10 @@ MIN_KEY_BYTES = 16
 MAX_BODY = 256 << 20  # msgpack part of one message
 MAX_MESSAGE = 8 << 30  # body + array buffers of one message
 _P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
-_CHUNK = 1 << 20
+_CHUNK = 1 << 20  # plaintext written per TLS write call
+_READ = 1 << 16  # decrypted per read call (a TLS record holds at most 16 KiB)
+_RECV = 1 << 18  # socket bytes per recv
+_SMALL = 1 << 16  # reads up to this size come out of the decrypted buffer, larger ones go straight to their own
 
 __all__ = ["ALPN", "MIN_KEY_BYTES", "Connection", "IntegrityError", "ProtocolError", "HandshakeError",
            "server_context", "client_context", "server_handshake", "client_handshake", "derive_key"]
@@ -149,7 +152,9 @@ class Connection:
         self.sock, self._ssl, self._in, self._out = sock, sslobj, incoming, outgoing
         self._ssl_lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._plain = bytearray()
+        self._rb, self._ro = bytearray(), 0  # decrypted bytes not yet consumed: _rb[_ro:]
+        self._rawbuf = bytearray(_RECV)
+        self._rawview = memoryview(self._rawbuf)
         self._closed = False
         try:
             self.peer_address = "%s:%d" % sock.getpeername()[:2]
@@ -164,50 +169,92 @@ class Connection:
         if data:
             self.sock.sendall(data)
 
-    def _fill(self, deadline: float | None = None) -> None:
-        """Read at least one more byte of plaintext into ``_plain`` (blocking; ``deadline``: monotonic)."""
+    def _pump(self, dest: memoryview | None, deadline: float | None) -> int:
+        """Decrypt what has arrived: into ``dest`` (at most its size) or, None, into the buffer
+        ``_rb``; when nothing is decrypted, wait for the socket (until ``deadline``) and feed it to
+        the TLS object. Returns the bytes decrypted (> 0)."""
         while True:
+            got = 0
             with self._ssl_lock:
-                try:
-                    while True:
-                        chunk = self._ssl.read(_CHUNK)
-                        if not chunk:
-                            break
-                        self._plain += chunk
-                except ssl.SSLWantReadError:
-                    pass
-                except ssl.SSLZeroReturnError:
-                    raise EOFError("the peer closed the TLS session") from None
-                except ssl.SSLError as e:
-                    raise IntegrityError(f"TLS record rejected ({e.reason or e}): the bytes on the wire were changed, "
-                                         "injected or cut") from None
+                if self._in.pending or self._ssl.pending():
+                    got = self._decrypt(dest)
                 pending = self._out.pending
-            if pending:
-                with self._send_lock:
+            if pending and self._send_lock.acquire(blocking=False):  # else the sender drains it after its write
+                try:
                     self._flush()
-            if self._plain:
-                return
+                finally:
+                    self._send_lock.release()
+            if got:
+                return got
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0 or not select.select([self.sock], [], [], left)[0]:
                     raise TimeoutError("no data from the peer in time")
-            data = self.sock.recv(_CHUNK)
-            if not data:
+            n = self.sock.recv_into(self._rawbuf)
+            if not n:
                 raise EOFError("the peer closed the connection")
             with self._ssl_lock:
-                self._in.write(data)
+                self._in.write(self._rawview[:n])
 
-    def _read_exact(self, n: int, deadline: float | None = None) -> bytearray:
-        while len(self._plain) < n:
-            self._fill(deadline)
-        out = self._plain[:n]
-        del self._plain[:n]
-        return out
+    def _decrypt(self, dest: memoryview | None) -> int:
+        """(``_ssl_lock`` held) decrypt what the TLS object can: into ``dest`` or onto ``_rb``."""
+        got = 0
+        chunks = []
+        try:
+            if dest is not None:
+                while got < len(dest) and (self._in.pending or self._ssl.pending()):
+                    n = self._ssl.read(min(len(dest) - got, _CHUNK), dest[got:])
+                    if not n:
+                        break
+                    got += n
+            else:
+                while self._in.pending or self._ssl.pending():
+                    chunk = self._ssl.read(_READ)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    got += len(chunk)
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLZeroReturnError:
+            if not got:
+                raise EOFError("the peer closed the TLS session") from None
+        except ssl.SSLError as e:
+            raise IntegrityError(f"TLS record rejected ({e.reason or e}): the bytes on the wire were changed, "
+                                 "injected or cut") from None
+        finally:
+            if chunks:  # a new buffer: views of the old one (decoded arrays) stay valid
+                self._rb = self._rb[self._ro:] + b"".join(chunks)
+                self._ro = 0
+        return got
+
+    def _read_exact(self, n: int, deadline: float | None = None) -> memoryview:
+        """The next ``n`` plaintext bytes (a writable buffer of their own when large)."""
+        avail = len(self._rb) - self._ro
+        if n <= _SMALL:
+            while len(self._rb) - self._ro < n:
+                self._pump(None, deadline)
+            out = memoryview(self._rb)[self._ro:self._ro + n]
+            self._ro += n
+            return out
+        buf = bytearray(n)
+        mv = memoryview(buf)
+        have = min(avail, n)
+        mv[:have] = memoryview(self._rb)[self._ro:self._ro + have]
+        self._ro += have
+        while have < n:
+            have += self._pump(mv[have:], deadline)
+        return mv
 
     # -- frames --------------------------------------------------------------------------------
     def send(self, obj: Any) -> None:
         """Encode ``obj`` (``codec``) and send it as one frame."""
         chunks = codec.encode(obj)
+        if sum(len(c) for c in chunks) <= _CHUNK:  # the common case: one write, one sendall
+            data = b"".join(chunks)
+            with self._send_lock:
+                self._write(data)
+            return
         small = bytearray()
         with self._send_lock:
             for c in chunks:
@@ -233,16 +280,22 @@ class Connection:
 
     def recv(self, deadline: float | None = None) -> Any:
         """The next message (blocking; ``deadline``: a ``time.monotonic()`` time for the whole frame)."""
-        body_len, nbuf = codec.frame_sizes(bytes(self._read_exact(codec.HEADER.size, deadline)))
+        if self._ro and self._ro == len(self._rb):  # nothing buffered: start afresh (views of it are gone)
+            self._rb, self._ro = bytearray(), 0
+        body_len, nbuf = codec.frame_sizes(self._read_exact(codec.HEADER.size, deadline))
         if body_len > MAX_BODY or nbuf > codec.MAX_BUFFERS:
             raise ProtocolError(f"frame header claims a {body_len}-byte body and {nbuf} buffers")
-        lens = [codec.BUFLEN.unpack(bytes(self._read_exact(8, deadline)))[0] for _ in range(nbuf)]
-        if body_len + sum(lens) > MAX_MESSAGE:
-            raise ProtocolError(f"frame header claims {body_len + sum(lens)} bytes (at most {MAX_MESSAGE})")
-        body = self._read_exact(body_len, deadline)
-        bufs = [self._read_exact(n, deadline) for n in lens]
+        lens = [n for (n,) in codec.BUFLEN.iter_unpack(self._read_exact(8 * nbuf, deadline))] if nbuf else []
+        total = body_len + sum(lens)
+        if total > MAX_MESSAGE:
+            raise ProtocolError(f"frame header claims {total} bytes (at most {MAX_MESSAGE})")
+        rest = self._read_exact(total, deadline)  # body and buffers in one piece
+        bufs, pos = [], body_len
+        for n in lens:
+            bufs.append(rest[pos:pos + n])
+            pos += n
         try:
-            return codec.decode(bytes(body), bufs)
+            return codec.decode(rest[:body_len], bufs)
         except codec.DecodeError as e:
             raise ProtocolError(str(e)) from None
 

@@ -29,14 +29,22 @@ holding it (``WireSender.owners``, computed from the global sharding, identical 
 each process registers the shards it owns under the push's uuid, and the generator pulls each
 shard from its owner's server (``WireReceiver.pull`` with one connection per trainer process).
 
+Security: the transfer servers have no authentication or encryption of their own (jax's), so they
+listen only on a configured interface (``check_bind_host`` refuses every-interface addresses) and
+the pull id is the capability: 64 random bits per pull (``new_pull_id``), sent to the generator only
+over the mutual-TLS RPC, consumed by the first pull. The checksum below catches corruption, not
+forgery on the transfer network (docs/launch.md, section 5).
+
 Every push carries a **checksum** per leaf: a position-weighted sum of the raw bits modulo 2^32
 (integer arithmetic, so it is independent of the sharding and of the reduction order), computed on
 device by the trainer over what it registered and by the generator over what it is about to use.
 A failed pull or a mismatch falls back to **disk**: every trainer process writes the shards it
 owns (``RUN/weight_push/v<version>/``: one raw file per distinct shard, then a manifest written by
 the first process and the directory renamed into place; a filesystem every host sees) and the
-generator assembles, loads and verifies them. That path goes through host memory, so it is for
-recovery, not for speed.
+generator assembles, loads and verifies them: HMAC-SHA256 per shard file and over the manifest
+(key derived from the run's secret, ``fallback_key``), shard file names checked, files 0600 in 0700
+directories (``read_weights`` raises ``FallbackRejected``). That path goes through host memory, so
+it is for recovery, not for speed.
 """
 
 from __future__ import annotations

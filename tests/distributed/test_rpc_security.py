@@ -189,8 +189,8 @@ def test_malformed_message_from_an_authenticated_peer_closes_it_at_once_naming_i
     frames = {
         "pickle": _frame(pickle.dumps(("call", 1, "x", (_MakesFile(str(marker)),)))),
         "not_a_call": _frame(msgpack.packb({"hello": 1})),
-        "unknown_type": _frame(msgpack.packb(["call", 1, "x", [msgpack.ExtType(
-            codec.EXT_DATACLASS, msgpack.packb(["os:system", {"command": "true"}]))]])),
+        "unknown_type": _frame(msgpack.packb(["call", 1, "x", [[msgpack.ExtType(
+            codec.EXT_DATACLASS, b"os:system"), {"command": "true"}]]])),
         "bad_arity": _frame(msgpack.packb(["reply", 1, False, ["only", "two"]])),
         "lying_header": codec.HEADER.pack(1 << 30, 0),
     }
@@ -257,9 +257,11 @@ def test_codec_round_trips_the_wire_types_and_refuses_others():
     with pytest.raises(codec.EncodeError, match="object"):
         codec.encode(np.array([None]))
     with pytest.raises(codec.DecodeError, match="not one the RPC decodes"):
-        codec.decode(msgpack.packb(msgpack.ExtType(codec.EXT_DATACLASS, msgpack.packb(["os:system", {}]))), [])
+        codec.decode(msgpack.packb([msgpack.ExtType(codec.EXT_DATACLASS, b"os:system"), {}]), [])
     with pytest.raises(codec.DecodeError, match="buffer of"):
-        codec.decode(msgpack.packb(msgpack.ExtType(codec.EXT_ARRAY, msgpack.packb(["<i4", [4], 0]))), [bytearray(3)])
+        codec.decode(msgpack.packb([msgpack.ExtType(codec.EXT_ARRAY, b""), "<i4", [4], 0]), [bytearray(3)])
+    with pytest.raises(codec.DecodeError, match="bad array header"):
+        codec.decode(msgpack.packb([msgpack.ExtType(codec.EXT_ARRAY, b""), "|O", [1], 0]), [bytearray(8)])
 
 
 def test_unsendable_value_fails_the_call_not_the_connection():
@@ -310,3 +312,32 @@ def test_coordinator_and_transfer_listeners_refuse_every_interface(monkeypatch):
     assert check_bind_host("10.0.0.7") == "10.0.0.7"
     with pytest.raises(ValueError, match="every interface"):
         check_bind_host("0.0.0.0")
+
+
+def test_large_and_pipelined_messages_arrive_intact():
+    """Frames larger than a TLS record and than the read buffer, many arrays, many in flight."""
+    from jaxrl_async.trainer.packing import Trajectory
+
+    lst = rpc.listen("127.0.0.1:0", KEY)
+    client, server = _pair(lst)
+    rng = np.random.default_rng(0)
+    try:
+        big = rng.standard_normal((3, 1 << 20)).astype(np.float32)  # 12 MiB
+        batch = [Trajectory(tokens=rng.integers(0, 1 << 17, 700, dtype=np.int32), loss_mask=np.ones(700, np.int8),
+                            behaviour_logprobs=rng.standard_normal(700).astype(np.float32),
+                            advantages=rng.standard_normal(700).astype(np.float32)) for _ in range(100)]
+        (got_big,) = client.call("echo", big, timeout=30)
+        np.testing.assert_array_equal(got_big, big)
+        (got,) = client.call("echo", batch, timeout=30)
+        assert len(got) == 100 and type(got[0]) is Trajectory and got[0].versions is None
+        for a, b in zip(got, batch):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_array_equal(a.behaviour_logprobs, b.behaviour_logprobs)
+        futs = [client.call_async("echo", np.full(k % 300, k, np.int32), [k] * (k % 7)) for k in range(3000)]
+        for k, f in enumerate(futs):
+            arr, lst_ = f.result(30)
+            assert arr.shape == (k % 300,) and (arr == k).all() and lst_ == [k] * (k % 7)
+    finally:
+        client.close()
+        server.close()
+        lst.close()

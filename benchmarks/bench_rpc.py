@@ -1,0 +1,166 @@
+"""RPC message latency and throughput: the current ``distributed/rpc.py`` vs an older one from git.
+
+``python benchmarks/bench_rpc.py [--baseline COMMIT] [--calls N]``
+
+Two processes on this host (a server that echoes and a client that measures), over loopback, for
+each implementation in turn: the baseline (``rpc.py`` as of ``COMMIT``: ``multiprocessing.connection``
++ pickle, HMAC on the handshake only) and the working tree's (mutual TLS + msgpack). Workloads, the
+traffic of a run:
+
+* ``ping``: a call with a small argument, reply = the argument (heartbeats, ``abort``, ``stats``):
+  round-trip latency, median and p99 over ``--calls`` sequential calls;
+* ``pipelined``: ``--calls`` small calls in flight at once (``call_async``): messages per second;
+* ``request_output``: the reply of a generation request, a ``RequestOutput`` of 8 samples x 512
+  tokens (token ids, log-probs, versions as lists): round trip median;
+* ``train_batch``: the leader -> follower ``train`` message, 64 packed trajectories of 1024 tokens
+  (numpy int32/float32 arrays, ~1.8 MB): round trip median and MB/s.
+Prints one JSON object per implementation.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _load(impl: str):
+    if impl == "current":
+        from jaxrl_async.distributed import rpc
+
+        return rpc
+    src = subprocess.run(["git", "show", f"{impl}:jaxrl_async/distributed/rpc.py"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    path = os.path.join(tempfile.mkdtemp(prefix="bench_rpc_"), "rpc_baseline.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("rpc_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def serve(impl: str, port_file: str) -> None:
+    rpc = _load(impl)
+    key = bytes.fromhex(os.environ["BENCH_RPC_KEY"])
+    lst = rpc.listen("127.0.0.1:0", key)
+    with open(port_file, "w") as f:
+        f.write(str(lst.address[1]))
+    conn = rpc.accept(lst, 60, "bench client")
+    done = []
+
+    def handle(m, a, reply):
+        if m == "quit":
+            done.append(m)
+        reply(True, a[0] if m == "echo" else len(a) if m == "quit" else len(a[0]))
+
+    peer = rpc.Peer(conn, "client", handler=handle, on_lost=done.append)
+    while not done:
+        time.sleep(0.1)
+    peer.close()
+
+
+def _request_output():
+    from jaxrl_async.rollout.orchestrator import RequestOutput, SampleOutput
+
+    T = 512
+    samples = [SampleOutput(i, list(range(100, 164)), list(range(T)), [-0.25] * T, [3] * T, "stop", None, 1.0, 1.1, 2.0)
+               for i in range(8)]
+    return RequestOutput("req-1", list(range(100, 164)), samples, None)
+
+
+def _train_batch():
+    import numpy as np
+
+    from jaxrl_async.trainer.packing import Trajectory
+
+    rng = np.random.default_rng(0)
+    return [Trajectory(tokens=rng.integers(0, 150000, 1024, dtype=np.int32), loss_mask=np.ones(1024, np.int32),
+                       behaviour_logprobs=rng.standard_normal(1024).astype(np.float32),
+                       advantages=rng.standard_normal(1024).astype(np.float32),
+                       versions=np.full(1024, 3, np.int32)) for _ in range(64)]
+
+
+def client(impl: str, calls: int) -> dict:
+    env = dict(os.environ, BENCH_RPC_KEY=secrets.token_hex(32))
+    os.environ["BENCH_RPC_KEY"] = env["BENCH_RPC_KEY"]
+    port_file = tempfile.mktemp(prefix="bench_rpc_port_")
+    srv = subprocess.Popen([sys.executable, __file__, "--serve", impl, "--port-file", port_file], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (os.path.exists(port_file) and open(port_file).read()):
+            assert time.monotonic() < deadline and srv.poll() is None, "server did not start"
+            time.sleep(0.05)
+        rpc = _load(impl)
+        t0 = time.perf_counter()
+        conn = rpc.connect(f"127.0.0.1:{open(port_file).read()}", bytes.fromhex(env["BENCH_RPC_KEY"]), 30, "server")
+        connect_ms = (time.perf_counter() - t0) * 1e3
+        peer = rpc.Peer(conn, "server")
+        for _ in range(200):  # warm up
+            peer.call("echo", {"x": 1}, timeout=30)
+        lat = []
+        for i in range(calls):
+            t = time.perf_counter()
+            peer.call("echo", {"request_id": f"r{i}", "n": i}, timeout=30)
+            lat.append(time.perf_counter() - t)
+        lat.sort()
+        t = time.perf_counter()
+        futs = [peer.call_async("echo", i) for i in range(calls)]
+        for f in futs:
+            f.result(60)
+        pipelined = calls / (time.perf_counter() - t)
+        out = _request_output()
+        ro = []
+        for _ in range(50):
+            t = time.perf_counter()
+            peer.call("echo", out, timeout=30)
+            ro.append(time.perf_counter() - t)
+        batch = _train_batch()
+        nbytes = sum(x.nbytes for tr in batch for x in (tr.tokens, tr.loss_mask, tr.behaviour_logprobs, tr.advantages,
+                                                         tr.versions))
+        tb = []
+        for _ in range(20):
+            t = time.perf_counter()
+            peer.call("len", batch, timeout=60)  # one way with the batch, a small reply
+            tb.append(time.perf_counter() - t)
+        peer.call("quit", timeout=30)
+        peer.close()
+        srv.wait(30)
+        return {"impl": impl, "connect_ms": round(connect_ms, 2),
+                "ping_median_us": round(lat[len(lat) // 2] * 1e6, 1), "ping_p99_us": round(lat[int(len(lat) * 0.99)] * 1e6, 1),
+                "pipelined_msgs_per_s": round(pipelined), "request_output_median_ms": round(statistics.median(ro) * 1e3, 3),
+                "train_batch_median_ms": round(statistics.median(tb) * 1e3, 2),
+                "train_batch_MB_per_s": round(nbytes / statistics.median(tb) / 1e6, 1), "train_batch_bytes": nbytes,
+                "calls": calls}
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+        if os.path.exists(port_file):
+            os.remove(port_file)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", default="581dfc3", help="git commit of the baseline rpc.py")
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--serve", default=None)
+    ap.add_argument("--port-file", default=None)
+    a = ap.parse_args()
+    if a.serve:
+        serve(a.serve, a.port_file)
+        return
+    for impl in (a.baseline, "current"):
+        print(json.dumps(client(impl, a.calls)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
