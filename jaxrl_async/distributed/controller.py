@@ -1,8 +1,10 @@
 """The controller + trainer role: ``RLLoop`` with its generator in other processes.
 
 ``python -m jaxrl_async.distributed.controller --listen HOST:PORT [--generators N]
-[--generator-devices G] [--cpu-devices T] [--coordinator ADDR --num-processes P --process-id I |
---jax-distributed] [--config FILE] [key=value ...]``
+[--generator-devices G] [--cpu-devices T] [--transfer-host HOST] [--coordinator ADDR --num-processes P
+--process-id I | --jax-distributed] [--coordinator-bind HOST[:PORT]] [--config FILE] [key=value ...]``
+(``$JAXRL_RPC_AUTHKEY``: the run's secret, hex, >= 16 random bytes; network security: docs/launch.md
+section 5)
 
 The controller (data ledger, staleness manager, rollout dispatcher, workflows and rewards,
 checkpoints, metrics) lives in the trainer process, as AReaL's controller lives on the trainer's
