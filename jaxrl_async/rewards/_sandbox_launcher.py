@@ -13,8 +13,8 @@ Process tree in ``namespaces`` mode::
                                        fresh session keyring, seccomp filter)
                                           └─ anything it forks (all die when PID 1 exits)
 
-* outer: opens the run's memory cgroup (``cgroup.procs``) while still in the host mount namespace,
-  ``unshare(2)``, ``fork``; waits for the inner launcher and mirrors its exit status.
+* outer: waits until the parent has moved it into the run's memory cgroup (so every process below is
+  created in it), ``unshare(2)``, ``fork``; waits for the inner launcher and mirrors its exit status.
 * inner (PID 1): makes every mount private and recursively read-only + nosuid + nodev
   (``mount_setattr``), mounts a fresh ``/proc``; one size-capped private tmpfs (``noexec`` unless the
   config allows exec) on ``/tmp`` holding the work dir ``/tmp/work``, bind-mounted again on ``/var/tmp``
@@ -24,7 +24,7 @@ Process tree in ``namespaces`` mode::
   enforces the wall-clock deadline (``SIGALRM`` → ``kill(-1)``), reaps everything, writes the status and
   exits.  When PID 1 exits the kernel SIGKILLs every process left in the namespace (the fork-bomb /
   daemon containment), and the tmpfs disappears with the mount namespace.
-* user program: joins the memory cgroup, rlimits (CPU, AS, FSIZE, NPROC, NOFILE, CORE=0),
+* user program: rlimits (CPU, AS, FSIZE, NPROC, NOFILE, CORE=0),
   ``PR_SET_NO_NEW_PRIVS``, no supplementary groups, real/effective/saved uid+gid switched to the
   unprivileged sandbox uid, a new anonymous session keyring (the uid's user keyrings cleared), the seccomp
   filter compiled by the parent (``_seccomp.py``), clean environment, ``execve``.
@@ -185,13 +185,10 @@ def _install_seccomp(program: bytes) -> None:
                        ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl(PR_SET_SECCOMP)")
 
 
-def _exec_user_program(cfg: dict, workdir: str, status_fd: int, cgroup_fd: int | None) -> None:
-    """Child side: cgroup, limits, privilege drop, keyrings, seccomp, exec.  Never returns."""
+def _exec_user_program(cfg: dict, workdir: str, status_fd: int) -> None:
+    """Child side: limits, privilege drop, keyrings, seccomp, exec.  Never returns."""
     try:
         os.setpgid(0, 0)
-        if cgroup_fd is not None:
-            os.write(cgroup_fd, b"0")  # this process (and all it will fork) into the run's memory cgroup
-            os.close(cgroup_fd)
         for name, (soft, hard) in cfg["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (soft, hard))
         os.chdir(workdir)
@@ -210,12 +207,6 @@ def _exec_user_program(cfg: dict, workdir: str, status_fd: int, cgroup_fd: int |
         _write_status(status_fd, {"kind": "setup_error", "error": f"exec stage: {exc!r}"})
     finally:
         os._exit(127)
-
-
-def _open_cgroup(cfg: dict) -> int | None:
-    """The run's ``cgroup.procs``, opened in the host mount namespace (``/sys`` is read-only inside)."""
-    path = cfg.get("cgroup_procs")
-    return None if not path else os.open(path, os.O_WRONLY | os.O_CLOEXEC)
 
 
 def _kill_uid(uid: int) -> None:
@@ -313,7 +304,7 @@ def _private_dirs(cfg: dict) -> None:
     _mount("none", "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
 
 
-def _inner_pid1(cfg: dict, status_fd: int, cgroup_fd: int | None) -> None:
+def _inner_pid1(cfg: dict, status_fd: int) -> None:
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # outer launcher killed → PID 1 dies → namespace dies
         _mount("none", "/", None, MS_REC | MS_PRIVATE)
@@ -334,9 +325,7 @@ def _inner_pid1(cfg: dict, status_fd: int, cgroup_fd: int | None) -> None:
         os._exit(125)
     pid = os.fork()
     if pid == 0:
-        _exec_user_program(cfg, WORKDIR_IN_NS, status_fd, cgroup_fd)
-    if cgroup_fd is not None:
-        os.close(cgroup_fd)
+        _exec_user_program(cfg, WORKDIR_IN_NS, status_fd)
 
     def kill_all():
         try:
@@ -352,17 +341,14 @@ def _outer_namespaces(cfg: dict, status_fd: int) -> None:
     if cfg["unshare_net"]:
         flags |= CLONE_NEWNET
     try:
-        cgroup_fd = _open_cgroup(cfg)
         _unshare(flags)
     except OSError as exc:
         _write_status(status_fd, {"kind": "setup_error", "error": f"{exc}"})
         os._exit(125)
     pid = os.fork()
     if pid == 0:
-        _inner_pid1(cfg, status_fd, cgroup_fd)
+        _inner_pid1(cfg, status_fd)
         os._exit(125)
-    if cgroup_fd is not None:
-        os.close(cgroup_fd)
     # Backup deadline: if the inner launcher itself wedges, kill it (its death kills the namespace).
     signal.signal(signal.SIGALRM, lambda s, f: os.kill(pid, signal.SIGKILL))
     signal.setitimer(signal.ITIMER_REAL, cfg["wall_timeout_s"] + 2.0)
@@ -380,16 +366,13 @@ def _outer_namespaces(cfg: dict, status_fd: int) -> None:
 def _outer_plain(cfg: dict, status_fd: int) -> None:
     uid, gid = cfg.get("uid"), cfg.get("gid")
     try:
-        cgroup_fd = _open_cgroup(cfg)
         _write_files(cfg["workdir"], cfg["files"], uid, gid)
     except OSError as exc:
         _write_status(status_fd, {"kind": "setup_error", "error": f"plain setup: {exc!r}"})
         os._exit(125)
     pid = os.fork()
     if pid == 0:
-        _exec_user_program(cfg, cfg["workdir"], status_fd, cgroup_fd)
-    if cgroup_fd is not None:
-        os.close(cgroup_fd)
+        _exec_user_program(cfg, cfg["workdir"], status_fd)
 
     def kill_all():
         try:
@@ -458,6 +441,17 @@ def main() -> None:
         cfg = json.load(f)
     status_fd = cfg["status_fd"]
     os.set_inheritable(status_fd, False)  # never reaches the user program (close-on-exec)
+    go_fd = cfg.get("cgroup_go_fd")
+    if go_fd is not None:
+        # The parent moves this process into the run's memory cgroup while this interpreter was starting
+        # (a migration waits for an RCU grace period, ~10 ms: hidden behind the start-up); everything
+        # forked from here on, the user program included, is born in the cgroup.  Nothing is forked first.
+        go = os.read(go_fd, 1)
+        os.close(go_fd)
+        if go != b"1":
+            _write_status(status_fd, {"kind": "setup_error", "error": "the parent could not move the launcher "
+                                                                       "into the run's memory cgroup"})
+            os._exit(125)
     if cfg["mode"] == "namespaces":
         _outer_namespaces(cfg, status_fd)
     else:

@@ -352,7 +352,7 @@ def _read(path: str) -> str:
 
 
 def _write(path: str, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     try:
         os.write(fd, value.encode())
     finally:
@@ -398,7 +398,8 @@ class _MemoryCgroups:
             return
         for name in names:
             m = re.fullmatch(r"(\d+)-\d+", name)
-            if m and not _pid_alive(int(m.group(1))):
+            # a dead process's slots, or a recycled pid's (this process has created none yet)
+            if m and (int(m.group(1)) == self._pid or not _pid_alive(int(m.group(1)))):
                 path = os.path.join(self.base, name)
                 self._empty(path)
                 try:
@@ -407,8 +408,15 @@ class _MemoryCgroups:
                     pass
 
     def _new_slot(self) -> str:
-        path = os.path.join(self.base, f"{self._pid}-{next(self._seq)}")
-        os.mkdir(path, 0o755)
+        for _ in range(100):
+            path = os.path.join(self.base, f"{self._pid}-{next(self._seq)}")
+            try:
+                os.mkdir(path, 0o755)
+                break
+            except FileExistsError:  # left by an earlier process with this pid and still busy
+                continue
+        else:
+            raise OSError(errno.EEXIST, f"no free cgroup name under {self.base}")
         if self.version == 2:
             for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
                 if os.path.exists(os.path.join(path, name)):
@@ -784,18 +792,22 @@ class Sandbox:
                 "tmpfs_bytes": cfg.tmpfs_bytes,
                 "wall_timeout_s": wall,
                 "status_fd": status_w,
-                "cgroup_procs": None if cgroup is None else os.path.join(cgroup.path, "cgroup.procs"),
                 "seccomp": None if "seccomp" in off else self._seccomp_b64,
                 "keyctl_nr": None if "keyring" in off else self._keyctl_nr,
                 "allow_exec": bool(cfg.allow_exec),
                 "private_shared_dirs": "shared_dirs" not in off,
                 "kill_uid": "kill_uid" not in off,
             }
+            go = None
+            if cgroup is not None:
+                go = os.pipe()
+                open_fds += list(go)
+                launcher_cfg["cgroup_go_fd"] = go[0]
             cfg_path = os.path.join(staging, "launcher.json")
             fd = os.open(cfg_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(launcher_cfg, f)
-            res = self._spawn_and_collect(cfg_path, status_r, status_w, stdin_bytes, wall, open_fds)
+            res = self._spawn_and_collect(cfg_path, status_r, status_w, stdin_bytes, wall, open_fds, cgroup, go)
             if cgroup is not None:
                 oom, peak = self._cgroups.finish(cgroup)
                 cgroup = None
@@ -822,20 +834,34 @@ class Sandbox:
     @staticmethod
     def _with_memory(res: SandboxResult, oom: bool, peak: int | None) -> SandboxResult:
         reason = res.killed_reason
-        if oom and reason in (None, "signal", "cpu_limit") and res.returncode == -signal.SIGKILL:
+        killed = reason in (None, "signal", "cpu_limit") and res.returncode == -signal.SIGKILL
+        if oom and (killed or reason == "setup_error"):  # (the OOM killer may pick a launcher process too)
             reason = "memory_limit"
         return dataclasses.replace(res, killed_reason=reason, memory_peak_bytes=peak)
 
     # ------------------------------------------------------------------------------------ internals
     def _spawn_and_collect(self, cfg_path: str, status_r: int, status_w: int, stdin_bytes: bytes,
-                           wall: float, open_fds: list[int]) -> SandboxResult:
+                           wall: float, open_fds: list[int], cgroup: _RunCgroup | None,
+                           go: tuple[int, int] | None) -> SandboxResult:
         cfg = self.config
         t0 = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-I", "-S", _LAUNCHER, cfg_path], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, close_fds=True,
-                                pass_fds=(status_w,), start_new_session=True, cwd="/")
-        open_fds.remove(status_w)
-        os.close(status_w)
+                                pass_fds=(status_w,) + ((go[0],) if go else ()), start_new_session=True, cwd="/")
+        for fd in [status_w] + ([go[0]] if go else []):
+            open_fds.remove(fd)
+            os.close(fd)
+        if go is not None:  # the launcher waits for this before it forks anything (see _sandbox_launcher.main)
+            try:
+                _write(os.path.join(cgroup.path, "cgroup.procs"), str(proc.pid))
+                ok = b"1"
+            except OSError as exc:
+                logger.warning("sandbox: cannot move the launcher into %s: %s", cgroup.path, exc)
+                ok = b"0"
+            try:
+                os.write(go[1], ok)
+            except OSError:
+                pass
         out, err = _BoundedBuffer(cfg.max_output_bytes), _BoundedBuffer(cfg.max_output_bytes)
         status_chunks: list[bytes] = []
         killed_reason = None

@@ -204,3 +204,62 @@ def test_required_isolation_refused_when_unavailable(monkeypatch):
     assert plain.isolation == "plain+uid+memcg+seccomp"
     res = plain.run("import os; print(os.getuid() != 0, os.getcwd().endswith('/work'))")
     assert res.ok and res.stdout.split() == ["True", "True"]
+
+
+def test_hardening_required_refuses_and_best_effort_logs(monkeypatch, caplog):
+    import jaxrl_async.rewards.sandbox as sandbox_mod
+    monkeypatch.setattr(sandbox_mod, "_cgroups", {None: "no memory controller mounted (test)"})
+    monkeypatch.setattr(sandbox_mod, "_probe_cache", {**PROBE, "seccomp": False, "seccomp_error": "EINVAL (test)"})
+    monkeypatch.setattr(sandbox_mod, "_warned", set())
+    with pytest.raises(SandboxUnavailableError, match="memcg: no memory controller.*seccomp: cannot install"):
+        Sandbox(SandboxConfig())  # hardening follows network_isolation="required"
+    with pytest.raises(SandboxUnavailableError, match="hardening='best_effort'"):
+        Sandbox(SandboxConfig(network_isolation="best_effort", hardening="required"))
+    with caplog.at_level("WARNING", logger="jaxrl_async.rewards.sandbox"):
+        degraded = Sandbox(SandboxConfig(hardening="best_effort", memory_bytes=128 << 20))
+    assert degraded.isolation == "namespaces+net+uid"
+    assert any("runs without memcg, seccomp" in r.getMessage() for r in caplog.records), caplog.text
+    res = degraded.run("import os; print('ok')")
+    assert res.ok and res.memory_peak_bytes is None and res.isolation == "namespaces+net+uid"
+
+
+class _FakeCgroupV2Os:
+    """``os`` for the sandbox module in which ``mkdir`` makes a directory that looks like a cgroup v2 one."""
+
+    FILES = {"memory.max": "max\n", "memory.swap.max": "max\n", "memory.oom.group": "0\n", "memory.peak": "0\n",
+             "memory.events": "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n", "cgroup.procs": "", "cgroup.kill": ""}
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def mkdir(self, path, mode=0o777):
+        os.mkdir(path, mode)
+        for name, content in self.FILES.items():
+            with open(os.path.join(path, name), "w") as f:
+                f.write(content)
+
+
+def test_cgroup_v2_slot_protocol_on_a_fake_hierarchy(tmp_path, monkeypatch):
+    """This machine mounts the v1 memory controller; the v2 file protocol is checked on a fake tree."""
+    import jaxrl_async.rewards.sandbox as sandbox_mod
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("cpu\n")
+    monkeypatch.setattr(sandbox_mod, "os", _FakeCgroupV2Os())
+    cgroups = sandbox_mod._setup_memory_cgroups(str(tmp_path))
+    assert cgroups.version == 2 and (tmp_path / "cgroup.subtree_control").read_text() == "+memory"
+    run = cgroups.acquire(123 << 20)
+    slot = run.path
+    assert open(os.path.join(slot, "memory.max")).read() == str(123 << 20)
+    assert open(os.path.join(slot, "memory.swap.max")).read() == "0"
+    assert open(os.path.join(slot, "memory.oom.group")).read() == "1"
+    assert run.peak_fd is not None and run.oom_before == 0
+    with open(os.path.join(slot, "memory.events"), "w") as f:
+        f.write("oom 1\noom_kill 1\n")
+    with open(os.path.join(slot, "memory.peak"), "w") as f:
+        f.write("4567\n")
+    assert cgroups.finish(run) == (True, 4567)
+    again = cgroups.acquire(1 << 30)  # the empty slot is reused with the new limit
+    assert again.path == slot and open(os.path.join(slot, "memory.max")).read() == str(1 << 30)
+    with open(os.path.join(slot, "memory.peak"), "w") as f:
+        f.write("89\n")
+    assert cgroups.finish(again) == (False, 89)  # OOM kills counted from the run's start
