@@ -81,7 +81,6 @@ KEYCTL_CLEAR = 7
 KEY_SPEC_USER_KEYRING = -4
 KEY_SPEC_USER_SESSION_KEYRING = -5
 
-MNT_DETACH = 2
 
 WORKDIR_IN_NS = "/tmp/work"
 # host directories where other programs may leave sockets/FIFOs: each gets the private tmpfs (writable ones)

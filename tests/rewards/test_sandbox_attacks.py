@@ -4,10 +4,8 @@ shows the same attack *working* with that one protection left out (``Sandbox._di
 or with the old design, so that the test can fail.  Kernel features that a control needs and this
 machine lacks are skipped with the reason."""
 import errno
-import fcntl
 import json
 import os
-import shutil
 import socket
 import struct
 import subprocess
@@ -209,7 +207,7 @@ def test_host_unix_sockets_in_shared_dirs_unreachable():
     tag = uuid.uuid4().hex[:12]
     paths = [f"/dev/shm/jaxrl-test-{tag}.sock", f"/var/tmp/jaxrl-test-{tag}.sock", f"/tmp/jaxrl-test-{tag}.sock",
              f"/run/jaxrl-test-{tag}.sock"]
-    servers, accepted = [], []
+    servers = []
     try:
         for p in paths:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
