@@ -252,8 +252,9 @@ def plot_run(rows: Sequence[Mapping[str, Any]], out_path: str | os.PathLike, tit
         ax_s.step(xm, ym, where="mid", color="tab:red", alpha=0.6, linewidth=1, label="max lag")
         if eta is not None:
             ax_s.axhline(eta, color="tab:red", linestyle=":", linewidth=1, label=f"eta = {eta}")
-        ax_s.legend(loc="upper left", fontsize=8)
-        ax_s.set_ylim(bottom=-0.1)
+        ax_s.legend(loc="lower right", fontsize=8)
+        top = max([float(v) for v in ym if np.isfinite(v)] + [float(eta or 0), 1.0])
+        ax_s.set_ylim(-0.1, top * 1.25)
     else:
         no_data(ax_s)
     ax_s.set_ylabel("staleness (policy versions)")

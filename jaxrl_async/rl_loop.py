@@ -454,6 +454,7 @@ class RLLoop(WarmStartMixin):
 
         self._phase("the generator's start (engine compile)", "stopping once it is ready")
         generator = self._start_generator(state.params, version)
+        self._phase("RL", "finishing the current step, saving a checkpoint and exiting")
         staleness = StalenessManager(eta, B, ro.effective_max_concurrent(B), version=version)
         reward_fn = make_reward(ro.reward)
         workflow = self._build_workflow(reward_fn)

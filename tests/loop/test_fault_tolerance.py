@@ -16,6 +16,9 @@ resumed, audited afterwards from the run's own records (``data_ledger.jsonl``, `
   from its periodic checkpoint of step 2 reaches the parameters and optimizer state of the
   uninterrupted run at step 4, bit for bit (slow variant: stopped after 2 steps, async and sync mode).
 * ``test_many_random_kills`` (slow): eight kill -9 at random moments, then the same audit.
+* ``test_embedded_default_stops_on_signals_in_any_phase_and_resumes_as_one_run``: the embedded default
+  (few steps): SIGTERM in the SFT warm start, SIGINT (process group) in RL, kill -9 mid-RL, completion,
+  rerun: clean one-line stops, the warm start continued, the periodic checkpoint used, one history.
 
 Compilation dominates a process's start, so the processes share a persistent JAX compilation cache.
 Every wait has a timeout; a failing wait kills the process group and shows its log.
@@ -452,7 +455,8 @@ def test_embedded_default_stops_on_signals_in_any_phase_and_resumes_as_one_run(t
     """The embedded default (few SFT/RL steps), as a user runs it: SIGTERM during the SFT warm start ->
     the same command continues the warm start from its checkpoint -> SIGINT (to the process group, as
     Ctrl-C) during RL -> the same command resumes -> kill -9 in mid-RL -> the same command resumes from
-    the default's periodic checkpoint (not from step 0) and finishes. Every signal stop: exit 0, no
+    the default's periodic checkpoint (not from step 0) and finishes -> the same command says the run
+    is complete (quietly). Every signal stop: exit 0, no
     traceback, one last line naming what was saved. The finished run reads as one run: metrics and
     TensorBoard hold every step once on a monotonic cumulative clock, summary.json lists the whole
     eval history (warm start -> end) and the three resumes, the final line reports both accuracies."""
@@ -530,5 +534,13 @@ def test_embedded_default_stops_on_signals_in_any_phase_and_resumes_as_one_run(t
     assert [e.step for e in events] == list(range(1, T + 1))  # one history (redone steps dropped)
     assert all(x.wall_time <= y.wall_time for x, y in zip(events, events[1:]))
     assert os.path.getsize(os.path.join(run, "curves.png")) > 10_000
+
+    # 5. the same command again: already complete, quietly (no config dump, no traceback), exit 0
+    a = Attempt(run, args, jax_cache, "p5_complete", config=None)
+    if a.wait(START_TIMEOUT_S) != 0:
+        a.fail(f"exit code {a.proc.returncode}")
+    out = a.output()
+    assert f"{run} is already complete at step {T}" in out and "trainer.total_steps =" not in out
+    assert "Traceback" not in out and len(out.strip().splitlines()) <= 5, out
     print(f"default chain: SFT stop at {k}, SIGINT at {s}, kill at {killed_at} -> resume {resume_at}; "
           f"{time.monotonic() - t_start:.0f} s")

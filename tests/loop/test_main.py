@@ -45,3 +45,13 @@ def test_cpu_devices_are_configured_before_jax_starts(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "DEVICES 2" in out.stdout
+
+
+def test_help_shows_flag_defaults_and_agrees_with_the_readme_on_the_run_time(capsys):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--config FILE", "(default: the embedded default)", "--print-config", "--dry-run", "(default: off"):
+        assert flag in text, flag
+    readme = " ".join(open(os.path.join(root, "README.md"), encoding="utf-8").read().split())
+    assert "about three minutes" in text and "about three minutes" in readme  # measured: 184 s (NOTES)
