@@ -99,10 +99,12 @@ class ModelConfigSection:
     rope_theta: float = 10000.0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    remat: Literal["none", "full", "dots"] = "none"
+    remat: Literal["none", "full", "minimal", "dots", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj",
+                   "save_out_proj", "minimal_offloaded", "qkv_proj_offloaded"] = "none"  # models/remat.py
     scan_layers: bool = True
-    # training/scoring/prefill attention (models/attention.py): auto = blockwise from 2048 tokens per row
-    attention: Literal["auto", "xla", "blockwise"] = "auto"
+    # training/scoring/prefill attention (models/attention.py): auto = splash on TPU, gpu_flash on GPU,
+    # elsewhere blockwise from 512 tokens per row (xla below)
+    attention: Literal["auto", "xla", "blockwise", "splash", "gpu_flash"] = "auto"
     attention_block: int = 512
     init_seed: int = 0
 

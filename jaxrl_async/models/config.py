@@ -62,7 +62,7 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of the parameters (master weights in training)
     remat: str = "none"  # jax.checkpoint policy per layer, by name (`models/remat.py`: none, full, minimal, ...)
     scan_layers: bool = True  # lax.scan over the stacked layers (fast compile) or a Python loop
-    # training / scoring / prefill attention (`models/attention.py`): "auto" | "xla" | "blockwise"
+    # training / scoring / prefill attention (`models/attention.py`): auto, xla, blockwise, splash, gpu_flash
     attention: str = "auto"
     attention_block: int = 512  # query and key block of "blockwise" (tokens)
 

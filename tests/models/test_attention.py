@@ -181,3 +181,47 @@ def test_generator_vs_trainer_logprob_parity_with_blockwise(tiny):
         ref, _ = sequence_logprobs(params, cfg, jnp.asarray(seq), jnp.asarray(segs), temperature=0.8)
         diff = np.abs(np.asarray(ref)[0, len(prompt):n] - np.asarray(lps)).max()
         assert diff <= 1e-5, (slot, diff)
+
+
+# ---------------------------------------------------------------------------------------
+# The accelerator kernels (splash: Pallas TPU, gpu_flash: Pallas-Triton) in Pallas interpret mode on CPU;
+# their compiles for the real targets are tests/aot (own CI environment)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["splash", "gpu_flash"])
+def test_accelerator_kernels_match_xla_in_interpret_mode(impl):
+    from jaxrl_async.models.attention_kernels import gpu_flash_attention, splash_attention
+
+    kernel = splash_attention if impl == "splash" else gpu_flash_attention
+    B, T, H, K, E = 2, 50, 4, 2, 32
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, B, T, H, K, E)
+    seg = jnp.asarray(_segments("packed", B, T))
+    live = (seg != 0)[:, :, None, None]
+    w = jnp.asarray(rng.standard_normal((B, T, H, E)), jnp.float32) * live
+    ref = lambda q, k, v: xla_attention(q, k, v, seg, 0.1)  # noqa: E731
+    ker = lambda q, k, v: kernel(q, k, v, seg, 0.1, block=16)  # noqa: E731
+    assert _rel(jnp.where(live, jax.jit(ref)(q, k, v), 0), jnp.where(live, jax.jit(ker)(q, k, v), 0)) <= 1e-5
+    g_ref = jax.jit(jax.grad(lambda *a: (ref(*a) * w).sum(), argnums=(0, 1, 2)))(q, k, v)
+    g_ker = jax.jit(jax.grad(lambda *a: (ker(*a) * w).sum(), argnums=(0, 1, 2)))(q, k, v)
+    for name, a, b in zip("qkv", g_ref, g_ker):
+        assert _rel(a, b) <= 1e-5, (impl, name, _rel(a, b))
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4)])  # (1, 4): 2 kv heads cannot split over tensor = 4
+def test_accelerator_kernels_under_the_trainer_mesh(shape):
+    from jaxrl_async.models.attention_kernels import gpu_flash_attention, splash_attention
+    from jaxrl_async.sharding import make_mesh
+    from jaxrl_async.sharding.activations import activation_rules
+
+    mesh = make_mesh(shape, ("fsdp", "tensor"), devices=jax.devices()[:4])
+    rng = np.random.default_rng(6)
+    q, k, v = _qkv(rng, 2, 40, 4, 2, 32)
+    seg = jnp.asarray(_segments("packed", 2, 40))
+    live = (seg != 0)[:, :, None, None]
+    ref = xla_attention(q, k, v, seg, 0.1)
+    for kernel in (splash_attention, gpu_flash_attention):
+        def run(q, k, v, kernel=kernel):
+            with activation_rules(mesh, "trainer"):
+                return kernel(q, k, v, seg, 0.1, block=16)
+
+        assert _rel(jnp.where(live, ref, 0), jnp.where(live, jax.jit(run)(q, k, v), 0)) <= 1e-5

@@ -1,0 +1,66 @@
+"""Compile-only accelerator devices on a machine without them (``../shared/reference/accelerator-aot.md``).
+
+* TPU: ``libtpu`` (extra ``[aot-tpu]``) + ``jax.experimental.topologies``: a described slice (``v5e:2x2``,
+  ``v5:2x2x1`` for v5p, ``v6e:2x2``, multi-host and multi-slice) whose devices ``jax.jit(...).lower().compile()``
+  targets; ``memory_analysis()`` is the TPU compiler's.
+* NVIDIA H100: ``jax-cuda12-plugin`` + ptxas (extra ``[aot-gpu]``) + the target description shipped in
+  ``jaxrl_async/targets/h100_sxm.txtpb``; XLA logs "Performing a deviceless compilation".
+
+Nothing is executed: build abstract arguments only (``jax.ShapeDtypeStruct`` with shardings; an
+eager op or ``device_put`` on these devices fails: "not available with compile-only client").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
+H100_TARGET = os.path.join(TARGETS_DIR, "h100_sxm.txtpb")
+
+
+class AOTUnavailableError(RuntimeError):
+    """The compiler of that target is not installed (say which extra installs it)."""
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a missing parent package
+        return False
+
+
+def tpu_available() -> bool:
+    return _installed("libtpu")
+
+
+def gpu_available() -> bool:
+    return _installed("jax_plugins.xla_cuda12") or _installed("jax_cuda12_plugin")
+
+
+def tpu_devices(topology: str = "v5e:2x2", *, num_slices: int = 1) -> list:
+    """Compile-only TPU devices of a slice, e.g. ``v5e:2x2`` (4 chips), ``v5:2x2x2`` (v5p, 8 chips)."""
+    if not tpu_available():
+        raise AOTUnavailableError("compiling for TPU needs libtpu: pip install 'jaxrl_async[aot-tpu]'")
+    from jax.experimental import topologies
+
+    kind, _, shape = topology.partition(":")
+    dims = [int(x) for x in shape.split("x")]
+    bounds = (min(dims[0], 2), min(dims[1], 2), 1) if len(dims) == 2 else (2, 2, 1)
+    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu", chip_config_name="default",
+                                        chips_per_host_bounds=bounds, num_slices=num_slices,
+                                        wrap=(False, False, False))
+    return list(topo.devices)
+
+
+def h100_devices(n: int = 8, *, hosts: int = 1) -> list:
+    """Compile-only H100 SXM devices: ``hosts`` x ``n`` GPUs."""
+    if not gpu_available():
+        raise AOTUnavailableError("compiling for H100 needs the CUDA plugin: pip install 'jaxrl_async[aot-gpu]'")
+    from jax.experimental import topologies
+
+    with open(H100_TARGET, encoding="utf-8") as f:
+        target = f.read()
+    topo = topologies.get_topology_desc(platform="cuda", topology_name="", topology=f"{hosts}x1x{n}",
+                                        target_config=target)
+    return list(topo.devices)

@@ -1,0 +1,159 @@
+"""Accelerator attention kernels behind ``model.attention`` (``splash`` on TPU, ``gpu_flash`` on NVIDIA GPUs).
+
+Both are JAX's own Pallas kernels, wrapped to compute exactly the reference function of
+``models/attention.py`` (causal within a segment, nothing across segments, GQA):
+
+* ``splash``: ``jax.experimental.pallas.ops.tpu.splash_attention`` (a causal ``MultiHeadMask`` plus
+  ``SegmentIds``; GQA natively: K/V keep their K heads). Fully masked blocks are skipped by the kernel's
+  mask info.
+* ``gpu_flash``: ``jax.experimental.pallas.ops.gpu.attention.mha`` (Pallas-Triton flash attention with
+  ``segment_ids`` and ``causal=True``). The kernel is multi-head only, so K/V are repeated to H heads
+  (inside the shard: K x G per device, not a global copy).
+
+On a mesh (the trainer's, under ``sharding.activations.activation_rules``) the kernel runs under
+``jax.shard_map`` with the activations' own shardings: batch over the data axes, heads over ``tensor``;
+the sequence axis must not be sharded (no context parallelism here). When the kv heads are not split
+like the query heads (e.g. 2 kv heads on tensor = 4), K/V are repeated to H heads first so that every
+shard holds the kv heads of its query heads.
+
+Rows are padded (segment 0) to a multiple of the block. Padding queries (segment 0) attend other
+padding in these kernels (the reference averages V there, ``blockwise`` gives 0): no loss reads them.
+On the CPU the kernels run in Pallas interpret mode (slow; for tests against the reference).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_async.sharding.activations import active_activation_rules
+
+Q_AXES = ("batch", "length", "activation_heads", "head_dim")
+KV_AXES = ("batch", "length", "activation_kv_heads", "head_dim")
+SEG_AXES = ("batch", "length")
+
+
+def kernel_platform() -> str:
+    """The platform the traced program targets: the active mesh's devices, else the default backend."""
+    active = active_activation_rules()
+    if active is not None:
+        return active[0].devices.flat[0].platform
+    return jax.devices()[0].platform
+
+
+def _pad_rows(q, k, v, segment_ids, multiple: int):
+    T = q.shape[1]
+    Tp = -(-T // multiple) * multiple
+    if Tp == T:
+        return q, k, v, segment_ids, T
+    pad = [(0, 0), (0, Tp - T), (0, 0), (0, 0)]
+    return (jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad),
+            jnp.pad(segment_ids, [(0, 0), (0, Tp - T)]), T)
+
+
+def _on_mesh(local: Callable, q, k, v, segment_ids):
+    """``local(q, k, v, seg)`` on every shard of the active mesh (or directly without one)."""
+    active = active_activation_rules()
+    if active is None:
+        return local(q, k, v, segment_ids)
+    from jaxrl_async.sharding.rules import logical_to_spec
+
+    mesh, rules = active
+    q_spec = logical_to_spec(Q_AXES, q.shape, rules, mesh)
+    kv_spec = logical_to_spec(KV_AXES, k.shape, rules, mesh)
+    seg_spec = logical_to_spec(SEG_AXES, segment_ids.shape, rules, mesh)
+    if q_spec[1] is not None:
+        raise ValueError(f"attention kernels need the sequence axis unsharded, got {q_spec}")
+    if kv_spec[2] != q_spec[2]:  # kv heads not split like the query heads: give every shard its own
+        G = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+        kv_spec = P(kv_spec[0], None, q_spec[2], None)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                       check_vma=False)
+    return fn(q, k, v, segment_ids)
+
+
+# ---------------------------------------------------------------------------------------
+# TPU: splash attention
+# ---------------------------------------------------------------------------------------
+def _splash_local(q, k, v, seg, *, scale: float, block: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    B, T, H, E = q.shape
+    b = min(block, T)
+    mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(H)])
+    sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                          block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    # splash has no softmax scale: scale q (exactly what the reference's scores do: (q k) * scale)
+    qt = jnp.swapaxes(q, 1, 2) * jnp.asarray(scale, q.dtype)
+    # Mosaic takes bf16 operands only at the default precision (a global "highest" would make it ask for
+    # an fp32 contraction of bf16 vectors and fail to compile); fp32 operands get a full fp32 matmul
+    precision = "highest" if q.dtype == jnp.float32 else "default"
+    run = _at_precision(lambda q_, k_, v_, s_: jax.vmap(kernel)(q_, k_, v_, segment_ids=sk.SegmentIds(q=s_, kv=s_)),
+                        precision)
+    out = run(qt, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), seg)
+    return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+
+
+def _at_precision(fn: Callable, precision: str) -> Callable:
+    """``fn`` traced at ``precision`` in its forward AND its backward pass (a plain context manager
+    would not cover the backward, which is traced later, under the caller's precision)."""
+
+    @jax.custom_vjp
+    def f(*args):
+        with jax.default_matmul_precision(precision):
+            return fn(*args)
+
+    def fwd(*args):
+        with jax.default_matmul_precision(precision):
+            return jax.vjp(fn, *args)
+
+    def bwd(vjp, g):
+        with jax.default_matmul_precision(precision):
+            return vjp(g)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def splash_attention(q, k, v, segment_ids, scale: float, block: int = 512, *, interpret: bool | None = None):
+    """q [B, T, H, E], k/v [B, T, K, E], segment_ids [B, T] -> [B, T, H, E] with the TPU splash kernel."""
+    if interpret is None:
+        interpret = kernel_platform() != "tpu"
+    # the kernel's blocks are multiples of the 128 TPU lanes; short rows are padded up to one block
+    lanes = 128
+    b = max(lanes, min(block, -(-q.shape[1] // lanes) * lanes) // lanes * lanes)
+    q, k, v, seg, T = _pad_rows(q, k, v, segment_ids.astype(jnp.int32), b)
+    local = functools.partial(_splash_local, scale=float(scale), block=b, interpret=interpret)
+    return _on_mesh(local, q, k, v, seg)[:, :T]
+
+
+# ---------------------------------------------------------------------------------------
+# NVIDIA GPU: Pallas-Triton flash attention
+# ---------------------------------------------------------------------------------------
+def _gpu_local(q, k, v, seg, *, scale: float, block: int, interpret: bool):
+    from jax.experimental.pallas.ops.gpu import attention as ga
+
+    G = q.shape[2] // k.shape[2]
+    if G > 1:
+        k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+    b = min(block, q.shape[1])
+    bwd = min(b, 64)
+    sizes = ga.BlockSizes(block_q=b, block_k=b, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd)
+    return ga.mha(q, k, v, seg, sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret)
+
+
+def gpu_flash_attention(q, k, v, segment_ids, scale: float, block: int = 128, *, interpret: bool | None = None):
+    """q [B, T, H, E], k/v [B, T, K, E], segment_ids [B, T] -> [B, T, H, E] with the Pallas-Triton kernel."""
+    if interpret is None:
+        interpret = kernel_platform() not in ("gpu", "cuda")
+    b = min(block, q.shape[1])
+    q, k, v, seg, T = _pad_rows(q, k, v, segment_ids.astype(jnp.int32), b)
+    local = functools.partial(_gpu_local, scale=float(scale), block=b, interpret=interpret)
+    return _on_mesh(local, q, k, v, seg)[:, :T]
