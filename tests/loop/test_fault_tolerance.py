@@ -455,8 +455,9 @@ def test_embedded_default_stops_on_signals_in_any_phase_and_resumes_as_one_run(t
     """The embedded default (few SFT/RL steps), as a user runs it: SIGTERM during the SFT warm start ->
     the same command continues the warm start from its checkpoint -> SIGINT (to the process group, as
     Ctrl-C) during RL -> the same command resumes -> kill -9 in mid-RL -> the same command resumes from
-    the default's periodic checkpoint (not from step 0) and finishes -> the same command says the run
-    is complete (quietly). Every signal stop: exit 0, no
+    the default's periodic checkpoint (not from step 0) and finishes -> (the export removed, as by a kill
+    during it) the same command redoes the export and says the run is complete, quietly. Every signal
+    stop: exit 0, no
     traceback, one last line naming what was saved. The finished run reads as one run: metrics and
     TensorBoard hold every step once on a monotonic cumulative clock, summary.json lists the whole
     eval history (warm start -> end) and the three resumes, the final line reports both accuracies."""
@@ -535,12 +536,18 @@ def test_embedded_default_stops_on_signals_in_any_phase_and_resumes_as_one_run(t
     assert all(x.wall_time <= y.wall_time for x, y in zip(events, events[1:]))
     assert os.path.getsize(os.path.join(run, "curves.png")) > 10_000
 
-    # 5. the same command again: already complete, quietly (no config dump, no traceback), exit 0
+    # 5. as if killed during the export: the same command redoes it, says the run is complete, quietly
+    import shutil
+
+    shutil.rmtree(os.path.join(run, "hf"))
+    json.dump({**summary, "export_dir": None}, open(os.path.join(run, "summary.json"), "w"))
     a = Attempt(run, args, jax_cache, "p5_complete", config=None)
     if a.wait(START_TIMEOUT_S) != 0:
         a.fail(f"exit code {a.proc.returncode}")
     out = a.output()
     assert f"{run} is already complete at step {T}" in out and "trainer.total_steps =" not in out
-    assert "Traceback" not in out and len(out.strip().splitlines()) <= 5, out
+    assert "Traceback" not in out and len(out.strip().splitlines()) <= 6, out
+    assert os.path.isfile(os.path.join(run, "hf", "model.safetensors"))
+    assert json.load(open(os.path.join(run, "summary.json")))["export_dir"] == os.path.join(run, "hf")
     print(f"default chain: SFT stop at {k}, SIGINT at {s}, kill at {killed_at} -> resume {resume_at}; "
           f"{time.monotonic() - t_start:.0f} s")
