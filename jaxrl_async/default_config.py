@@ -1,13 +1,14 @@
 """The embedded default run: `python -m jaxrl_async.main` with no `--config` (also `configs/tiny_cpu.py`).
 
 Made for a laptop CPU (2 cores, no network, no GPU) and about three minutes (184 s measured on a
-2-core CPU shared with other jobs): the run builds a local tokenizer, a synthetic arithmetic task with
-`\\boxed{}` answers (train and held-out splits, disjoint by construction), a tiny Qwen3-architecture
-policy, a short supervised warm start on the gold completions, and then asynchronous GRPO with the
-decoupled PPO loss (η = 2) on two simulated CPU devices (one generator, one trainer). It evaluates greedy accuracy on the held-out split, checkpoints
-every 5 RL steps and every 30 s (SIGTERM/SIGINT at any moment save and exit 0; the same command
-resumes), and ends with an Orbax checkpoint, a Hugging Face export (`runs/tiny_cpu/hf`),
-`metrics.jsonl`, TensorBoard scalars and `curves.png`.
+2-core CPU shared with other jobs): the run builds a local tokenizer, a synthetic arithmetic task
+with `\\boxed{}` answers (train and held-out splits, disjoint by construction), a tiny
+Qwen3-architecture policy, a short supervised warm start on the gold completions, and then
+asynchronous GRPO with the decoupled PPO loss (η = 2) on two simulated CPU devices (one generator,
+one trainer). It evaluates greedy accuracy on the held-out split, checkpoints every 5 RL steps and
+every 30 s (SIGTERM/SIGINT at any moment save and exit 0; the same command resumes), and ends with
+an Orbax checkpoint, a Hugging Face export (`runs/tiny_cpu/hf`), `metrics.jsonl`, TensorBoard
+scalars and `curves.png`.
 
 Measured results are in `benchmarks/RESULTS.md` ("Embedded default").
 """
