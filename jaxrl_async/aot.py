@@ -64,3 +64,29 @@ def h100_devices(n: int = 8, *, hosts: int = 1) -> list:
     topo = topologies.get_topology_desc(platform="cuda", topology_name="", topology=f"{hosts}x1x{n}",
                                         target_config=target)
     return list(topo.devices)
+
+
+# chips of a TPU slice -> its topology (v5p / v4: 3D tori, 4 chips a host; v5e / v6e: 2D)
+_TPU_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
+_TPU_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_TPU_PREFIX = {"v5p": "v5", "v4": "v4", "v5e": "v5e", "v6e": "v6e"}
+
+
+def target_devices(kind: str, n: int) -> tuple[list, str]:
+    """(compile-only devices, description) of ``n`` devices of a ``layouts.DEVICE_KINDS`` kind.
+
+    GPUs: H100 and H200 compile against the H100 SXM description (the same sm_90 compute; the memory
+    budget is the kind's own). TPUs: the slice of ``n`` chips. AOTUnavailableError when the kind
+    has no description here or its compiler is not installed."""
+    if kind in ("h100", "h200"):
+        if n > 8 and n % 8:
+            raise AOTUnavailableError(f"{n} GPUs: a multi-host H100 topology needs a multiple of 8")
+        hosts, per_host = (n // 8, 8) if n > 8 else (1, n)
+        return h100_devices(per_host, hosts=hosts), f"{n} x H100 SXM (deviceless CUDA compile, sm_90a)"
+    if kind in _TPU_PREFIX:
+        table = _TPU_3D if kind in ("v5p", "v4") else _TPU_2D
+        if n not in table:
+            raise AOTUnavailableError(f"no {kind} slice of {n} chips here (sizes: {sorted(table)})")
+        topology = f"{_TPU_PREFIX[kind]}:{table[n]}"
+        return tpu_devices(topology), f"TPU {topology} ({n} chips, libtpu deviceless compile)"
+    raise AOTUnavailableError(f"no compile-only target for device kind {kind!r}")

@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", default=None, help="replace the mesh section with this layout (jaxrl_async.layouts)")
     p.add_argument("--target", default=None, help="device kind to budget against (default: the layout's)")
     p.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free")
+    p.add_argument("--compile-for", choices=("auto", "target", "cpu"), default="auto",
+                   help="compile the trainer for the target device itself (libtpu / CUDA plugin, deviceless: extras "
+                        "aot-tpu / aot-gpu), or on the CPU (float32 upper bound); auto = target when installed")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--list", action="store_true", help="list the layouts and device kinds, then exit")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides")
@@ -152,14 +155,26 @@ def _device_bytes(abstract_leaves: Sequence[Any], shardings: Sequence[Any]) -> i
     return total
 
 
-def _input_shardings(compiled, n_args: int) -> list[list[Any]]:
-    """Per positional argument, the flat list of the executable's input shardings."""
+def _input_shardings(compiled, n_args: int, args: Sequence[Any] | None = None) -> list[list[Any]]:
+    """Per positional argument, the flat list of the executable's input shardings.
+
+    A TPU executable compiled deviceless (libtpu 0.0.42) cannot report them (jax fails to rebuild the
+    tree: "Too many leaves for PyTreeDef"); then the shardings the abstract ``args`` were lowered with are
+    used: every program planned here is jitted with explicit ``in_shardings``, so they are the same."""
     import jax
 
-    args_sh = compiled.input_shardings[0]
+    def leaves(tree):
+        return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+
+    try:
+        args_sh = compiled.input_shardings[0]
+    except ValueError:
+        if args is None:
+            raise
+        return [leaves(jax.tree.map(lambda a: a.sharding, a)) for a in args]
     if len(args_sh) != n_args:
         raise RuntimeError(f"compiled executable has {len(args_sh)} argument groups, expected {n_args}")
-    return [jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)) for s in args_sh]
+    return [leaves(s) for s in args_sh]
 
 
 @dataclasses.dataclass
@@ -190,7 +205,7 @@ def _compile(name: str, fn, args: Sequence[Any], compute_dtype: str) -> tuple[An
     m = compiled.memory_analysis()
     if m is None:
         raise PlanError(f"{name}: this backend reports no memory analysis for compiled executables")
-    shardings = _input_shardings(compiled, len(args))
+    shardings = _input_shardings(compiled, len(args), args)
     accounted = sum(_device_bytes(jax.tree.leaves(a), s) for a, s in zip(args, shardings))
     return compiled, ExecutableMemory(name, compute_dtype, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                                       int(m.alias_size_in_bytes), int(m.temp_size_in_bytes), dt, accounted)
@@ -257,12 +272,15 @@ def _abstract_state(trainer):
 
 
 def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None, headroom: float = 0.10,
-              float32_temporaries: bool | None = None) -> dict[str, Any]:
+              float32_temporaries: bool | None = None, compile_for: str = "auto") -> dict[str, Any]:
     """Plan ``cfg`` (a RunConfig) on the first ``num_devices`` JAX devices; returns the report dict
     (bytes per device; see the module docstring). Raises ConfigError / PlanError.
 
     ``float32_temporaries``: compile with float32 compute (default: on the CPU platform when the
-    compute dtype is not float32, see the module docstring).
+    compute dtype is not float32, see the module docstring). ``compile_for``: ``target`` compiles the
+    trainer's programs for the target device kind itself (``aot.target_devices``: libtpu / the CUDA
+    plugin, deviceless) in the configured dtypes; ``cpu`` keeps the CPU float32 bound; ``auto`` =
+    ``target`` when that compiler is installed (the report says which was used).
     """
     import jax
     import jax.numpy as jnp
@@ -322,15 +340,33 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
 
     # -- trainer ----------------------------------------------------------------------------------
     trainer = build_trainer(cfg, compile_cfg, trn_mesh)
+    trainer_c, trainer_compiled_for = trainer, (f"{platform} (float32 compute: an upper bound)"
+                                                if float32_temporaries else platform)
+    if compile_for not in ("auto", "target", "cpu"):
+        raise PlanError(f"--compile-for must be auto, target or cpu, got {compile_for!r}")
+    if compile_for != "cpu" and platform == "cpu":
+        from jaxrl_async import aot
+
+        try:
+            tdevs, described = aot.target_devices(kind.name, n)
+        except aot.AOTUnavailableError as e:
+            if compile_for == "target":
+                raise PlanError(f"--compile-for target: {e}") from None
+            notes.append(f"trainer compiled on the CPU, not for {kind.name}: {e}")
+        else:
+            t_mesh = make_mesh(dict(trn_mesh.shape), tuple(trn_mesh.axis_names),
+                               devices=[tdevs[i] for i in trn_ids])
+            trainer_c, trainer_compiled_for = build_trainer(cfg, model_cfg, t_mesh), described
+    t_dtype = trainer_c.model_cfg.dtype
     n_micro, rows, row_len, num_seqs = _batch_shape(cfg, trainer)
-    state = _abstract_state(trainer)
-    batch = _abstract_batch((n_micro, rows, row_len), trainer.batch_sharding)
-    scalar = lambda dt: _sds((), dt, trainer.replicated)  # noqa: E731
+    state = _abstract_state(trainer_c)
+    batch = _abstract_batch((n_micro, rows, row_len), trainer_c.batch_sharding)
+    scalar = lambda dt: _sds((), dt, trainer_c.replicated)  # noqa: E731
     step_args = (state, batch, scalar(jnp.float32), scalar(jnp.int32))
-    step_c, step_mem = _compile("train_step", trainer._step_fn(num_seqs), step_args, compile_cfg.dtype)
+    step_c, step_mem = _compile("train_step", trainer_c._step_fn(num_seqs), step_args, t_dtype)
     lp_args = (state.params, batch)
-    _, lp_mem = _compile("proximal_logprobs", trainer._jit_logprobs, lp_args, compile_cfg.dtype)
-    st_sh = _input_shardings(step_c, len(step_args))
+    _, lp_mem = _compile("proximal_logprobs", trainer_c._jit_logprobs, lp_args, t_dtype)
+    st_sh = _input_shardings(step_c, len(step_args), step_args)
     # the trainer's arrays do not depend on the compute dtype (fp32 master weights, fp32/int32 batch)
     n_param_leaves = len(jax.tree.leaves(state.params))
     st_leaves = jax.tree.leaves(state)
@@ -356,7 +392,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     bucket = engine_c.buckets[-1]
     pre_args = (gen_params_c, _sds((1, bucket), jnp.int32), _sds((), jnp.int32))
     _, pre_mem = _compile("prefill", engine_c._prefill, pre_args, compile_cfg.dtype)
-    dec_sh = _input_shardings(dec_c, len(dec_args))
+    dec_sh = _input_shardings(dec_c, len(dec_args), dec_args)
     # resident generator bytes in the configured dtypes, laid out by the decode step's own shardings
     gen_params = _device_bytes(jax.tree.leaves(param_shapes(gen_cfg)), dec_sh[0])
     arrays_r = jax.eval_shape(engine_r._init_arrays)
@@ -417,9 +453,10 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
             notes.append(f"{em.name}: arguments split by input shardings sum to {em.accounted_argument_bytes} B, "
                          f"memory_analysis reports {em.argument_bytes} B")
     if float32_temporaries:
-        notes.append(f"temporaries compiled with float32 compute on {platform} (XLA:CPU would add float32 copies of "
-                     f"{model_cfg.dtype} weights and KV pool that GPU/TPU do not make): an upper bound; resident "
-                     f"bytes are in the configured dtypes")
+        what = "generator" if trainer_c is not trainer else "generator and trainer"
+        notes.append(f"{what} temporaries compiled with float32 compute on {platform} (XLA:CPU would add float32 "
+                     f"copies of {model_cfg.dtype} weights and KV pool that GPU/TPU do not make): an upper bound; "
+                     f"resident bytes are in the configured dtypes")
     if layout is not None and n != layout.num_devices:
         notes.append(f"planned on {n} devices, layout {layout.name} has {layout.num_devices}")
 
@@ -457,6 +494,9 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
                         "cross_mesh_total_bytes": recv_per_dev * len(gen_ids), "generator_devices": len(gen_ids),
                         "dtype": gen_cfg.param_dtype, "routes": routes},
         "executables": {em.name: dataclasses.asdict(em) for em in (step_mem, lp_mem, dec_mem, pre_mem)},
+        "compiled_for": {"trainer": trainer_compiled_for,
+                         "generator": f"{platform}" + (" (float32 compute: an upper bound)" if float32_temporaries
+                                                       else "")},
         "fits": fits_gen and fits_trn,
         "notes": notes,
     }
@@ -558,6 +598,8 @@ def format_plan(r: dict[str, Any]) -> str:
     lines.append(f"model: {mdl['type']} {mdl['params'] / 1e9:.3f} B params, {mdl['layers']} layers, hidden {mdl['hidden']}, "
                  f"heads {mdl['heads']}/{mdl['kv_heads']} x {mdl['head_dim']}, vocab {mdl['vocab']}"
                  f"{' tied' if mdl['tied'] else ''}; compute {mdl['dtype']}, remat {mdl['remat']}")
+    cf = r.get("compiled_for", {})
+    lines.append(f"compiled for: trainer {cf.get('trainer', '?')}; generator {cf.get('generator', '?')}")
     lines.append("")
     mesh = lambda d: " x ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
     row = lambda label, b, extra="": lines.append(f"  {label:<34}{gib(b)}{'   ' + extra if extra else ''}")  # noqa: E731
@@ -636,7 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_plan_config(args.config, args.layout, args.overrides)
     n = args.devices if args.devices is not None else default_num_devices(cfg)
     _configure_devices(n, args.platform)
-    report = make_plan(cfg, num_devices=n, target=args.target, headroom=args.headroom)
+    report = make_plan(cfg, num_devices=n, target=args.target, headroom=args.headroom, compile_for=args.compile_for)
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0 if report["fits"] else 1
 

@@ -155,3 +155,14 @@ def test_plan_qwen3_8b_fits_its_layout():
     P = hand_param_count(cfg.model)
     assert close(r["trainer"]["params_bytes"], 4 * P / 4) and close(r["generator"]["params_bytes"], 2 * P / 2)
     assert r["fits"], format_plan(r)
+
+
+def test_compile_for_target_without_its_compiler_names_the_extra():
+    from jaxrl_async import aot
+    from jaxrl_async.plan import PlanError
+
+    if aot.gpu_available():
+        pytest.skip("the CUDA plugin is installed here: tests/aot covers the target compile")
+    cfg = load_plan_config(CONFIGS["0_6b"], "h100x8", [])
+    with pytest.raises(PlanError, match=r"aot-gpu"):
+        make_plan(cfg, num_devices=8, compile_for="target")

@@ -1,0 +1,36 @@
+"""`plan` compiles the trainer's programs for the target device kind itself (deviceless), in the
+configured dtypes, and says so; the generator part stays a CPU float32 bound (the engine cannot be
+built on compile-only devices: it places arrays)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from jaxrl_async import aot
+from jaxrl_async.plan import load_plan_config, make_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(ROOT, "configs", "qwen3_0_6b.py")
+
+
+@pytest.mark.skipif(not aot.gpu_available(), reason="needs the CUDA plugin (extra [aot-gpu])")
+def test_plan_compiles_the_trainer_for_h100():
+    cfg = load_plan_config(CONFIG, "h100x8", [])
+    r = make_plan(cfg, num_devices=8, compile_for="target")
+    assert "H100" in r["compiled_for"]["trainer"] and "deviceless" in r["compiled_for"]["trainer"]
+    assert r["executables"]["train_step"]["compute_dtype"] == "bfloat16"
+    assert r["executables"]["decode_step"]["compute_dtype"] == "float32"  # generator: the CPU bound
+    assert r["trainer"]["train_step_transient_bytes"] > 0
+    cpu = make_plan(cfg, num_devices=8, compile_for="cpu")
+    assert cpu["compiled_for"]["trainer"].startswith("cpu")
+    assert cpu["trainer"]["params_bytes"] == r["trainer"]["params_bytes"]  # same layout, other compiler
+
+
+@pytest.mark.skipif(not aot.tpu_available(), reason="needs libtpu (extra [aot-tpu])")
+def test_plan_compiles_the_trainer_for_a_tpu_slice():
+    cfg = load_plan_config(CONFIG, "h100x8", [])
+    r = make_plan(cfg, num_devices=8, target="v5p", compile_for="target")
+    assert "v5:2x2x2" in r["compiled_for"]["trainer"]
+    assert r["target"]["kind"] == "v5p" and r["executables"]["train_step"]["compute_dtype"] == "bfloat16"
