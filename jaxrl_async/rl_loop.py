@@ -81,6 +81,7 @@ from jaxrl_async.data.ledger import (
     LEDGER_LOG, DataLedger, LedgerHistory, read_data_ledger, record_from_json, repair_jsonl_tail,
 )
 from jaxrl_async.rl.batch import build_training_batch
+from jaxrl_async.trainer.train_step import step_metrics
 from jaxrl_async.run_record import RunResult
 from jaxrl_async.run_state import (
     _group_record, _state_from_items, _state_items, build_checkpointer, initial_params,
@@ -143,6 +144,7 @@ class RLLoop(WarmStartMixin):
         save_config(cfg, self.run_dir, extra={
             "generator_devices": list(self.gen_ids), "trainer_devices": list(self.trainer_ids),
             "vocab_size": self.model_cfg.vocab_size, "tokenizer_dir": self.tokenizer_dir,
+            "attention": self._attention_choice(),
             "train_records": len(self.train_ds), "eval_records": len(self.eval_records)})
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.init_params))
         tr, ro = cfg.trainer, cfg.rollout
@@ -206,6 +208,18 @@ class RLLoop(WarmStartMixin):
                   f"{list(self.gen_ids)}, trainer mesh {dict(self.trainer_mesh.shape)} on {list(self.trainer_ids)}"
                   + (" (colocated: time-shared)" if self.colocated else ""))
 
+    def _attention_choice(self) -> dict[str, str]:
+        """What ``model.attention`` resolves to on the trainer's platform, per packing row bucket
+        (logged and recorded in ``config.json``)."""
+        from jaxrl_async.models.attention import resolve_attention
+
+        platform = self.trainer_mesh.devices.flat[0].platform
+        impl = self.model_cfg.attention
+        choice = {str(T): resolve_attention(impl, T, platform) for T in self.cfg.trainer.packing.row_len_buckets}
+        log.info(f"attention: model.attention={impl} on {platform}: "
+                  + ", ".join(f"{name} for {T}-token rows" for T, name in choice.items()))
+        return choice
+
     def _setup_tokenizer_and_data(self) -> None:
         from transformers import AutoTokenizer
 
@@ -217,6 +231,13 @@ class RLLoop(WarmStartMixin):
             tok_dir = os.path.join(self.run_dir, "tokenizer_src")
             if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
                 build_tokenizer(tok_dir, kind=c.data.tokenizer_kind)
+        from jaxrl_async.cli import has_tokenizer_files
+        from jaxrl_async.config import ConfigError
+
+        if not has_tokenizer_files(tok_dir):  # AutoTokenizer would invent an empty one (EOS id 0)
+            field = "model.tokenizer_path" if c.model.tokenizer_path else "model.path"
+            raise ConfigError(field, f"{tok_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json / "
+                                     "vocabulary); set model.tokenizer_path to a directory that has them")
         self.tokenizer_dir = tok_dir
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         if c.data.task == "arithmetic":
@@ -252,7 +273,7 @@ class RLLoop(WarmStartMixin):
         self.init_params = params
         from jaxrl_async.generate import stop_token_ids
 
-        self.eos_ids = stop_token_ids(self.model_cfg, tok)
+        self.eos_ids = stop_token_ids(self.model_cfg, tok, model_dir=c.model.path)
         if not self.eos_ids:
             raise ValueError("model/tokenizer define no EOS token: generation could never stop before max_new_tokens")
 
@@ -591,15 +612,16 @@ class RLLoop(WarmStartMixin):
                 version += 1
                 # 3. push the new weights (dispatch now, before the next step donates the params)
                 push = pusher.push(state.params, version)
-                m0 = {k: float(v) for k, v in jax.device_get(mstats[-1]).items() if np.ndim(v) == 0}
+                m0 = step_metrics(mstats)  # every minibatch of the step, not only the last
                 train_s = time.monotonic() - t_train
                 try:
                     finite = nonfinite.update(step + 1, loss=m0["loss"], grad_norm=m0["grad_norm"])
                 except TrainingDivergedError as e:  # stop with a checkpoint of the last finite state
                     raise FatalRunError(f"training diverged: {e}") from e
                 if not finite:
-                    metrics.message(f"step {step + 1}: non-finite loss/gradient, update skipped "
-                                    f"({nonfinite.consecutive} in a row, {nonfinite.total_skipped} in total)")
+                    metrics.message(f"step {step + 1}: non-finite loss/gradient, update skipped ({m0['skipped']} of "
+                                    f"{m0['minibatches']} minibatch updates; {nonfinite.consecutive} steps in a row, "
+                                    f"{nonfinite.total_skipped} in total)")
                 # the step happened (update applied, or skipped as non-finite): its data is consumed. A
                 # batch whose step failed stays outstanding in the ledger and is replayed after a resume.
                 ledger.consumed([g.ticket.id for g in groups], step=step + 1, version=version - 1,
@@ -621,7 +643,7 @@ class RLLoop(WarmStartMixin):
                     "train/lr": m0["lr"], "train/clip_frac": m0.get("clip_frac", float("nan")),
                     "train/entropy": m0.get("entropy", float("nan")),
                     "train/behave_kl": m0.get("behave_approx_kl", float("nan")),
-                    "train/behave_prox_abs_max": max(float(m.get("behave_prox_abs_max", float("nan"))) for m in mstats),
+                    "train/behave_prox_abs_max": m0.get("behave_prox_abs_max", float("nan")),
                     "train/behave_mask_frac": m0.get("behave_mask_frac", float("nan")),
                     "train/skipped": int(m0.get("skipped", 0)), "train/seconds": train_s,
                     "train/tokens_per_s": trained_tokens / max(train_s, 1e-9),

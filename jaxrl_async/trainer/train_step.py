@@ -450,3 +450,26 @@ def default_normaliser_fn(loss_cfg: Any) -> NormaliserFn:
     if agg == "constant":
         return lambda n_loss_tokens, n_loss_seqs: 1.0
     raise ValueError(f"unknown loss aggregation {agg!r}")
+
+
+def step_metrics(minibatch_metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """One RL step's metrics from the metrics of its ``ppo_n_minibatches`` updates (host floats).
+
+    Every minibatch counts (not the last one only): ``loss`` is their mean and ``grad_norm`` their max,
+    both non-finite as soon as one minibatch's is (so the run's non-finite check sees any of them);
+    ``skipped`` counts the skipped updates; per-token statistics (clip_frac, entropy, behave_*) are
+    averaged with the minibatches' loss-token counts as weights; ``*_max`` take the max; ``lr`` is the
+    last update's.
+    """
+    ms = [{k: float(v) for k, v in jax.device_get(dict(m)).items() if np.ndim(v) == 0} for m in minibatch_metrics]
+    if not ms:
+        raise ValueError("step_metrics: no minibatch")
+    w = np.asarray([m.get("loss_tokens", 1.0) for m in ms], np.float64)
+    w = w / w.sum() if w.sum() > 0 else np.full(len(ms), 1.0 / len(ms))
+    out = {"loss": float(np.mean([m["loss"] for m in ms])), "grad_norm": float(np.max([m["grad_norm"] for m in ms])),
+           "lr": ms[-1]["lr"], "skipped": int(sum(m.get("skipped", 0) for m in ms)), "minibatches": len(ms)}
+    for k in sorted(set().union(*ms) - set(out) - {"tokens", "loss_tokens", "sequences", "n_micro", "n_real_micro",
+                                                       "row_len"}):
+        vals = np.asarray([m.get(k, np.nan) for m in ms], np.float64)
+        out[k] = float(np.max(vals)) if k.endswith("_max") else float(np.sum(vals * w))
+    return out

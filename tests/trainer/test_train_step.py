@@ -271,3 +271,19 @@ def test_empty_bucket_micro_batches_are_skipped_and_change_nothing(params):
     step_jaxpr = str(jax.make_jaxpr(step)(pad.init_state(params), batch, jnp.float32(1.0), jnp.int32(0)))
     lp_jaxpr = str(jax.make_jaxpr(pad._logprobs_impl)(params, batch))
     assert "cond[" in step_jaxpr and "cond[" in lp_jaxpr
+
+
+def test_step_metrics_cover_every_minibatch():
+    from jaxrl_async.trainer.train_step import step_metrics
+
+    mb = [{"loss": jnp.float32(float("nan")), "grad_norm": jnp.float32(float("inf")), "lr": 1e-3, "skipped": 1,
+           "clip_frac": 0.5, "loss_tokens": 30, "behave_prox_abs_max": 0.2, "tokens": 40},
+          {"loss": jnp.float32(1.0), "grad_norm": jnp.float32(2.0), "lr": 2e-3, "skipped": 0, "clip_frac": 0.1,
+           "loss_tokens": 10, "behave_prox_abs_max": 0.7, "tokens": 12}]
+    m = step_metrics(mb)
+    # a non-finite FIRST minibatch reaches the run's check (the last one alone looked fine)
+    assert not np.isfinite(m["loss"]) and not np.isfinite(m["grad_norm"])
+    assert (m["skipped"], m["minibatches"], m["lr"]) == (1, 2, 2e-3)
+    assert m["clip_frac"] == pytest.approx(0.75 * 0.5 + 0.25 * 0.1) and m["behave_prox_abs_max"] == 0.7
+    ok = step_metrics([{**mb[1], "grad_norm": 3.0}, mb[1]])
+    assert ok["loss"] == 1.0 and ok["grad_norm"] == 3.0 and "tokens" not in ok
