@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
-    print(f"| T | attention | step | model TFLOP/s | MFU |\n|---:|---|---:|---:|---:|")
+    print("| T | attention | step | model TFLOP/s | MFU |\n|---:|---|---:|---:|---:|")
     for r in rows:
         if "error" in r:
             print(f"| {r['T']} | {r['attention']} | {r['error']} | | |")
