@@ -207,8 +207,9 @@ def test_required_isolation_refused_when_unavailable(monkeypatch):
 
 
 def test_hardening_required_refuses_and_best_effort_logs(monkeypatch, caplog):
+    import jaxrl_async.rewards._isolation as isolation
     import jaxrl_async.rewards.sandbox as sandbox_mod
-    monkeypatch.setattr(sandbox_mod, "_cgroups", {None: "no memory controller mounted (test)"})
+    monkeypatch.setattr(isolation, "_cgroups", {None: "no memory controller mounted (test)"})
     monkeypatch.setattr(sandbox_mod, "_probe_cache", {**PROBE, "seccomp": False, "seccomp_error": "EINVAL (test)"})
     monkeypatch.setattr(sandbox_mod, "_warned", set())
     with pytest.raises(SandboxUnavailableError, match="memcg: no memory controller.*seccomp: cannot install"):
@@ -241,11 +242,11 @@ class _FakeCgroupV2Os:
 
 def test_cgroup_v2_slot_protocol_on_a_fake_hierarchy(tmp_path, monkeypatch):
     """This machine mounts the v1 memory controller; the v2 file protocol is checked on a fake tree."""
-    import jaxrl_async.rewards.sandbox as sandbox_mod
+    import jaxrl_async.rewards._isolation as isolation
     (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
     (tmp_path / "cgroup.subtree_control").write_text("cpu\n")
-    monkeypatch.setattr(sandbox_mod, "os", _FakeCgroupV2Os())
-    cgroups = sandbox_mod._setup_memory_cgroups(str(tmp_path))
+    monkeypatch.setattr(isolation, "os", _FakeCgroupV2Os())
+    cgroups = isolation._setup_memory_cgroups(str(tmp_path))
     assert cgroups.version == 2 and (tmp_path / "cgroup.subtree_control").read_text() == "+memory"
     run = cgroups.acquire(123 << 20)
     slot = run.path

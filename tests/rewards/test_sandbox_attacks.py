@@ -18,6 +18,7 @@ import uuid
 import pytest
 
 from jaxrl_async.rewards import _seccomp
+from jaxrl_async.rewards import _isolation as isolation
 from jaxrl_async.rewards import sandbox as sandbox_mod
 from jaxrl_async.rewards.code_reward import CodeReward, CodeRewardConfig
 from jaxrl_async.rewards.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError, probe_isolation
@@ -368,8 +369,8 @@ def test_uid_collision_denial_of_service(monkeypatch):
 
     assert race().stdout.strip() == "forked 4"  # distinct uids: the other run is not affected
     # control: force both instances onto one uid (the old per-instance pools did so) -> the victim cannot fork
-    monkeypatch.setattr(sandbox_mod._UIDS, "acquire", lambda base, count: 299_970)
-    monkeypatch.setattr(sandbox_mod._UIDS, "release", lambda uid: None)
+    monkeypatch.setattr(isolation._UIDS, "acquire", lambda base, count: 299_970)
+    monkeypatch.setattr(isolation._UIDS, "release", lambda uid: None)
     res = race()
     assert res.returncode != 0 and "BlockingIOError" in res.stderr, res
 
@@ -379,7 +380,7 @@ def test_uid_held_by_another_process_is_skipped():
     uid = 299_960
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import fcntl, os, sys, time
-        fd = os.open({os.path.join(sandbox_mod._UID_LOCK_DIR, 'uids.lock')!r}, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open({os.path.join(isolation._UID_LOCK_DIR, 'uids.lock')!r}, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.lockf(fd, fcntl.LOCK_EX, 1, {uid}, os.SEEK_SET)
         print('locked', flush=True); time.sleep(30)
     """)], stdout=subprocess.PIPE, text=True)
