@@ -88,3 +88,39 @@ def test_gpu_flash_block_too_large_for_shared_memory_fails_to_compile():
     _kernel_grad(mesh, gpu_flash_attention, 128, 2048)  # control
     with pytest.raises(Exception, match="Shared memory size limit exceeded"):
         _kernel_grad(mesh, gpu_flash_attention, 512, 2048)
+
+
+def _all_gathers(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of every array an all-gather of the compiled program produces."""
+    import re
+
+    out = []
+    for line in hlo.split("\n"):
+        line = line.strip()
+        if not re.match(r"%all-gather(-start)?(\.\d+)? = ", line):
+            continue
+        head = line.split(" all-gather")[0]
+        shapes = re.findall(r"(bf16|f32|s32|u32)\[([\d,]*)\]", head)
+        if "-start" in line:  # async form: (operands, results)
+            shapes = shapes[len(shapes) // 2:]
+        out += [(dt, tuple(int(d) for d in s.split(",") if d)) for dt, s in shapes]
+    return out
+
+
+@pytest.mark.parametrize("kind", [pytest.param("gpu", marks=needs_gpu), pytest.param("tpu", marks=needs_tpu)])
+def test_fsdp_all_gathers_move_bf16_weights(kind):
+    """FSDP gathers the layer weights in the compute dtype (bf16), not the fp32 master weights: XLA moves the
+    convert before the all-gather on both targets. (On TPU the only fp32 all-gathers are the [B, T, D]
+    cotangents of the embedding lookup, gathered for the scatter-add into the embedding gradient.)"""
+    devs = aot.tpu_devices("v5e:2x2") if kind == "tpu" else aot.h100_devices(4)
+    mesh = make_mesh((4,), ("fsdp",), devices=devs)
+    cfg = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8,
+                      num_kv_heads=4, head_dim=64, max_position_embeddings=4096, dtype="bfloat16", remat="full")
+    tr = Trainer(cfg, TrainerConfig(), mesh=mesh)
+    state, batch = _abstract_state(tr), _abstract_batch((1, 4, 512), tr.batch_sharding)
+    scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=tr.replicated)  # noqa: E731
+    gathers = _all_gathers(tr._step_fn(5).lower(state, batch, scalar(jnp.float32), scalar(jnp.int32)).compile()
+                           .as_text())
+    weight_shapes = {(512, 8, 64), (512, 4, 64), (8, 64, 512), (512, 1024), (1024, 512)}  # one layer's q k/v o mlp
+    assert {s for dt, s in gathers if dt == "bf16"} >= {(512, 8, 64), (512, 1024)}, gathers  # gathers exist
+    assert not [s for dt, s in gathers if dt == "f32" and s in weight_shapes], gathers
