@@ -82,7 +82,8 @@ def target_devices(kind: str, n: int) -> tuple[list, str]:
         if n > 8 and n % 8:
             raise AOTUnavailableError(f"{n} GPUs: a multi-host H100 topology needs a multiple of 8")
         hosts, per_host = (n // 8, 8) if n > 8 else (1, n)
-        return h100_devices(per_host, hosts=hosts), f"{n} x H100 SXM (deviceless CUDA compile, sm_90a)"
+        what = "H100 SXM" if kind == "h100" else "H200 (the H100 SXM description: same sm_90a compute)"
+        return h100_devices(per_host, hosts=hosts), f"{n} x {what} (deviceless CUDA compile)"
     if kind in _TPU_PREFIX:
         table = _TPU_3D if kind in ("v5p", "v4") else _TPU_2D
         if n not in table:

@@ -61,7 +61,8 @@ from jaxrl_async.config import (
 from jaxrl_async.rl.advantages import AdvantageConfig
 from jaxrl_async.rl.losses import BehaviourWeightConfig, PolicyLossConfig
 
-__all__ = ["qwen3_model_section", "qwen3_math_rl", "SAMPLE_TRAIN_PATH", "MAX_PROMPT_LEN", "MAX_NEW_TOKENS"]
+__all__ = ["qwen3_model_section", "qwen3_math_rl", "qwen3_math_rl_long", "SAMPLE_TRAIN_PATH", "MAX_PROMPT_LEN",
+           "MAX_NEW_TOKENS", "LONG_MAX_NEW_TOKENS", "LONG_MAX_PROMPT_LEN"]
 
 SAMPLE_TRAIN_PATH = os.path.join(os.path.dirname(__file__), "data", "samples", "gsm8k_sample.jsonl")
 BOXED_INSTRUCTION = "\nPlease put your final answer within \\boxed{}."
@@ -118,5 +119,41 @@ def qwen3_math_rl(size: str, *, layout: str, max_concurrent_decodes: int, tokens
         mesh=mesh_config(layout),
         eval=EvalConfig(every_steps=50, at_start=True, temperature=0.0),
         checkpoint=CheckpointSection(every_seconds=3600.0, keep_last=2, export_hf=True),  # AReaL recover freq 3600 s
+    )
+
+
+#: AReaL's long-CoT lengths (boba recipes: up to 27,648 generated tokens in a 32k context)
+LONG_MAX_NEW_TOKENS = 27648
+LONG_MAX_PROMPT_LEN = 4096
+
+
+def qwen3_math_rl_long(size: str, *, layout: str, max_concurrent_decodes: int, num_pages: int,
+                       tokens_per_micro: int, remat: str = "full", name: str | None = None) -> RunConfig:
+    """:func:`qwen3_math_rl` at reasoning lengths: prompts up to 4,096 tokens, up to 27,648 generated, rows of
+    32,768 tokens (one row per trainer data shard per micro-batch at ``tokens_per_micro`` = 32,768 x shards).
+
+    The generator's KV pool is sized by ``num_pages`` (pages of 16 tokens, allocated on demand: decode slots do
+    not reserve full-length sequences; the orchestrator preempts when the pool runs out) instead of slots x
+    full length, which at 32k tokens would be 8-16x the memory. Attention is ``auto`` (splash on TPU, the
+    Pallas-Triton kernel on GPU): at these lengths the T x T scores of ``xla`` alone exceed a device.
+    """
+    import dataclasses
+
+    base = qwen3_math_rl(size, layout=layout, max_concurrent_decodes=max_concurrent_decodes,
+                         tokens_per_micro=tokens_per_micro,
+                         name=name or size.replace("-", "_").replace(".", "_") + "_math_rl_long")
+    max_seq = LONG_MAX_PROMPT_LEN + LONG_MAX_NEW_TOKENS  # 31,744 <= Qwen3's 40,960 positions
+    ro = base.rollout
+    return dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, remat=remat, attention="auto"),
+        data=dataclasses.replace(base.data, max_prompt_len=LONG_MAX_PROMPT_LEN),
+        rollout=dataclasses.replace(
+            ro, sampling=dataclasses.replace(ro.sampling, max_new_tokens=LONG_MAX_NEW_TOKENS),
+            engine=dataclasses.replace(ro.engine, max_sequence_length=max_seq, max_prefill_length=LONG_MAX_PROMPT_LEN,
+                                       num_pages=num_pages)),
+        trainer=dataclasses.replace(base.trainer, packing=dataclasses.replace(
+            base.trainer.packing, tokens_per_micro=tokens_per_micro,
+            row_len_buckets=(1024, 2048, 4096, 8192, 16384, 32768))),
     )
 

@@ -166,3 +166,17 @@ def test_compile_for_target_without_its_compiler_names_the_extra():
     cfg = load_plan_config(CONFIGS["0_6b"], "h100x8", [])
     with pytest.raises(PlanError, match=r"aot-gpu"):
         make_plan(cfg, num_devices=8, compile_for="target")
+
+
+@pytest.mark.parametrize("name", ["qwen3_8b_long", "qwen3_8b_long_v5p", "qwen3_14b_long_v5p", "qwen3_32b_long_v5p"])
+def test_reasoning_length_configs_carry_arealss_long_lengths(name):
+    from jaxrl_async.recipes import LONG_MAX_NEW_TOKENS
+
+    cfg = load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+    validate(cfg, LAYOUTS[cfg.mesh.layout].num_devices)
+    e, pk = cfg.rollout.engine, cfg.trainer.packing
+    assert cfg.rollout.sampling.max_new_tokens == LONG_MAX_NEW_TOKENS == 27648 and cfg.rollout.n_samples == 16
+    assert e.max_sequence_length <= 32768 == pk.row_len_buckets[-1] and e.num_pages is not None
+    trainer_shards = LAYOUTS[cfg.mesh.layout].trainer_shape[0]
+    assert pk.tokens_per_micro == 32768 * trainer_shards  # one 32k row per FSDP shard per micro-batch
+    assert (cfg.model.attention, cfg.model.remat) == ("auto", "full")
