@@ -108,6 +108,16 @@ def _block_mask(seg_q, seg_k, q0, k0, bq, bk):
     return causal[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k != 0)[:, None, :]
 
 
+def _key_block(k, v, segment_ids, seg_q, q0, j, bq: int, bk: int):
+    """Key block j: (k block, v block, [B, 1, 1, bq, bk] visibility for the query block at q0)."""
+    k0 = j * bk
+
+    def sl(x):
+        return jax.lax.dynamic_slice_in_dim(x, k0, bk, axis=1)
+
+    return sl(k), sl(v), _block_mask(seg_q, sl(segment_ids), q0, k0, bq, bk)[:, None, None]
+
+
 def _scores(qb, kb, scale):
     """q block [B, bq, K, G, E], k block [B, bk, K, E] -> float32 scores [B, K, G, bq, bk]."""
     return jnp.einsum("bqkge,bske->bkgqs", qb, kb, preferred_element_type=jnp.float32) * scale
@@ -126,11 +136,7 @@ def _flash_forward(q, k, v, segment_ids, scale, bq, bk):
 
         def step(j, carry):
             m, l, acc = carry
-            k0 = j * bk
-            kb = jax.lax.dynamic_slice_in_dim(k, k0, bk, axis=1)
-            vb = jax.lax.dynamic_slice_in_dim(v, k0, bk, axis=1)
-            seg_k = jax.lax.dynamic_slice_in_dim(segment_ids, k0, bk, axis=1)
-            mask = _block_mask(seg_q, seg_k, q0, k0, bq, bk)[:, None, None]  # [B, 1, 1, bq, bk]
+            kb, vb, mask = _key_block(k, v, segment_ids, seg_q, q0, j, bq, bk)
             s = jnp.where(mask, _scores(qb, kb, scale), _NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -173,10 +179,7 @@ def _flash_backward(q, k, v, segment_ids, out, lse, dout, scale, bq, bk):
         def step(j, inner):
             dq_b, dk, dv = inner
             k0 = j * bk
-            kb = jax.lax.dynamic_slice_in_dim(k, k0, bk, axis=1)
-            vb = jax.lax.dynamic_slice_in_dim(v, k0, bk, axis=1)
-            seg_k = jax.lax.dynamic_slice_in_dim(segment_ids, k0, bk, axis=1)
-            mask = _block_mask(seg_q, seg_k, q0, k0, bq, bk)[:, None, None]
+            kb, vb, mask = _key_block(k, v, segment_ids, seg_q, q0, j, bq, bk)
             s = _scores(qb, kb, scale)
             p = jnp.where(mask, jnp.exp(s - lse_b[..., None]), 0.0)  # [B, K, G, bq, bk] float32
             dv_j = jnp.einsum("bkgqs,bqkge->bske", p.astype(dout.dtype), dob, preferred_element_type=jnp.float32)
