@@ -31,10 +31,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import real_batch  # noqa: E402
+from bench_attention import run_steps  # noqa: E402
 
 from jaxrl_async.models.config import ModelConfig  # noqa: E402
-from jaxrl_async.models.transformer import init_params  # noqa: E402
 from jaxrl_async.trainer.flops import train_step_flops  # noqa: E402
 from jaxrl_async.trainer.train_step import Trainer, TrainerConfig  # noqa: E402
 
@@ -79,19 +78,8 @@ def implementations(platform: str) -> list[str]:
 
 
 def time_step(cfg: ModelConfig, T: int, steps: int) -> float:
-    tr = Trainer(cfg, TrainerConfig(logprob_chunk=2048))
-    params = init_params(cfg.replace(param_dtype="float32"), jax.random.key(0))
-    state = tr.init_state(params)
-    batch = jax.device_put(real_batch(T), tr.batch_sharding)
-    fn = tr._step_fn(5)
-    times = []
-    for i in range(steps + 1):  # the first call compiles
-        t0 = time.perf_counter()
-        state, m = fn(state, batch, jnp.float32(1000.0), jnp.int32(0))
-        jax.block_until_ready(m["loss"])
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``steps`` train steps on one packed row of T tokens (after a compiling one)."""
+    return statistics.median(run_steps(Trainer(cfg, TrainerConfig(logprob_chunk=2048)), T, steps))
 
 
 def main(argv=None) -> int:
