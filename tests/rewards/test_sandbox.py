@@ -105,7 +105,8 @@ def test_huge_output_bounded(sb):
 def test_writes_outside_workdir_fail_or_stay_invisible(sb):
     tag = uuid.uuid4().hex
     in_project = os.path.join(PROJECT_DIR, f"PWNED-{tag}")  # the checkout, wherever it lives
-    targets = [in_project, f"/var/tmp/pwned-{tag}", f"/tmp/pwned-{tag}", f"/dev/shm/pwned-{tag}"]
+    in_host = f"/usr/PWNED-{tag}"  # a host directory that is never under a sandbox-private tmpfs
+    targets = [in_project, in_host, f"/var/tmp/pwned-{tag}", f"/tmp/pwned-{tag}", f"/dev/shm/pwned-{tag}"]
     code = (
         "import sys\n"
         f"for p in {targets!r}:\n"
@@ -118,7 +119,11 @@ def test_writes_outside_workdir_fail_or_stay_invisible(sb):
     res = sb.run(code)
     assert res.ok, res.stderr
     lines = dict(ln.rsplit(" ", 1) for ln in res.stdout.splitlines()[:-1])
-    assert lines[in_project] == "30"  # EROFS: the whole host tree is mounted read-only
+    assert lines[in_host] == "30"  # EROFS: the whole host tree is mounted read-only
+    # the checkout too; a checkout under /tmp, /var/tmp, /dev/shm or /run is hidden by the sandbox's own empty
+    # tmpfs there, so the path does not even exist inside (ENOENT)
+    private = any(PROJECT_DIR.startswith(d) for d in ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/"))
+    assert lines[in_project] == ("2" if private else "30"), (PROJECT_DIR, lines[in_project])
     for shared in (f"/tmp/pwned-{tag}", f"/var/tmp/pwned-{tag}", f"/dev/shm/pwned-{tag}"):
         assert lines[shared] == "WROTE"  # the private tmpfs: allowed inside...
     assert res.stdout.splitlines()[-1] == "ok"  # work dir writable
