@@ -113,6 +113,9 @@ CASES = [
      "run_dir={t}/run_bad model.path={model} data.task=dataset data.train_path={t}/gsm_bad.jsonl data.format=gsm8k",
      "{t}/gsm_bad.jsonl: row 2: [gsm8k]"),
     ("main-bad-flag", "jaxrl_async.main", "--bogus", "unknown option '--bogus'"),
+    ("main-no-tokenizer", "jaxrl_async.main",
+     "run_dir={t}/run_notok model.path={notok} data.task=dataset data.train_path={t}/gsm.jsonl data.format=gsm8k",
+     "model.path: {notok} has no tokenizer files"),
 ]
 
 
@@ -127,6 +130,10 @@ def _make_files(t) -> dict[str, str]:
     model = build_tokenizer(str(t / "model"), kind="arithmetic")  # has a chat template
     make_tiny_hf_model(model, "qwen3", vocab_size=len(AutoTokenizer.from_pretrained(model)))
     trunc = shutil.copytree(model, t / "trunc")
+    notok = t / "notok"  # weights + config only, as a model's save_pretrained writes them
+    notok.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(model, f), notok / f)
     with open(trunc / "model.safetensors", "r+b") as fh:
         fh.truncate(fh.seek(0, 2) // 2)
     (t / "noconfig").mkdir()
@@ -147,7 +154,7 @@ def _make_files(t) -> dict[str, str]:
                 with open(os.path.join(root, f), "r+b") as fh:
                     fh.truncate(10)
     return {"model": model, "missing": str(t / "missing"), "noconfig": str(t / "noconfig"), "trunc": str(trunc),
-            "t": str(t)}
+            "notok": str(notok), "t": str(t)}
 
 
 def _run(module: str, argv: list[str], cwd: str) -> tuple[subprocess.CompletedProcess, float]:
