@@ -216,13 +216,15 @@ class PagedEngine(Engine):
       page_size: tokens per KV page.
       num_pages: pool size; None = `kv_cache.auto_num_pages` from device memory.
       cache_memory_fraction: share of the free device memory given to the pool when auto-sizing.
+      reserve_weight_push: when auto-sizing, keep room for a second copy of the weights (an RL run's
+          pushes arrive while the old weights still serve; standalone generation needs no room).
       max_stop_tokens: width of the per-slot stop-id array.
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None = None, *, max_concurrent_decodes: int,
                  max_sequence_length: int, max_prefill_length: int | None = None,
                  prefill_buckets: Sequence[int] | None = None, page_size: int = 16, num_pages: int | None = None,
-                 cache_memory_fraction: float = 0.9, max_stop_tokens: int = 8):
+                 cache_memory_fraction: float = 0.9, max_stop_tokens: int = 8, reserve_weight_push: bool = False):
         if max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
         if max_sequence_length < 2:
@@ -256,7 +258,8 @@ class PagedEngine(Engine):
         if num_pages is None:
             self.sizing = kv_cache.auto_num_pages(spec_kw, cfg, self.mesh, self.param_shardings, max_slots=self._S,
                                                   max_prefill=buckets[-1], max_seq=self._max_seq,
-                                                  fraction=cache_memory_fraction)
+                                                  fraction=cache_memory_fraction,
+                                                  reserve_weight_push=reserve_weight_push)
             num_pages = self.sizing.num_pages
         else:
             self.sizing = kv_cache.SizingReport(int(num_pages), "explicit", 0, 0, 0, 0, 0)

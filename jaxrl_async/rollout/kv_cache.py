@@ -27,11 +27,12 @@ changing the cache layout.
 
 Automatic sizing (`auto_num_pages`)
 -----------------------------------
-Per device: budget = fraction * (limit - max(in_use, param_bytes)) - workspace, where
+Per device: budget = fraction * (limit - max(in_use, param_bytes) - incoming) - workspace, where
 ``limit``/``in_use`` come from ``device.memory_stats()`` ("bytes_limit"/"bytes_in_use", the
 minimum over the generator mesh's devices), ``param_bytes`` is the per-device size of the
-parameters under the generator shardings and ``workspace`` an estimate of the transient
-prefill/decode buffers. Backends without memory stats (CPU) use the host fallback
+parameters under the generator shardings, ``incoming`` the same again when the engine receives
+weight pushes (``reserve_weight_push``: the new weights arrive while the old ones still serve, as
+the planner counts them) and ``workspace`` an estimate of the transient prefill/decode buffers. Backends without memory stats (CPU) use the host fallback
 limit = min(available host RAM / 4 / num_devices, 1 GiB). The page count is clamped to
 [max_pages_per_seq, S * max_pages_per_seq] (more pages than a full per-slot reservation can
 never be used; fewer than one full sequence is an error).
@@ -177,10 +178,12 @@ class SizingReport:
     param_bytes: int
     workspace_bytes: int
     page_bytes: int
+    incoming_weight_bytes: int = 0  # room kept for a weight push's arriving copy
 
 
 def auto_num_pages(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardings: Any, *, max_slots: int,
-                   max_prefill: int, max_seq: int, fraction: float) -> SizingReport:
+                   max_prefill: int, max_seq: int, fraction: float,
+                   reserve_weight_push: bool = False) -> SizingReport:
     """Number of pages that fit the generator mesh (formula in the module doc)."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"cache_memory_fraction must be in (0, 1], got {fraction}")
@@ -190,16 +193,18 @@ def auto_num_pages(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shar
     limit, in_use, source = device_memory(list(mesh.devices.flat))
     pbytes = param_bytes_per_device(cfg, param_shardings)
     ws = workspace_bytes(cfg, max_slots, max_prefill, max_seq, shards)
-    budget = fraction * (limit - max(in_use, pbytes)) - ws
+    incoming = pbytes if reserve_weight_push else 0
+    budget = fraction * (limit - max(in_use, pbytes) - incoming) - ws
     n = int(budget // page_b) if budget > 0 else 0
     need_one = probe.max_pages_per_seq
     if n < need_one:
         raise MemoryError(
             f"KV cache: {max(budget, 0) / 2**20:.1f} MiB left per device (limit {limit / 2**20:.0f} MiB from {source}, "
-            f"params {pbytes / 2**20:.1f} MiB, workspace {ws / 2**20:.1f} MiB, fraction {fraction}) hold {n} pages of "
+            f"params {pbytes / 2**20:.1f} MiB, incoming weights {incoming / 2**20:.1f} MiB, workspace "
+            f"{ws / 2**20:.1f} MiB, fraction {fraction}) hold {n} pages of "
             f"{page_b} B, fewer than the {need_one} pages of one max_sequence_length={max_seq} sequence")
     n = min(n, max_slots * probe.max_pages_per_seq)
-    return SizingReport(n, source, limit, in_use, pbytes, ws, page_b)
+    return SizingReport(n, source, limit, in_use, pbytes, ws, page_b, incoming)
 
 
 # ---------------------------------------------------------------------------------------

@@ -86,12 +86,13 @@ def _cfg(**kw):
     return ModelConfig(**base)
 
 
-def _sizing(cfg, mesh, monkeypatch, limit, in_use, fraction=0.5, slots=8, max_seq=256):
+def _sizing(cfg, mesh, monkeypatch, limit, in_use, fraction=0.5, slots=8, max_seq=256, reserve_weight_push=False):
     monkeypatch.setattr(kv_cache, "device_memory", lambda devices: (limit, in_use, "memory_stats"))
     spec = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=16,
                 max_pages_per_seq=kv_cache.pages_for(max_seq, 16), dtype=cfg.dtype)
     return kv_cache.auto_num_pages(spec, cfg, mesh, model_shardings(cfg, mesh, "generator"), max_slots=slots,
-                                   max_prefill=128, max_seq=max_seq, fraction=fraction)
+                                   max_prefill=128, max_seq=max_seq, fraction=fraction,
+                                   reserve_weight_push=reserve_weight_push)
 
 
 def test_auto_sizing_formula(monkeypatch):
@@ -108,6 +109,27 @@ def test_auto_sizing_formula(monkeypatch):
     mesh2 = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
     r2 = _sizing(cfg, mesh2, monkeypatch, limit, in_use)
     assert r2.page_bytes == page_bytes // 2 and r2.param_bytes < r.param_bytes and r2.num_pages > r.num_pages
+
+
+def test_auto_sizing_keeps_room_for_a_weight_push(monkeypatch):
+    """An RL generator receives new weights while the old ones serve: the pool leaves room for that
+    second copy (as the planner counts it), standalone generation does not."""
+    cfg = _cfg()
+    mesh = make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
+    limit, in_use = 40 << 20, 1 << 20
+    plain = _sizing(cfg, mesh, monkeypatch, limit, in_use, slots=64)
+    rl = _sizing(cfg, mesh, monkeypatch, limit, in_use, slots=64, reserve_weight_push=True)
+    assert plain.incoming_weight_bytes == 0 and rl.incoming_weight_bytes == rl.param_bytes > 0
+    budget = 0.5 * (limit - max(in_use, rl.param_bytes) - rl.param_bytes) - rl.workspace_bytes
+    assert rl.num_pages == int(budget // rl.page_bytes) < plain.num_pages < 64 * 16  # the cap does not bind
+    from jaxrl_async.components import engine_from_section
+    from jaxrl_async.config import EngineConfig
+
+    monkeypatch.setattr(kv_cache, "device_memory", lambda devices: (limit, in_use, "memory_stats"))
+    engine = engine_from_section(EngineConfig(max_concurrent_decodes=64, max_sequence_length=256,
+                                              max_prefill_length=128, page_size=16, cache_memory_fraction=0.5),
+                                 cfg, mesh)
+    assert engine.sizing.incoming_weight_bytes == engine.sizing.param_bytes  # the RL engine reserves it
 
 
 def test_auto_sizing_clamps_and_errors(monkeypatch):
