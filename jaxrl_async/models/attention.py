@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Any, Callable
 
 import jax
@@ -233,7 +234,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
         raise ValueError(f"blockwise_attention: self-attention shapes q {q.shape}, k {k.shape}, v {v.shape}, "
                          f"segment_ids {segment_ids.shape}")
     bq, bk = min(int(block_q), T), min(int(block_k), T)
-    step = bq * bk // _gcd(bq, bk)
+    step = bq * bk // math.gcd(bq, bk)
     Tp = -(-T // step) * step
     segment_ids = segment_ids.astype(jnp.int32)
     if Tp != T:
@@ -242,12 +243,6 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
         segment_ids = jnp.pad(segment_ids, [(0, 0), (0, Tp - T)])
     out = _flash(q.reshape(B, Tp, K, H // K, E), k, v, segment_ids, float(scale), bq, bk)
     return out.reshape(B, Tp, H, E)[:, :T]
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 # ---------------------------------------------------------------------------------------
