@@ -415,6 +415,7 @@ class DistributedRLLoop(RLLoop):
         followers = self._accept_peers(P - 1)
         if followers:
             self.group = GroupLeader(followers, call_timeout_s=self.call_timeout_s)
+            self.group.start_watchdog()
 
     def _accept_peers(self, n_followers: int) -> list[rpc.Peer]:
         """Accept the other trainer processes and the generator processes (any order); returns the

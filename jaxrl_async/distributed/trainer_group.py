@@ -94,6 +94,28 @@ class GroupLeader:
         self.call_timeout_s = call_timeout_s
         self._pending: list[tuple[rpc.Peer, str, cf.Future]] = []
         self._lock = threading.Lock()
+        self._finishing = threading.Event()
+
+    def start_watchdog(self, grace_s: float = 5.0, poll_s: float = 0.5) -> threading.Thread:
+        """End this process (status 1, one line naming the follower) ``grace_s`` after a follower is lost,
+        unless the group is finishing normally. The main thread normally reports the loss itself (the next
+        collective fails fast), but it can be blocked where only the dead peer could release it: an Orbax
+        checkpoint barrier, or a save waiting for an in-flight async commit. The JAX coordination service
+        would then abort the process (SIGABRT) after its heartbeat timeout, and nothing more can be saved
+        without every process anyway."""
+        def watch() -> None:
+            while not self._finishing.is_set():
+                err = self.error
+                if err is not None:
+                    if self._finishing.wait(grace_s):
+                        return
+                    print(f"[jaxrl_async] run failed: {err}", file=sys.stderr, flush=True)
+                    os._exit(EXIT_FAILED)
+                time.sleep(poll_s)
+
+        t = threading.Thread(target=watch, name="trainer-group-watchdog", daemon=True)
+        t.start()
+        return t
 
     @property
     def size(self) -> int:
@@ -146,6 +168,7 @@ class GroupLeader:
 
     def finish(self, timeout: float = 120.0) -> None:
         """Let the followers exit (after everything queued ran); close the connections."""
+        self._finishing.set()
         if self.error is None:
             try:
                 self.results(self.send("finish"), "finish", timeout)
