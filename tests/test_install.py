@@ -7,8 +7,8 @@ dependency, and no file of the repository names an absolute path of a machine.
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
+import json
 import os
 import re
 import subprocess
@@ -31,7 +31,10 @@ def _declared(section: list[str]) -> set[str]:
     return names
 
 
-def _imports(path: str) -> set[str]:
+_IMPORTS_SCRIPT = """
+import ast, json, sys
+out = {}
+for path in sys.argv[1:]:
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     mods = set()
@@ -40,7 +43,18 @@ def _imports(path: str) -> set[str]:
             mods.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             mods.add(node.module.split(".")[0])
-    return mods
+    out[path] = sorted(mods)
+print(json.dumps(out))
+"""
+
+
+def _imports_of(paths: list[str]) -> dict[str, set[str]]:
+    """Top-level modules each file imports, parsed in a fresh interpreter: CPython 3.11's ast.parse can fail
+    with "AST constructor recursion depth mismatch" in a process whose other threads compile code (seen in CI
+    after the suite's thread-heavy tests)."""
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS_SCRIPT, *paths], capture_output=True, text=True,
+                          check=True, timeout=120)
+    return {p: set(m) for p, m in json.loads(proc.stdout).items()}
 
 
 def test_every_runtime_import_is_a_declared_dependency():
@@ -50,15 +64,12 @@ def test_every_runtime_import_is_a_declared_dependency():
     dist_of = importlib.metadata.packages_distributions()
     stdlib = set(sys.stdlib_module_names)
     missing: dict[str, set[str]] = {}
-    for dirpath, _, files in os.walk(PKG):
-        for fn in files:
-            path = os.path.join(dirpath, fn)
-            if not fn.endswith(".py") or path in TEST_ONLY_FILES:
-                continue
-            for mod in _imports(path) - stdlib - {"jaxrl_async", "__future__"}:
-                dists = {re.sub(r"[-_.]+", "-", d).lower() for d in dist_of.get(mod, [mod])}
-                if not dists & declared:
-                    missing.setdefault(mod, set()).add(os.path.relpath(path, ROOT))
+    paths = [os.path.join(d, fn) for d, _, files in os.walk(PKG) for fn in files if fn.endswith(".py")]
+    for path, mods in _imports_of([p for p in paths if p not in TEST_ONLY_FILES]).items():
+        for mod in mods - stdlib - {"jaxrl_async", "__future__"}:
+            dists = {re.sub(r"[-_.]+", "-", d).lower() for d in dist_of.get(mod, [mod])}
+            if not dists & declared:
+                missing.setdefault(mod, set()).add(os.path.relpath(path, ROOT))
     assert not missing, f"imported but not in [project].dependencies of pyproject.toml: {missing}"
     # transformers' apply_chat_template imports jinja2 without declaring it (the quickstart crashed)
     assert "jinja2" in declared
