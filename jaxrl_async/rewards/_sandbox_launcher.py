@@ -384,42 +384,14 @@ def _outer_plain(cfg: dict, status_fd: int) -> None:
     _supervise(pid, cfg, status_fd, kill_all)
 
 
-def _probe() -> None:
-    """Print which isolation works here:
-    {"root": bool, "namespaces": bool, "net": bool, "seccomp": bool, "error": str, "seccomp_error": str}."""
-    result = {"root": os.geteuid() == 0, "namespaces": False, "net": False, "seccomp": False, "error": "",
-              "seccomp_error": ""}
-    for net in (True, False):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            try:
-                flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWNET if net else 0)
-                _unshare(flags)
-                _mount("none", "/", None, MS_REC | MS_PRIVATE)
-                _make_root_readonly()
-                _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=65536")
-                os.write(w, b"ok")
-            except BaseException as exc:  # noqa: BLE001
-                os.write(w, repr(exc).encode()[:500])
-            os._exit(0)
-        os.close(w)
-        msg = os.read(r, 1000).decode(errors="replace")
-        os.close(r)
-        os.waitpid(pid, 0)
-        if msg == "ok":
-            result.update(namespaces=True, net=net)
-            break
-        result["error"] = msg
-    # seccomp: install an allow-everything filter in a throwaway child
+def _in_child(fn) -> str:
+    """Run ``fn`` in a throwaway forked child: "ok", or the repr of what it raised."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         try:
-            _prctl(PR_SET_NO_NEW_PRIVS, 1)
-            _install_seccomp(struct.pack("=HBBI", 0x06, 0, 0, 0x7FFF0000))
+            fn()
             os.write(w, b"ok")
         except BaseException as exc:  # noqa: BLE001
             os.write(w, repr(exc).encode()[:500])
@@ -428,6 +400,32 @@ def _probe() -> None:
     msg = os.read(r, 1000).decode(errors="replace")
     os.close(r)
     os.waitpid(pid, 0)
+    return msg
+
+
+def _probe() -> None:
+    """Print which isolation works here:
+    {"root": bool, "namespaces": bool, "net": bool, "seccomp": bool, "error": str, "seccomp_error": str}."""
+    result = {"root": os.geteuid() == 0, "namespaces": False, "net": False, "seccomp": False, "error": "",
+              "seccomp_error": ""}
+
+    def namespaces(net: bool) -> None:
+        _unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWNET if net else 0))
+        _mount("none", "/", None, MS_REC | MS_PRIVATE)
+        _make_root_readonly()
+        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=65536")
+
+    def seccomp() -> None:  # an allow-everything filter
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        _install_seccomp(struct.pack("=HBBI", 0x06, 0, 0, 0x7FFF0000))
+
+    for net in (True, False):
+        msg = _in_child(lambda net=net: namespaces(net))
+        if msg == "ok":
+            result.update(namespaces=True, net=net)
+            break
+        result["error"] = msg
+    msg = _in_child(seccomp)
     result.update(seccomp=msg == "ok", seccomp_error="" if msg == "ok" else msg)
     print(json.dumps(result))
 
