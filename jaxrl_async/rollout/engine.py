@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 from typing import Sequence
 
 import jax
@@ -61,6 +62,8 @@ from jaxrl_async.rollout.engine_api import Engine, Prefix, SamplingParams, StepR
 from jaxrl_async.sharding.activations import traced_with_activation_rules
 from jaxrl_async.sharding.mesh import make_mesh
 from jaxrl_async.sharding.rules import logical_to_spec, model_shardings
+
+logger = logging.getLogger(__name__)
 
 _SLOT_INTS = ("pos", "last_token", "num_generated", "max_new", "top_k", "sample_index", "done")
 
@@ -160,8 +163,12 @@ def release_fn(arrays, slot):
     return out
 
 
-def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int):
+def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int,
+                   attention: str = "blocked", block_pages: int = 8):
     """One token for every slot. new_pages [S]: page to map at index pos // page_size (-1: none).
+
+    attention: the decode attention (`DECODE_ATTENTION`): "gather" reads every slot's pages up to
+    max_sequence_length; "blocked" only the blocks of `block_pages` pages up to the longest active slot.
 
     Returns (arrays, (tokens, logprobs, valid, done)); see the module doc for the bookkeeping.
     """
@@ -174,7 +181,14 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     pt = arrays["page_table"]
     pt = pt.at[rows, j].set(jnp.where(new_pages >= 0, new_pages, pt[rows, j]))
     write_pages = jnp.where(active, pt[rows, j], null)
-    attend = kv_cache.paged_decode_attend(pt, pos, write_pages, page_size, cfg.head_dim ** -0.5)
+    scale = cfg.head_dim ** -0.5
+    if attention == "gather":
+        attend = kv_cache.paged_decode_attend(pt, pos, write_pages, page_size, scale)
+    elif attention == "blocked":
+        nblk = kv_cache.live_blocks(pos, active, block_pages * page_size)
+        attend = kv_cache.blocked_decode_attend(pt, pos, write_pages, page_size, scale, nblk, block_pages)
+    else:
+        raise ValueError(f"unknown decode attention {attention!r}")
     hidden, (k_pool, v_pool) = forward(params, cfg, arrays["last_token"][:, None], pos[:, None], attend,
                                        (arrays["k_pool"], arrays["v_pool"]))
     logits = logits_from_hidden(params, hidden[:, 0])
@@ -194,6 +208,19 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
 # ---------------------------------------------------------------------------------------
 # Engine
 # ---------------------------------------------------------------------------------------
+DECODE_ATTENTION = ("gather", "blocked")
+DEFAULT_BLOCK_TOKENS = 128  # "blocked": tokens per block of the live-length loop
+
+
+def resolve_decode_attention(attention: str, platform: str) -> str:
+    """The decode attention for `platform` ("auto": "blocked", the portable live-length path, everywhere)."""
+    if attention == "auto":
+        return "blocked"
+    if attention not in DECODE_ATTENTION:
+        raise ValueError(f"decode attention must be 'auto' or one of {DECODE_ATTENTION}, got {attention!r}")
+    return attention
+
+
 def default_buckets(max_prefill_length: int, min_bucket: int = 16) -> tuple[int, ...]:
     """Powers of two from min_bucket below max_prefill_length, then max_prefill_length itself."""
     out, b = [], min_bucket
@@ -219,12 +246,17 @@ class PagedEngine(Engine):
       reserve_weight_push: when auto-sizing, keep room for a second copy of the weights (an RL run's
           pushes arrive while the old weights still serve; standalone generation needs no room).
       max_stop_tokens: width of the per-slot stop-id array.
+      attention: decode attention, one of `DECODE_ATTENTION` or "auto" (by the mesh's platform, see
+          `resolve_decode_attention`; the choice is logged and kept in `self.attention`).
+      decode_block_pages: pages per block of the "blocked" decode attention (None: `DEFAULT_BLOCK_TOKENS`
+          tokens' worth).
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None = None, *, max_concurrent_decodes: int,
                  max_sequence_length: int, max_prefill_length: int | None = None,
                  prefill_buckets: Sequence[int] | None = None, page_size: int = 16, num_pages: int | None = None,
-                 cache_memory_fraction: float = 0.9, max_stop_tokens: int = 8, reserve_weight_push: bool = False):
+                 cache_memory_fraction: float = 0.9, max_stop_tokens: int = 8, reserve_weight_push: bool = False,
+                 attention: str = "auto", decode_block_pages: int | None = None):
         if max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
         if max_sequence_length < 2:
@@ -246,12 +278,19 @@ class PagedEngine(Engine):
             raise ValueError(f"max_prefill_length {buckets[-1]} must be < max_sequence_length {max_sequence_length}")
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
+        self.attention = resolve_decode_attention(attention, self.mesh.devices.flat[0].platform)
+        if decode_block_pages is not None and decode_block_pages < 1:
+            raise ValueError(f"decode_block_pages must be >= 1, got {decode_block_pages}")
         self._S = int(max_concurrent_decodes)
         self._max_seq = int(max_sequence_length)
         self.buckets = buckets
         self.page_size = int(page_size)
         self.max_stop_tokens = int(max_stop_tokens)
         self.max_pages_per_seq = kv_cache.pages_for(self._max_seq, self.page_size)
+        self.decode_block_pages = min(self.max_pages_per_seq, decode_block_pages or max(
+            1, DEFAULT_BLOCK_TOKENS // self.page_size))
+        logger.info("PagedEngine: decode attention %r (requested %r, platform %s), block of %d pages",
+                    self.attention, attention, self.mesh.devices.flat[0].platform, self.decode_block_pages)
         self.param_shardings = model_shardings(cfg, self.mesh, "generator")
         spec_kw = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                        page_size=self.page_size, max_pages_per_seq=self.max_pages_per_seq, dtype=cfg.dtype)
@@ -299,7 +338,9 @@ class PagedEngine(Engine):
         self._release = jax.jit(release_fn, donate_argnums=0, out_shardings=ss)
         step_out = (ss, (self.slot_sharding,) * 4)
         self._step = jax.jit(traced(functools.partial(decode_step_fn, cfg=cfg, page_size=self.page_size,
-                                                      max_seq=self._max_seq)), donate_argnums=1, out_shardings=step_out)
+                                                      max_seq=self._max_seq, attention=self.attention,
+                                                      block_pages=self.decode_block_pages)),
+                             donate_argnums=1, out_shardings=step_out)
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
         self._no_new_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
 

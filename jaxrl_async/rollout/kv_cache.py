@@ -320,6 +320,70 @@ def paged_decode_attend(page_table: jax.Array, positions: jax.Array, write_pages
     return attend
 
 
+def live_blocks(positions: jax.Array, active: jax.Array, block_tokens: int) -> jax.Array:
+    """Number of `block_tokens`-token blocks that cover every active slot's tokens 0..positions[s]
+    (at least 1): the trip count of `blocked_decode_attend`'s loop, a traced int32 scalar."""
+    longest = jnp.max(jnp.where(active, positions + 1, 1))
+    return jnp.maximum(-(-longest // block_tokens), 1).astype(jnp.int32)
+
+
+def blocked_decode_attend(page_table: jax.Array, positions: jax.Array, write_pages: jax.Array, page_size: int,
+                          scale: float, num_blocks: jax.Array, block_pages: int):
+    """`attend` for one decode token per slot that reads only the pages holding live tokens.
+
+    Same contract as `paged_decode_attend` (state = (k_pool, v_pool), same write), but the keys are
+    read in blocks of `block_pages` pages straight from the pool (a gather of [S, block_pages] page
+    ids per block) inside a `fori_loop` whose trip count `num_blocks` is *traced*
+    (`live_blocks`: the longest active slot's length in blocks). The loop keeps an online softmax
+    (running max / sum / weighted values in float32), so per-step KV traffic is slots x the longest
+    live length instead of slots x max_sequence_length, and the step compiles once whatever the
+    lengths. Pages past block `num_blocks` are never read. Scores and the softmax statistics are
+    float32 as in `grouped_attention`; with float32 pools the result equals the gather path up to
+    summation order (<= 1e-6).
+    """
+    S, maxp = page_table.shape
+    bp = max(1, min(int(block_pages), maxp))
+    nblk = -(-maxp // bp)
+    n = bp * page_size
+    offsets = positions % page_size
+    neg = jnp.float32(-1e30)
+
+    def attend(q, k, v, layer_idx, state):
+        k_pool, v_pool = state
+        k_pool = k_pool.at[layer_idx, write_pages, offsets].set(k[:, 0].astype(k_pool.dtype), mode="drop")
+        v_pool = v_pool.at[layer_idx, write_pages, offsets].set(v[:, 0].astype(v_pool.dtype), mode="drop")
+        pad_to = nblk * bp
+        pt = page_table if pad_to == maxp else jnp.pad(page_table, ((0, 0), (0, pad_to - maxp)),
+                                                       constant_values=k_pool.shape[1])  # null pages
+        H, E = q.shape[2], q.shape[3]
+        K = k_pool.shape[3]
+        G = H // K
+        qg = q[:, 0].reshape(S, K, G, E)
+
+        def body(b, carry):
+            m, l, acc = carry
+            pages = jax.lax.dynamic_slice_in_dim(pt, b * bp, bp, axis=1)  # [S, bp]
+            kb = k_pool.at[layer_idx, pages].get(mode="clip").reshape(S, n, K, E).astype(q.dtype)
+            vb = v_pool.at[layer_idx, pages].get(mode="clip").reshape(S, n, K, E).astype(q.dtype)
+            s = jnp.einsum("skge,snke->skgn", qg, kb, preferred_element_type=jnp.float32) * scale
+            tok = b * n + jnp.arange(n)
+            s = jnp.where((tok[None, :] <= positions[:, None])[:, None, None, :], s, neg)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            l = l * corr + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("skgn,snke->skge", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+            return m_new, l, acc * corr[..., None] + pv
+
+        init = (jnp.full((S, K, G), neg, jnp.float32), jnp.zeros((S, K, G), jnp.float32),
+                jnp.zeros((S, K, G, E), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+        out = (acc / l[..., None]).astype(q.dtype).reshape(S, 1, H, E)
+        return out, (k_pool, v_pool)
+
+    return attend
+
+
 def prefill_attend(valid: jax.Array, scale: float, impl: str = "xla", block: int = 512):
     """`attend` for one padded prompt [1, T]: causal attention, k/v of every layer stored in
     `state` = (k_buf, v_buf) [L, T, K, E]. valid [1, T] bool marks real tokens. ``impl``: the

@@ -79,6 +79,47 @@ def test_paged_decode_matches_contiguous_attention():
     np.testing.assert_array_equal(np.asarray(pk2), np.asarray(pool_k))
 
 
+@pytest.mark.parametrize("block_pages", [1, 2, 3, 5, 8])
+def test_blocked_decode_matches_gather_and_reads_only_live_blocks(block_pages):
+    """blocked_decode_attend == paged_decode_attend (fp32, <= 1e-5) for any block size, with the same
+    pool write; pages past the longest active slot's last block are never read (NaN there would leak)."""
+    rng = np.random.default_rng(1)
+    L, P, page, K, H, E, S, maxp = 2, 48, 4, 2, 8, 8, 4, 10
+    lens = np.array([3, 13, 22, 9])  # the decode token is at position lens[s]
+    active = np.array([True, True, True, False])  # slot 3 is done: its length does not count
+    perm = rng.permutation(P - 9)  # live pages; 39..46 will hold NaN; 47 (read for null entries) stays finite
+    page_table = np.full((S, maxp), P, np.int32)
+    for s in range(S):
+        n = kv_cache.pages_for(lens[s] + 1, page)
+        page_table[s, :n] = perm[s * maxp:s * maxp + n]
+    pool_k = rng.normal(size=(L, P, page, K, E)).astype(np.float32)
+    pool_v = rng.normal(size=(L, P, page, K, E)).astype(np.float32)
+    pos = jnp.asarray(lens, jnp.int32)
+    write_pages = jnp.asarray(np.where(active, page_table[np.arange(S), lens // page], P), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(S, 1, H, E)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(S, 1, K, E)), jnp.float32) for _ in range(2))
+    ref, (rk, rv) = kv_cache.paged_decode_attend(jnp.asarray(page_table), pos, write_pages, page, 0.3)(
+        q, k, v, 1, (jnp.asarray(pool_k), jnp.asarray(pool_v)))
+    nblk = kv_cache.live_blocks(pos, jnp.asarray(active), block_pages * page)
+    assert int(nblk) == -(-23 // (block_pages * page))  # longest active slot: 23 tokens
+    # page-table entries past the live blocks point at NaN pages: the loop must not read them
+    pt = page_table.copy()
+    first_unread = int(nblk) * block_pages
+    nan_pages = np.arange(P - 9, P - 1)
+    pt[:, first_unread:] = nan_pages[np.arange(max(maxp - first_unread, 0)) % 8]
+    pk, pv = pool_k.copy(), pool_v.copy()
+    pk[:, nan_pages] = np.nan
+    pv[:, nan_pages] = np.nan
+    attend = kv_cache.blocked_decode_attend(jnp.asarray(pt), pos, write_pages, page, 0.3, nblk, block_pages)
+    out, (bk, bv) = jax.jit(attend)(q, k, v, 1, (jnp.asarray(pk), jnp.asarray(pv)))
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert np.isfinite(out[active]).all()
+    np.testing.assert_allclose(out[active], ref[active], atol=1e-5, rtol=0)
+    keep = np.setdiff1d(np.arange(P), nan_pages)
+    np.testing.assert_array_equal(np.asarray(bk)[:, keep], np.asarray(rk)[:, keep])
+    np.testing.assert_array_equal(np.asarray(bv)[:, keep], np.asarray(rv)[:, keep])
+
+
 def _cfg(**kw):
     base = dict(model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                 num_kv_heads=2, head_dim=16)
