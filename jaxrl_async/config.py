@@ -817,7 +817,7 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
             bad = [d for d in ax.devices if not 0 <= d < num_devices]
             _require(not bad and len(set(ax.devices)) == len(ax.devices) and ax.devices, f"mesh.{role}.devices",
                      f"must be distinct indices in [0, {num_devices}), got {ax.devices}")
-    allowed = {"generator": {"data", "tensor"}, "trainer": {"data", "fsdp", "tensor"}}
+    allowed = {"generator": {"data", "tensor"}, "trainer": {"data", "fsdp", "tensor", "context"}}
     for role, names in allowed.items():
         extra = set(getattr(m, role).axis_names) - names
         _require(not extra, f"mesh.{role}.axis_names", f"unknown axes {sorted(extra)}; the {role} uses {sorted(names)}")
@@ -830,7 +830,13 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
         _require(len(gen) >= 1, "mesh.generator.devices", "the generator has no device")
         _require(len(trn) >= 1, "mesh.trainer.devices", "the trainer has no device")
     _resolve_shape(m.generator.shape, len(gen), "mesh.generator.shape")
-    _resolve_shape(m.trainer.shape, len(trn), "mesh.trainer.shape")
+    tshape = _resolve_shape(m.trainer.shape, len(trn), "mesh.trainer.shape")
+    if "context" in m.trainer.axis_names:
+        cp = tshape[m.trainer.axis_names.index("context")]
+        bad = [b for b in cfg.trainer.packing.row_len_buckets if b % cp]
+        _require(not bad, "trainer.packing.row_len_buckets",
+                 f"rows are split over the trainer's context axis ({cp} shards): every row length must be a "
+                 f"multiple of {cp}, got {bad}")
     dp = trainer_data_parallel_size(cfg, num_devices)
     per_mb = cfg.trainer.batch_size * cfg.rollout.n_samples // cfg.trainer.ppo_n_minibatches
     _require(per_mb % dp == 0, "trainer.batch_size",

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from typing import Any, Callable
 
 import jax
@@ -84,39 +83,48 @@ def xla_attention(q, k, v, segment_ids, scale):
 # ---------------------------------------------------------------------------------------
 # Blockwise (flash) attention in pure JAX
 # ---------------------------------------------------------------------------------------
-def _block_ranges(segment_ids: jax.Array, bq: int, bk: int) -> tuple[jax.Array, jax.Array]:
-    """Per query block i, the key blocks [lo_i, hi_i] that can hold a visible key for some row.
-
-    hi_i: the causal bound (the block of the last query of block i). lo_i: the block of the earliest
-    segment start among the block's non-padding queries, over all rows (segments are contiguous
-    runs, so no key before that start is visible). A block of padding only gets lo > hi (no work).
-    """
+def run_starts(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] segment ids -> [B, T] int32: the index of the first token of each token's run (its
+    sequence), ``T`` for padding (segment 0), which has no visible key."""
     B, T = segment_ids.shape
     pos = jnp.arange(T, dtype=jnp.int32)
     boundary = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    run_start = jax.lax.cummax(jnp.where(boundary, pos, 0), axis=1)  # first index of each token's run
-    big = jnp.int32(T)
-    start = jnp.where(segment_ids != 0, run_start, big).min(axis=0)  # [T]: over rows
-    nq = T // bq
-    lo = (start.reshape(nq, bq).min(axis=1) // bk).astype(jnp.int32)
-    hi = ((jnp.arange(nq, dtype=jnp.int32) + 1) * bq - 1) // bk
-    return lo, hi
+    start = jax.lax.cummax(jnp.where(boundary, pos, 0), axis=1)
+    return jnp.where(segment_ids != 0, start, jnp.int32(T))
+
+
+def _block_ranges(q_start: jax.Array, q_offset, nk: int, bq: int, bk: int) -> tuple[jax.Array, jax.Array]:
+    """Per query block i, the key blocks [lo_i, hi_i] that can hold a visible key for some row.
+
+    ``q_start`` [B, Tq]: the run start (key index) of each query (``run_starts``; padding: past the end);
+    ``q_offset``: the key index of query 0 (0 in self-attention, the chunk start under context
+    parallelism). hi_i: the causal bound (the block of the block's last query), clipped to the last key
+    block. lo_i: the block of the earliest run start among the block's queries over all rows (segments
+    are contiguous runs, so no key before it is visible). A block of padding only gets lo > hi (no work).
+    """
+    Tq = q_start.shape[1]
+    nq = Tq // bq
+    lo = (q_start.min(axis=0).reshape(nq, bq).min(axis=1) // bk).astype(jnp.int32)
+    hi = jnp.minimum((q_offset + (jnp.arange(nq, dtype=jnp.int32) + 1) * bq - 1) // bk, nk - 1)
+    return lo, hi.astype(jnp.int32)
 
 
 def _block_mask(seg_q, seg_k, q0, k0, bq, bk):
-    """[B, bq, bk] visibility of keys k0.. for queries q0.. (causal, same segment, key not padding)."""
+    """[B, bq, bk] visibility of keys k0.. for queries at key positions q0.. (causal, same segment, key
+    not padding)."""
     causal = (q0 + jnp.arange(bq))[:, None] >= (k0 + jnp.arange(bk))[None, :]
     return causal[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k != 0)[:, None, :]
 
 
-def _key_block(k, v, segment_ids, seg_q, q0, j, bq: int, bk: int):
-    """Key block j: (k block, v block, [B, 1, 1, bq, bk] visibility for the query block at q0)."""
+def _key_block(k, v, seg_k, seg_q, qpos0, j, bq: int, bk: int):
+    """Key block j: (k block, v block, [B, 1, 1, bq, bk] visibility for the query block at key position
+    ``qpos0``)."""
     k0 = j * bk
 
     def sl(x):
         return jax.lax.dynamic_slice_in_dim(x, k0, bk, axis=1)
 
-    return sl(k), sl(v), _block_mask(seg_q, sl(segment_ids), q0, k0, bq, bk)[:, None, None]
+    return sl(k), sl(v), _block_mask(seg_q, sl(seg_k), qpos0, k0, bq, bk)[:, None, None]
 
 
 def _scores(qb, kb, scale):
@@ -124,20 +132,21 @@ def _scores(qb, kb, scale):
     return jnp.einsum("bqkge,bske->bkgqs", qb, kb, preferred_element_type=jnp.float32) * scale
 
 
-def _flash_forward(q, k, v, segment_ids, scale, bq, bk):
-    """(out [B, T, K, G, E] in q.dtype, lse [B, K, G, T] float32)."""
-    B, T, K, G, E = q.shape
-    nq = T // bq
-    lo, hi = _block_ranges(segment_ids, bq, bk)
+def _flash_forward(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk):
+    """(out [B, Tq, K, G, E] in q.dtype, lse [B, K, G, Tq] float32). Queries sit at key positions
+    ``q_offset + i``."""
+    B, Tq, K, G, E = q.shape
+    nq = Tq // bq
+    lo, hi = _block_ranges(q_start, q_offset, k.shape[1] // bk, bq, bk)
 
     def q_block(i):
         q0 = i * bq
         qb = jax.lax.dynamic_slice_in_dim(q, q0, bq, axis=1)
-        seg_q = jax.lax.dynamic_slice_in_dim(segment_ids, q0, bq, axis=1)
+        sq = jax.lax.dynamic_slice_in_dim(seg_q, q0, bq, axis=1)
 
         def step(j, carry):
             m, l, acc = carry
-            kb, vb, mask = _key_block(k, v, segment_ids, seg_q, q0, j, bq, bk)
+            kb, vb, mask = _key_block(k, v, seg_k, sq, q_offset + q0, j, bq, bk)
             s = jnp.where(mask, _scores(qb, kb, scale), _NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -156,16 +165,16 @@ def _flash_forward(q, k, v, segment_ids, scale, bq, bk):
         return out, lse
 
     out, lse = jax.lax.map(q_block, jnp.arange(nq))  # [nq, B, bq, K, G, E], [nq, B, K, G, bq]
-    out = jnp.moveaxis(out, 0, 1).reshape(B, T, K, G, E)
-    lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, T)
+    out = jnp.moveaxis(out, 0, 1).reshape(B, Tq, K, G, E)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, Tq)
     return out, lse
 
 
-def _flash_backward(q, k, v, segment_ids, out, lse, dout, scale, bq, bk):
-    B, T, K, G, E = q.shape
-    nq = T // bq
-    lo, hi = _block_ranges(segment_ids, bq, bk)
-    # D_t = sum_e dO * O (FlashAttention-2), float32 [B, K, G, T]
+def _flash_backward(q, k, v, seg_q, seg_k, q_start, q_offset, out, lse, dout, scale, bq, bk):
+    B, Tq, K, G, E = q.shape
+    nq = Tq // bq
+    lo, hi = _block_ranges(q_start, q_offset, k.shape[1] // bk, bq, bk)
+    # D_t = sum_e dO * O (FlashAttention-2), float32 [B, K, G, Tq]
     delta = jnp.einsum("btkge,btkge->bkgt", dout.astype(jnp.float32), out.astype(jnp.float32))
 
     def q_block(i, carry):
@@ -173,14 +182,14 @@ def _flash_backward(q, k, v, segment_ids, out, lse, dout, scale, bq, bk):
         q0 = i * bq
         qb = jax.lax.dynamic_slice_in_dim(q, q0, bq, axis=1)
         dob = jax.lax.dynamic_slice_in_dim(dout, q0, bq, axis=1)
-        seg_q = jax.lax.dynamic_slice_in_dim(segment_ids, q0, bq, axis=1)
+        sq = jax.lax.dynamic_slice_in_dim(seg_q, q0, bq, axis=1)
         lse_b = jax.lax.dynamic_slice_in_dim(lse, q0, bq, axis=3)
         d_b = jax.lax.dynamic_slice_in_dim(delta, q0, bq, axis=3)
 
         def step(j, inner):
             dq_b, dk, dv = inner
             k0 = j * bk
-            kb, vb, mask = _key_block(k, v, segment_ids, seg_q, q0, j, bq, bk)
+            kb, vb, mask = _key_block(k, v, seg_k, sq, q_offset + q0, j, bq, bk)
             s = _scores(qb, kb, scale)
             p = jnp.where(mask, jnp.exp(s - lse_b[..., None]), 0.0)  # [B, K, G, bq, bk] float32
             dv_j = jnp.einsum("bkgqs,bqkge->bske", p.astype(dout.dtype), dob, preferred_element_type=jnp.float32)
@@ -196,29 +205,37 @@ def _flash_backward(q, k, v, segment_ids, out, lse, dout, scale, bq, bk):
         dq_b, dk, dv = jax.lax.fori_loop(lo[i], hi[i] + 1, step, (dq_b, dk, dv))
         return jax.lax.dynamic_update_slice_in_dim(dq, dq_b, q0, 1), dk, dv
 
-    init = (jnp.zeros((B, T, K, G, E), jnp.float32), jnp.zeros(k.shape, jnp.float32),
+    init = (jnp.zeros((B, Tq, K, G, E), jnp.float32), jnp.zeros(k.shape, jnp.float32),
             jnp.zeros(v.shape, jnp.float32))
     dq, dk, dv = jax.lax.fori_loop(0, nq, q_block, init)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(q, k, v, segment_ids, scale, bq, bk):
-    return _flash_forward(q, k, v, segment_ids, scale, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk):
+    return _flash_forward(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk)[0]
 
 
-def _flash_fwd(q, k, v, segment_ids, scale, bq, bk):
-    out, lse = _flash_forward(q, k, v, segment_ids, scale, bq, bk)
-    return out, (q, k, v, segment_ids, out, lse)
+def _flash_fwd(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk):
+    out, lse = _flash_forward(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk)
+    return out, (q, k, v, seg_q, seg_k, q_start, q_offset, out, lse)
 
 
 def _flash_bwd(scale, bq, bk, res, dout):
-    q, k, v, segment_ids, out, lse = res
-    dq, dk, dv = _flash_backward(q, k, v, segment_ids, out, lse, dout, scale, bq, bk)
-    return dq, dk, dv, None
+    q, k, v, seg_q, seg_k, q_start, q_offset, out, lse = res
+    dq, dk, dv = _flash_backward(q, k, v, seg_q, seg_k, q_start, q_offset, out, lse, dout, scale, bq, bk)
+    return dq, dk, dv, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _pad_len(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
+    if x.shape[axis] == n:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, n - x.shape[axis])
+    return jnp.pad(x, pad)
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float,
@@ -229,20 +246,33 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
     Differentiable (custom VJP, no T x T buffer in either direction).
     """
     B, T, H, E = q.shape
-    K = k.shape[2]
     if k.shape[1] != T or v.shape[1] != T or segment_ids.shape != (B, T):
         raise ValueError(f"blockwise_attention: self-attention shapes q {q.shape}, k {k.shape}, v {v.shape}, "
                          f"segment_ids {segment_ids.shape}")
-    bq, bk = min(int(block_q), T), min(int(block_k), T)
-    step = bq * bk // math.gcd(bq, bk)
-    Tp = -(-T // step) * step
     segment_ids = segment_ids.astype(jnp.int32)
-    if Tp != T:
-        pad = [(0, 0), (0, Tp - T), (0, 0), (0, 0)]
-        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-        segment_ids = jnp.pad(segment_ids, [(0, 0), (0, Tp - T)])
-    out = _flash(q.reshape(B, Tp, K, H // K, E), k, v, segment_ids, float(scale), bq, bk)
-    return out.reshape(B, Tp, H, E)[:, :T]
+    return blockwise_attention_chunk(q, k, v, segment_ids, segment_ids, run_starts(segment_ids), 0, scale,
+                                     block_q, block_k)
+
+
+def blockwise_attention_chunk(q: jax.Array, k: jax.Array, v: jax.Array, seg_q: jax.Array, seg_k: jax.Array,
+                              q_start: jax.Array, q_offset, scale: float, block_q: int = DEFAULT_BLOCK,
+                              block_k: int = DEFAULT_BLOCK) -> jax.Array:
+    """``blockwise_attention`` of a chunk of queries against the whole row's keys (context parallelism):
+    q [B, Tq, H, E] at key positions ``q_offset + i``, k/v [B, Tk, K, E], seg_q [B, Tq] / seg_k [B, Tk]
+    segment ids, ``q_start`` [B, Tq] the queries' run starts (``run_starts`` of the whole row at the
+    chunk). Self-attention is ``q_offset = 0``, ``Tq = Tk``. Queries and keys are padded (segment 0) to
+    block multiples at their ends; ``q_offset`` may be traced (``lax.axis_index`` under ``shard_map``).
+    """
+    B, Tq, H, E = q.shape
+    Tk, K = k.shape[1], k.shape[2]
+    bq, bk = min(int(block_q), Tq), min(int(block_k), Tk)
+    Tqp, Tkp = -(-Tq // bq) * bq, -(-Tk // bk) * bk
+    q, seg_q = _pad_len(q, Tqp), _pad_len(seg_q.astype(jnp.int32), Tqp)
+    q_start = jnp.pad(q_start.astype(jnp.int32), [(0, 0), (0, Tqp - Tq)], constant_values=Tkp)
+    k, v, seg_k = _pad_len(k, Tkp), _pad_len(v, Tkp), _pad_len(seg_k.astype(jnp.int32), Tkp)
+    out = _flash(q.reshape(B, Tqp, K, H // K, E), k, v, seg_q, seg_k, q_start,
+                 jnp.asarray(q_offset, jnp.int32), float(scale), bq, bk)
+    return out.reshape(B, Tqp, H, E)[:, :Tq]
 
 
 # ---------------------------------------------------------------------------------------
@@ -280,6 +310,16 @@ def segment_attention(segment_ids: jax.Array, scale: float, impl: str = "xla",
     computed by ``impl`` (``ATTENTION_IMPLS``; ``auto`` resolved from the platform and row length).
     ``gpu_flash`` uses blocks of at most 128 tokens (its forward block lives in GPU shared memory)."""
     name = resolve_attention(impl, segment_ids.shape[-1])
+    from jaxrl_async.models import attention_kernels as kernels
+
+    if name != "xla" and kernels.context_shards(segment_ids.shape[-1]) > 1:
+        # rows split over the `context` mesh axis: chunks of queries against all-gathered keys
+
+        def attend(q, k, v, layer_idx, state):
+            del layer_idx
+            return kernels.context_parallel_attention(name, q, k, v, segment_ids, scale, block), state
+
+        return attend
     if name == "xla":
         mask = segment_mask(segment_ids)
 
@@ -291,8 +331,6 @@ def segment_attention(segment_ids: jax.Array, scale: float, impl: str = "xla",
             del layer_idx
             return blockwise_attention(q, k, v, segment_ids, scale, block, block), state
     else:
-        from jaxrl_async.models import attention_kernels as kernels
-
         kernel = (functools.partial(kernels.splash_attention, block=block) if name == "splash"
                   else functools.partial(kernels.gpu_flash_attention, block=min(block, 128)))
 

@@ -157,3 +157,122 @@ def gpu_flash_attention(q, k, v, segment_ids, scale: float, block: int = 128, *,
     q, k, v, seg, T = _pad_rows(q, k, v, segment_ids.astype(jnp.int32), b)
     local = functools.partial(_gpu_local, scale=float(scale), block=b, interpret=interpret)
     return _on_mesh(local, q, k, v, seg)[:, :T]
+
+
+# ---------------------------------------------------------------------------------------
+# Context (sequence) parallelism
+# ---------------------------------------------------------------------------------------
+CONTEXT_AXIS = "context"
+
+
+def context_shards(seq_len: int) -> int:
+    """How many ``context`` shards split a row of ``seq_len`` tokens under the active activation rules
+    (1: no context parallelism: no rules, no ``context`` axis, or a length it does not divide)."""
+    active = active_activation_rules()
+    if active is None:
+        return 1
+    from jaxrl_async.sharding.rules import logical_to_spec
+
+    mesh, rules = active
+    spec = logical_to_spec(("length",), (seq_len,), rules, mesh)[0]
+    if spec is None:
+        return 1
+    if spec != CONTEXT_AXIS:
+        raise ValueError(f"the sequence axis may only be sharded over {CONTEXT_AXIS!r}, got {spec!r}")
+    return mesh.shape[CONTEXT_AXIS]
+
+
+def _axes_size(mesh, entry) -> int:
+    if entry is None:
+        return 1
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    size = 1
+    for n in names:
+        size *= mesh.shape[n]
+    return size
+
+
+def context_parallel_attention(impl: str, q, k, v, segment_ids, scale: float, block: int = 512):
+    """Attention of rows split over the ``context`` mesh axis (the activations' ``length`` under the
+    trainer rules): every device holds T/C consecutive queries of its rows and all-gathers the rows'
+    keys, values and segment ids over ``context`` (per layer, inside ``shard_map``; the backward pass of
+    the all-gather is a reduce-scatter of dK/dV). Memory per device: the chunk's activations plus one
+    layer's full-row K/V, instead of whole rows.
+
+    ``impl``: ``splash`` runs the TPU kernel with the full-row causal mask split into C query shards (its
+    mask info enters the ``shard_map`` sharded over ``context``, as MaxText does); anything else runs
+    ``blockwise`` on the chunk (queries offset by the chunk start; ``gpu_flash``'s Triton kernel has no
+    query offset, so GPUs use ``blockwise`` here). Contiguous chunks: the last shard has the most causal
+    work (no load-balanced reordering yet).
+    """
+    from jaxrl_async.models.attention import blockwise_attention_chunk, run_starts
+    from jaxrl_async.sharding.rules import logical_to_spec
+
+    mesh, rules = active_activation_rules()
+    B, T, H, E = q.shape
+    C = mesh.shape[CONTEXT_AXIS]
+    Tl = T // C
+    segment_ids = segment_ids.astype(jnp.int32)
+    q_spec = logical_to_spec(Q_AXES, q.shape, rules, mesh)
+    kv_spec = logical_to_spec(KV_AXES, k.shape, rules, mesh)
+    seg_spec = logical_to_spec(SEG_AXES, segment_ids.shape, rules, mesh)
+    if q_spec[1] != CONTEXT_AXIS or seg_spec[1] != CONTEXT_AXIS:
+        raise ValueError(f"context parallel attention: the sequence axis must be sharded over {CONTEXT_AXIS!r}, "
+                         f"got q {q_spec}, segment ids {seg_spec}")
+    if kv_spec[2] != q_spec[2]:  # kv heads not split like the query heads: give every shard its own
+        G = H // k.shape[2]
+        k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+        kv_spec = P(kv_spec[0], CONTEXT_AXIS, q_spec[2], None)
+
+    def gather(x):
+        return jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)
+
+    lanes = 128
+    b = max(lanes, min(block, Tl) // lanes * lanes)
+    if impl == "splash" and Tl % b == 0:
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+        interpret = kernel_platform() != "tpu"
+        h_local = H // _axes_size(mesh, q_spec[2])
+        mask = sm.MultiHeadMask([sm.CausalMask((T, T), shard_count=C) for _ in range(h_local)])
+        sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                              block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+        kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=C, interpret=interpret)
+        kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, CONTEXT_AXIS)))
+        precision = "highest" if q.dtype == jnp.float32 else "default"
+
+        def run(kern, q_, k_, v_, sq, sk_):
+            return jax.vmap(lambda a, b_, c, d, e: kern(a, b_, c, segment_ids=sk.SegmentIds(q=d, kv=e)))(
+                q_, k_, v_, sq, sk_)
+
+        run = _at_precision(run, precision)
+
+        def local(kern, q, k, v, seg):
+            qt = jnp.swapaxes(q, 1, 2) * jnp.asarray(scale, q.dtype)
+            out = run(kern, qt, jnp.swapaxes(gather(k), 1, 2), jnp.swapaxes(gather(v), 1, 2), seg, gather(seg))
+            return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, seg_spec),
+                           out_specs=q_spec, check_vma=False)
+        return fn(kernel, q, k, v, segment_ids)
+    if impl == "splash":
+        _log_fallback(f"splash needs chunks of whole {b}-token blocks (chunk {Tl})")
+
+    def local(q, k, v, seg):
+        i = jax.lax.axis_index(CONTEXT_AXIS)
+        seg_full = gather(seg)
+        q_start = jax.lax.dynamic_slice_in_dim(run_starts(seg_full), i * Tl, Tl, axis=1)
+        return blockwise_attention_chunk(q, gather(k), gather(v), seg, seg_full, q_start, i * Tl, scale,
+                                         block, block)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                       check_vma=False)
+    return fn(q, k, v, segment_ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(why: str) -> None:
+    import logging
+
+    logging.getLogger("jaxrl_async").warning("context parallel attention: blockwise instead of splash: %s", why)

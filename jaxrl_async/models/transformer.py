@@ -278,7 +278,7 @@ def token_logprobs_from_hidden(params: Params, hidden: jax.Array, targets: jax.A
     hidden [B, T, D], targets [B, T] -> (logprobs [B, T], entropy [B, T]), float32.
     The vocabulary projection runs over chunks inside a scan so that the [B, T, V] float32 logits
     never exist at once (rematerialised in the backward pass). A chunk is `tc = max(1, chunk // B)`
-    consecutive positions of *every* row (about `chunk` positions in all; each device holds its
+    positions (strided by T / tc) of *every* row (about `chunk` positions in all; each device holds its
     batch shard of them): chunking along time keeps the batch dimension whole in every chunk, so
     batch-sharded activations stay batch-sharded. (Chunks of the flattened positions cut across
     the batch shards: each device then computed every chunk's logits with a partial contraction
@@ -296,8 +296,11 @@ def token_logprobs_from_hidden(params: Params, hidden: jax.Array, targets: jax.A
     tc = max(1, min(T, chunk // B))
     n_chunks = -(-T // tc)
     pad = n_chunks * tc - T
-    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n_chunks, tc, D).swapaxes(0, 1)
-    t = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n_chunks, tc).swapaxes(0, 1)
+    # chunk j holds the positions j, j + n_chunks, j + 2 n_chunks, ... of every row (strided): the chunk's
+    # position axis is the major factor of the row, so rows split over the `context` mesh axis (context
+    # parallelism) stay split in every chunk, with no resharding of the hidden states
+    h = jnp.moveaxis(jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, tc, n_chunks, D), 2, 0)
+    t = jnp.moveaxis(jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, tc, n_chunks), 2, 0)
     w = constrain(unembed_matrix(params), "activation_embed", "activation_vocab")
 
     @jax.checkpoint
@@ -315,7 +318,7 @@ def token_logprobs_from_hidden(params: Params, hidden: jax.Array, targets: jax.A
         lp, ent = one(h[0], t[0])
         return lp, ent
     lp, ent = jax.lax.map(lambda ht: one(*ht), (h, t))
-    unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n_chunks * tc)[:, :T]  # noqa: E731
+    unchunk = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, n_chunks * tc)[:, :T]  # noqa: E731
     return unchunk(lp), unchunk(ent)
 
 

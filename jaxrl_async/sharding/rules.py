@@ -25,12 +25,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
-# Trainer: FSDP over `fsdp` (and `data` for the batch), tensor parallel over `tensor`.
+# Trainer: FSDP over `fsdp` (and `data` for the batch), tensor parallel over `tensor`, context
+# (sequence) parallel over `context`.
 TRAINER_RULES: Rules = (
     ("batch", ("data", "fsdp")),
-    ("length", ()),
+    # context parallelism: rows split over `context` (attention: `attention_kernels.context_parallel_attention`)
+    ("length", ("context",)),
     ("vocab", ("tensor",)),
-    ("embed", ("fsdp",)),
+    # weights and optimizer state are sharded over `context` too (its devices would otherwise hold copies)
+    ("embed", ("fsdp", "context")),
     ("heads", ("tensor",)),
     ("kv_heads", ("tensor",)),
     ("head_dim", ()),
