@@ -1,8 +1,10 @@
 """`PagedEngine`: the device side of the generator (JetStream-style continuous batching).
 
-Implements `engine_api.Engine` on the model's pure `forward` with two custom `attend`
-functions (no forked layer code): `kv_cache.prefill_attend` (one padded prompt, keeps every
-layer's k/v) and `kv_cache.paged_decode_attend` (one token per slot over the paged pool).
+Implements `engine_api.Engine` on the model's pure `forward` with custom `attend` functions (no
+forked layer code): `kv_cache.prefill_attend` (one padded prompt, keeps every layer's k/v) and a
+decode attention over the paged pool (`paged_attention.decode_attend`: the portable live-length
+loop `blocked`, the reference `gather`, the TPU/GPU Pallas kernels; `attention="auto"` picks by
+platform, and the choice fixes the pool's layout, `self.layout`).
 
 Compiled functions (params are arguments, so a weight swap never retraces; after `warmup`
 nothing recompiles, whatever the prompts, slots or sampling parameters):
@@ -57,7 +59,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params, forward, logits_from_hidden
-from jaxrl_async.rollout import kv_cache, sampling
+from jaxrl_async.rollout import kv_cache, paged_attention, sampling
 from jaxrl_async.rollout.engine_api import Engine, Prefix, SamplingParams, StepResult
 from jaxrl_async.sharding.activations import traced_with_activation_rules
 from jaxrl_async.sharding.mesh import make_mesh
@@ -138,11 +140,11 @@ def sample_first_fn(logits: jax.Array, temperature, top_k, top_p, seed, sample_i
                            sample_index, full(position, jnp.int32))
 
 
-def insert_fn(arrays, k, v, dest_pages, page_row, slot, ints, floats, seed, stop_row, *, page_size: int):
+def insert_fn(arrays, k, v, dest_pages, page_row, slot, ints, floats, seed, stop_row, *, page_size: int,
+              layout: paged_attention.PoolLayout):
     """Write the prompt k/v to `dest_pages` and set slot `slot`'s row (ints in _SLOT_INTS order)."""
     out = dict(arrays)
-    out["k_pool"] = kv_cache.write_prefix(arrays["k_pool"], k, dest_pages, page_size)
-    out["v_pool"] = kv_cache.write_prefix(arrays["v_pool"], v, dest_pages, page_size)
+    out.update(layout.write_prefix({key: arrays[key] for key in layout.keys}, k, v, dest_pages, page_size))
     out["page_table"] = arrays["page_table"].at[slot].set(page_row)
     for i, name in enumerate(_SLOT_INTS):
         val = ints[i] if name != "done" else ints[i] != 0
@@ -155,25 +157,25 @@ def insert_fn(arrays, k, v, dest_pages, page_row, slot, ints, floats, seed, stop
     return out
 
 
-def release_fn(arrays, slot):
+def release_fn(arrays, slot, *, null_page: int):
     out = dict(arrays)
     out["live"] = arrays["live"].at[slot].set(False)
     out["done"] = arrays["done"].at[slot].set(False)
-    out["page_table"] = arrays["page_table"].at[slot].set(arrays["k_pool"].shape[1])
+    out["page_table"] = arrays["page_table"].at[slot].set(null_page)
     return out
 
 
 def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int,
-                   attention: str = "blocked", block_pages: int = 8):
+                   null_page: int, attention: str = "blocked", block_pages: int = 8, kernel_options=None):
     """One token for every slot. new_pages [S]: page to map at index pos // page_size (-1: none).
 
-    attention: the decode attention (`DECODE_ATTENTION`): "gather" reads every slot's pages up to
-    max_sequence_length; "blocked" only the blocks of `block_pages` pages up to the longest active slot.
+    attention: the decode attention (`paged_attention.DECODE_ATTENTION`; its pool layout names the pool
+    arrays); "blocked" reads blocks of `block_pages` pages up to the longest active slot.
 
     Returns (arrays, (tokens, logprobs, valid, done)); see the module doc for the bookkeeping.
     """
     S, maxp = arrays["page_table"].shape
-    null = arrays["k_pool"].shape[1]
+    null = null_page
     rows = jnp.arange(S)
     pos = arrays["pos"]
     active = arrays["live"] & ~arrays["done"]
@@ -181,16 +183,11 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     pt = arrays["page_table"]
     pt = pt.at[rows, j].set(jnp.where(new_pages >= 0, new_pages, pt[rows, j]))
     write_pages = jnp.where(active, pt[rows, j], null)
-    scale = cfg.head_dim ** -0.5
-    if attention == "gather":
-        attend = kv_cache.paged_decode_attend(pt, pos, write_pages, page_size, scale)
-    elif attention == "blocked":
-        nblk = kv_cache.live_blocks(pos, active, block_pages * page_size)
-        attend = kv_cache.blocked_decode_attend(pt, pos, write_pages, page_size, scale, nblk, block_pages)
-    else:
-        raise ValueError(f"unknown decode attention {attention!r}")
-    hidden, (k_pool, v_pool) = forward(params, cfg, arrays["last_token"][:, None], pos[:, None], attend,
-                                       (arrays["k_pool"], arrays["v_pool"]))
+    attend = paged_attention.decode_attend(attention, pt, pos, active, write_pages, page_size, cfg.head_dim ** -0.5,
+                                           block_pages=block_pages, kernel_options=kernel_options)
+    keys = paged_attention.layout_for(attention).keys
+    hidden, pools = forward(params, cfg, arrays["last_token"][:, None], pos[:, None], attend,
+                            tuple(arrays[k] for k in keys))
     logits = logits_from_hidden(params, hidden[:, 0])
     tokens, logprobs = sampling.sample(logits, arrays["temperature"], arrays["top_k"], arrays["top_p"],
                                        arrays["seed"], arrays["sample_index"], pos + 1)
@@ -199,7 +196,7 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     finished = (sampling.is_stop(tokens, arrays["stop_ids"]) | (num_generated >= arrays["max_new"])
                 | (new_pos + 1 >= max_seq))
     done = arrays["done"] | (active & finished)
-    out = dict(arrays, k_pool=k_pool, v_pool=v_pool, page_table=pt, pos=new_pos, num_generated=num_generated,
+    out = dict(arrays, **dict(zip(keys, pools)), page_table=pt, pos=new_pos, num_generated=num_generated,
                last_token=jnp.where(active, tokens, arrays["last_token"]), done=done)
     step = (jnp.where(active, tokens, 0), jnp.where(active, logprobs, 0.0), active, active & finished)
     return out, step
@@ -208,17 +205,8 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
 # ---------------------------------------------------------------------------------------
 # Engine
 # ---------------------------------------------------------------------------------------
-DECODE_ATTENTION = ("gather", "blocked")
+DECODE_ATTENTION = paged_attention.DECODE_ATTENTION
 DEFAULT_BLOCK_TOKENS = 128  # "blocked": tokens per block of the live-length loop
-
-
-def resolve_decode_attention(attention: str, platform: str) -> str:
-    """The decode attention for `platform` ("auto": "blocked", the portable live-length path, everywhere)."""
-    if attention == "auto":
-        return "blocked"
-    if attention not in DECODE_ATTENTION:
-        raise ValueError(f"decode attention must be 'auto' or one of {DECODE_ATTENTION}, got {attention!r}")
-    return attention
 
 
 def default_buckets(max_prefill_length: int, min_bucket: int = 16) -> tuple[int, ...]:
@@ -247,16 +235,20 @@ class PagedEngine(Engine):
           pushes arrive while the old weights still serve; standalone generation needs no room).
       max_stop_tokens: width of the per-slot stop-id array.
       attention: decode attention, one of `DECODE_ATTENTION` or "auto" (by the mesh's platform, see
-          `resolve_decode_attention`; the choice is logged and kept in `self.attention`).
+          `paged_attention.resolve`; the choice is logged and kept in `self.attention`); it fixes the
+          pool layout (`self.layout`).
       decode_block_pages: pages per block of the "blocked" decode attention (None: `DEFAULT_BLOCK_TOKENS`
           tokens' worth).
+      kernel_options: keyword arguments of the kernel paths (`paged_attention._tpu_local` / `_gpu_local`:
+          block sizes, vmem limit, interpret).
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None = None, *, max_concurrent_decodes: int,
                  max_sequence_length: int, max_prefill_length: int | None = None,
                  prefill_buckets: Sequence[int] | None = None, page_size: int = 16, num_pages: int | None = None,
                  cache_memory_fraction: float = 0.9, max_stop_tokens: int = 8, reserve_weight_push: bool = False,
-                 attention: str = "auto", decode_block_pages: int | None = None):
+                 attention: str = "auto", decode_block_pages: int | None = None,
+                 kernel_options: dict | None = None):
         if max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
         if max_sequence_length < 2:
@@ -278,7 +270,9 @@ class PagedEngine(Engine):
             raise ValueError(f"max_prefill_length {buckets[-1]} must be < max_sequence_length {max_sequence_length}")
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
-        self.attention = resolve_decode_attention(attention, self.mesh.devices.flat[0].platform)
+        self.attention = paged_attention.resolve(attention, self.mesh.devices.flat[0].platform)
+        self.layout = paged_attention.layout_for(self.attention)
+        self.kernel_options = dict(kernel_options or {})
         if decode_block_pages is not None and decode_block_pages < 1:
             raise ValueError(f"decode_block_pages must be >= 1, got {decode_block_pages}")
         self._S = int(max_concurrent_decodes)
@@ -313,12 +307,13 @@ class PagedEngine(Engine):
 
     def _build_shardings(self) -> None:
         S, ms = self._S, self.max_stop_tokens
-        self.pool_sharding = kv_cache.pool_sharding(self.cache_spec, self.mesh)
+        pool_sh = self.layout.shardings(self.cache_spec, self.mesh)
+        self.pool_sharding = pool_sh[self.layout.keys[0]]
         self.slot_sharding = self._named(("batch",), (S,))
         row2 = self._named(("batch", None), (S, ms))
         pt = self._named(("batch", None), (S, self.max_pages_per_seq))
         self.state_shardings = {
-            "k_pool": self.pool_sharding, "v_pool": self.pool_sharding, "page_table": pt, "stop_ids": row2,
+            **pool_sh, "page_table": pt, "stop_ids": row2,
             **{n: self.slot_sharding for n in _SLOT_INTS + ("live", "temperature", "top_p", "seed")},
         }
         self.replicated = NamedSharding(self.mesh, P())
@@ -333,16 +328,18 @@ class PagedEngine(Engine):
         self._prefill = jax.jit(traced(functools.partial(prefill_fn, cfg=cfg)),
                                 out_shardings=(kv_sh, kv_sh, self.replicated))
         self._sample_first = jax.jit(sample_first_fn)
-        self._insert = jax.jit(functools.partial(insert_fn, page_size=self.page_size), donate_argnums=0,
-                               out_shardings=ss)
-        self._release = jax.jit(release_fn, donate_argnums=0, out_shardings=ss)
+        null = self.cache_spec.null_page
+        self._insert = jax.jit(functools.partial(insert_fn, page_size=self.page_size, layout=self.layout),
+                               donate_argnums=0, out_shardings=ss)
+        self._release = jax.jit(functools.partial(release_fn, null_page=null), donate_argnums=0, out_shardings=ss)
         step_out = (ss, (self.slot_sharding,) * 4)
         self._step = jax.jit(traced(functools.partial(decode_step_fn, cfg=cfg, page_size=self.page_size,
-                                                      max_seq=self._max_seq, attention=self.attention,
-                                                      block_pages=self.decode_block_pages)),
+                                                      max_seq=self._max_seq, null_page=null, attention=self.attention,
+                                                      block_pages=self.decode_block_pages,
+                                                      kernel_options=self.kernel_options)),
                              donate_argnums=1, out_shardings=step_out)
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
-        self._no_new_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
+        self._no_new_pages = None  # put on the devices at the first step (the engine builds on compile-only meshes)
 
     def compile_counts(self) -> dict[str, int]:
         """Number of compiled variants of each jitted function (for no-recompilation checks)."""
@@ -381,8 +378,7 @@ class PagedEngine(Engine):
     def _init_arrays(self) -> dict[str, jax.Array]:
         S, ms, maxp, null = self._S, self.max_stop_tokens, self.max_pages_per_seq, self.cache_spec.null_page
         z = lambda dt: jnp.zeros((S,), dt)  # noqa: E731
-        pool = jnp.zeros(self.cache_spec.pool_shape, self.cache_spec.dtype)
-        return {"k_pool": pool, "v_pool": pool, "page_table": jnp.full((S, maxp), null, jnp.int32),
+        return {**self.layout.zeros(self.cache_spec), "page_table": jnp.full((S, maxp), null, jnp.int32),
                 "stop_ids": jnp.full((S, ms), -1, jnp.int32), "pos": z(jnp.int32), "last_token": z(jnp.int32),
                 "num_generated": z(jnp.int32), "max_new": z(jnp.int32), "top_k": z(jnp.int32),
                 "sample_index": z(jnp.int32), "done": z(bool), "live": z(bool), "temperature": z(jnp.float32),
@@ -500,6 +496,8 @@ class PagedEngine(Engine):
         h = state.host
         need = h.live & ~h.done & (h.pos // self.page_size >= h.num_pages)
         if not need.any():
+            if self._no_new_pages is None:
+                self._no_new_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
             return self._no_new_pages
         if need.sum() > h.alloc.num_free:
             h.done |= np.asarray(state.arrays["done"]) & h.live  # stop ids are only known on the device

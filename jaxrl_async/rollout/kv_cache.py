@@ -19,11 +19,10 @@ the partially filled last prompt page is copied per sample (copy on write at ins
 each sample appends its own tokens to it. Decode never writes below the prompt length, so a
 shared page is immutable while referenced.
 
-Decode attention (`paged_decode_attend`) gathers each slot's pages into a contiguous
-``[S, max_pages * page_size, K, E]`` view per layer and applies a length mask. That is exact
-and portable (CPU, tests); on accelerators a ragged paged-attention kernel reading the pages
-in place (as in JetStream/sglang-jax) is the fast path and can replace this function without
-changing the cache layout.
+Decode attention: `paged_decode_attend` (the reference) gathers each slot's pages into a contiguous
+``[S, max_pages * page_size, K, E]`` view per layer and applies a length mask; `blocked_decode_attend`
+reads only the blocks up to the longest active slot (the portable default). The accelerator kernels
+and the pool layouts they need are in `paged_attention.py`.
 
 Automatic sizing (`auto_num_pages`)
 -----------------------------------

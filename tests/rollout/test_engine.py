@@ -316,24 +316,64 @@ def test_no_recompilation_after_warmup(fam):
     assert engine.attention == "blocked" and before["generate"] == 1
 
 
-def test_decode_attention_paths_agree(fam):
-    """The live-length ("blocked") decode attention equals the full-reservation gather in fp32:
-    same tokens, log-probs within 1e-5, on sampled requests that page, preempt and stop."""
+def ragged_reference_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale):
+    """jax's `ref_ragged_paged_attention` for one query per sequence, vectorised (the original loops in
+    Python over a concrete num_seqs): same arguments and combined k/v format as the TPU kernel."""
+    S, H, E = q.shape
+    K = kv_pages.shape[2] // 2
+    pages = kv_pages[page_indices]  # [S, pages, page, 2K, E]
+    k = jnp.repeat(pages[..., 0::2, :].reshape(S, -1, K, E), H // K, axis=2)
+    v = jnp.repeat(pages[..., 1::2, :].reshape(S, -1, K, E), H // K, axis=2)
+    s = jnp.einsum("shd,skhd->shk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    s = jnp.where(jnp.arange(k.shape[1])[None, None] < kv_lens[:, None, None], s, -jnp.inf)
+    return jnp.einsum("shk,skhd->shd", jax.nn.softmax(s, -1).astype(v.dtype), v).astype(q.dtype)
+
+
+# the kernel paths on CPU: the Triton kernel in Pallas interpret mode, the TPU kernel's reference (the
+# engine's layout, page offsets per layer, lengths and shard_map are what these check)
+KERNEL_OPTIONS = {"blocked": None, "gpu_paged": {"interpret": True},
+                  "tpu_ragged": {"kernel": ragged_reference_kernel}}
+
+
+@pytest.mark.parametrize("attention,mesh_shape", [("blocked", None), ("gpu_paged", None), ("tpu_ragged", None),
+                                                  ("gpu_paged", (2, 2)), ("tpu_ragged", (2, 2))])
+def test_decode_attention_paths_agree(fam, attention, mesh_shape):
+    """Every decode attention equals the full-reservation gather in fp32: same tokens, log-probs within
+    1e-5, on sampled requests that page, preempt and stop; the kernel paths also per shard of a data x
+    tensor mesh (slots over data, kv heads over tensor)."""
     family, cfg, params, engine, hf = fam
     if family != "qwen3":
         pytest.skip("engine-level property; one family suffices")
     gather = make_engine(cfg, attention="gather")
-    assert gather.attention == "gather" and engine.attention == "blocked"
+    mesh = None if mesh_shape is None else make_mesh({"data": mesh_shape[0], "tensor": mesh_shape[1]},
+                                                     devices=jax.devices()[:4])
+    other = make_engine(cfg, attention=attention, mesh=mesh, kernel_options=KERNEL_OPTIONS[attention])
+    assert gather.attention == "gather" and other.attention == attention
+    if attention == "tpu_ragged":
+        assert other.layout.keys == ("kv_pool",)
     ps = prompts(10, seed=21)
     reqs = [(p, SamplingParams(temperature=1.0, top_p=0.9 if i % 2 else 1.0, max_new_tokens=MAX_NEW, seed=i))
             for i, p in enumerate(ps)]
-    st_b, st_g = {}, {}
-    toks_b, lps_b, _ = run(engine, params, reqs, stats=st_b)
-    toks_g, lps_g, _ = run(gather, gather.place_params(params), reqs, stats=st_g)
-    assert st_b["preemptions"] > 0
-    assert toks_b == toks_g
-    worst = max(np.abs(np.array(a) - np.array(b)).max() for a, b in zip(lps_b, lps_g))
+    st = {}
+    toks_o, lps_o, _ = run(other, other.place_params(params), reqs, stats=st)
+    toks_g, lps_g, _ = run(gather, gather.place_params(params), reqs)
+    assert st["preemptions"] > 0
+    assert toks_o == toks_g
+    worst = max(np.abs(np.array(a) - np.array(b)).max() for a, b in zip(lps_o, lps_g))
     assert worst <= 1e-5, worst
+    if mesh is not None:
+        head_axis = 0 if other.layout.name == "heads_first" else 3
+        assert other.pool_sharding.spec[head_axis] == "tensor" and other.slot_sharding.spec[0] == "data"
+
+
+def test_auto_decode_attention_by_platform():
+    from jaxrl_async.rollout import paged_attention
+
+    assert [paged_attention.resolve("auto", p) for p in ("cpu", "tpu", "gpu", "cuda")] == [
+        "blocked", "tpu_ragged", "gpu_paged", "gpu_paged"]
+    assert paged_attention.resolve("gather", "tpu") == "gather"
+    with pytest.raises(ValueError, match="decode attention"):
+        paged_attention.resolve("flash", "cpu")
 
 
 def test_sharded_engine_matches_single_device(fam):

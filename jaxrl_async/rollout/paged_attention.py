@@ -1,0 +1,245 @@
+"""Decode attention over the paged KV pool: the implementations and the pool layout each one reads.
+
+================  ==============================================  ==========================================
+attention         pool arrays (layout)                            reads per decode step
+================  ==============================================  ==========================================
+``gather``        k_pool, v_pool [L, P, page, K, E] (``split``)   every slot's pages up to max_sequence_length
+                                                                  (the reference; `kv_cache.paged_decode_attend`)
+``blocked``       same                                            blocks of pages up to the longest *active*
+                                                                  slot (`kv_cache.blocked_decode_attend`;
+                                                                  portable, the CPU default)
+``tpu_ragged``    kv_pool [L, P, page, 2K, E] (``combined``:      each slot's own pages, Pallas/Mosaic
+                  k at even, v at odd heads, the kernel's         `ragged_paged_attention` (TPU default)
+                  format)
+``gpu_paged``     k_pool, v_pool [K, L, P, page, E]               each slot's own pages, Pallas-Triton
+                  (``heads_first``, the kernel's format)          `paged_attention` (GPU default)
+================  ==============================================  ==========================================
+
+The kernels see the pool of all layers as one page array (a free reshape to ``[L*P, ...]``) and layer
+l's pages as ``page_table + l * P``, so no per-layer slice of the pool is ever copied; per-slot
+lengths are ``pos + 1`` for active slots and 1 for free or finished ones (their output is discarded).
+On a mesh the kernels run per shard (``jax.shard_map``): slots over ``data`` where the decode batch is
+split, kv heads over ``tensor`` where the pool's are. The portable paths run anywhere; a kernel path
+traced for another platform runs in Pallas interpret mode (``gpu_paged``, for tests) or is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_async.rollout import kv_cache
+from jaxrl_async.sharding.rules import logical_to_spec
+
+DECODE_ATTENTION = ("gather", "blocked", "tpu_ragged", "gpu_paged")
+LAYOUT_OF = {"gather": "split", "blocked": "split", "tpu_ragged": "combined", "gpu_paged": "heads_first"}
+_SPLIT_AXES = kv_cache.POOL_AXES  # layers, cache_pages, cache_page, cache_kv_heads, head_dim
+_HEADS_FIRST_AXES = ("cache_kv_heads", "layers", "cache_pages", "cache_page", "head_dim")
+
+
+def resolve(attention: str, platform: str) -> str:
+    """The decode attention for a platform: "auto" -> tpu_ragged on TPU, gpu_paged on GPU, blocked elsewhere."""
+    if attention == "auto":
+        return {"tpu": "tpu_ragged", "gpu": "gpu_paged", "cuda": "gpu_paged"}.get(platform, "blocked")
+    if attention not in DECODE_ATTENTION:
+        raise ValueError(f"decode attention must be 'auto' or one of {DECODE_ATTENTION}, got {attention!r}")
+    return attention
+
+
+# ---------------------------------------------------------------------------------------
+# Pool layouts
+# ---------------------------------------------------------------------------------------
+class PoolLayout:
+    """Shapes, shardings and writes of the pool arrays of one layout (``split``, ``combined``, ``heads_first``).
+
+    The decode state carries the pool as ``tuple(arrays[k] for k in layout.keys)``.
+    """
+
+    def __init__(self, name: str):
+        if name not in ("split", "combined", "heads_first"):
+            raise ValueError(f"unknown pool layout {name!r}")
+        self.name = name
+        self.keys = ("kv_pool",) if name == "combined" else ("k_pool", "v_pool")
+
+    def shapes(self, spec: kv_cache.KVCacheSpec) -> dict[str, tuple[int, ...]]:
+        L, Pn, page, K, E = spec.pool_shape
+        shape = {"split": (L, Pn, page, K, E), "combined": (L, Pn, page, 2 * K, E),
+                 "heads_first": (K, L, Pn, page, E)}[self.name]
+        return dict.fromkeys(self.keys, shape)
+
+    def shardings(self, spec: kv_cache.KVCacheSpec, mesh: Mesh, rules: Any = "generator") -> dict[str, NamedSharding]:
+        split = logical_to_spec(_SPLIT_AXES, spec.pool_shape, rules, mesh)  # kv heads split iff K divides
+        if self.name == "heads_first":
+            ps = P(split[3], split[0], split[1], split[2], split[4])
+        else:
+            ps = split  # combined: the 2K axis split like K keeps each (k, v) pair on one shard
+        return dict.fromkeys(self.keys, NamedSharding(mesh, ps))
+
+    def zeros(self, spec: kv_cache.KVCacheSpec) -> dict[str, jax.Array]:
+        return {k: jnp.zeros(s, spec.dtype) for k, s in self.shapes(spec).items()}
+
+    def num_pages(self, pools: dict[str, jax.Array]) -> int:
+        a = pools[self.keys[0]]
+        return a.shape[2] if self.name == "heads_first" else a.shape[1]
+
+    def write_prefix(self, pools: dict[str, jax.Array], k: jax.Array, v: jax.Array, dest_pages: jax.Array,
+                     page_size: int) -> dict[str, jax.Array]:
+        """Prompt k/v [L, T, K, E] to (dest_pages[t], t % page) of every layer (null page: dropped)."""
+        if self.name == "split":
+            return {"k_pool": kv_cache.write_prefix(pools["k_pool"], k, dest_pages, page_size),
+                    "v_pool": kv_cache.write_prefix(pools["v_pool"], v, dest_pages, page_size)}
+        offsets = jnp.arange(k.shape[1], dtype=jnp.int32) % page_size
+        if self.name == "combined":
+            pool = pools["kv_pool"]
+            return {"kv_pool": pool.at[:, dest_pages, offsets].set(interleave(k, v).astype(pool.dtype), mode="drop")}
+        out = {}
+        for key, x in (("k_pool", k), ("v_pool", v)):
+            pool = pools[key]
+            out[key] = pool.at[:, :, dest_pages, offsets].set(jnp.moveaxis(x, 2, 0).astype(pool.dtype), mode="drop")
+        return out
+
+    def write_token(self, pools: tuple, layer_idx, pages: jax.Array, offsets: jax.Array, k: jax.Array,
+                    v: jax.Array) -> tuple:
+        """One decode token per slot, k/v [S, K, E], at (pages[s], offsets[s]) of layer `layer_idx`."""
+        if self.name == "split":
+            kp, vp = pools
+            return (kp.at[layer_idx, pages, offsets].set(k.astype(kp.dtype), mode="drop"),
+                    vp.at[layer_idx, pages, offsets].set(v.astype(vp.dtype), mode="drop"))
+        if self.name == "combined":
+            (pool,) = pools
+            return (pool.at[layer_idx, pages, offsets].set(interleave(k, v).astype(pool.dtype), mode="drop"),)
+        kp, vp = pools
+        return (kp.at[:, layer_idx, pages, offsets].set(jnp.swapaxes(k, 0, 1).astype(kp.dtype), mode="drop"),
+                vp.at[:, layer_idx, pages, offsets].set(jnp.swapaxes(v, 0, 1).astype(vp.dtype), mode="drop"))
+
+
+def interleave(k: jax.Array, v: jax.Array) -> jax.Array:
+    """[..., K, E] k and v -> [..., 2K, E] with k_h at 2h and v_h at 2h + 1 (the ragged kernel's format)."""
+    return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
+
+
+def layout_for(attention: str) -> PoolLayout:
+    return PoolLayout(LAYOUT_OF[attention])
+
+
+# ---------------------------------------------------------------------------------------
+# attend functions (the `forward` hook) for one decode token per slot
+# ---------------------------------------------------------------------------------------
+def decode_attend(attention: str, page_table: jax.Array, positions: jax.Array, active: jax.Array,
+                  write_pages: jax.Array, page_size: int, scale: float, *, block_pages: int = 8,
+                  kernel_options: dict | None = None):
+    """`attend(q [S,1,H,E], k/v [S,1,K,E], layer_idx, pools)` of `attention` (state = the layout's pool tuple)."""
+    if attention == "gather":
+        return kv_cache.paged_decode_attend(page_table, positions, write_pages, page_size, scale)
+    if attention == "blocked":
+        nblk = kv_cache.live_blocks(positions, active, block_pages * page_size)
+        return kv_cache.blocked_decode_attend(page_table, positions, write_pages, page_size, scale, nblk, block_pages)
+    opts = dict(kernel_options or {})
+    layout = layout_for(attention)
+    offsets = positions % page_size
+    kv_lens = jnp.where(active, positions + 1, 1).astype(jnp.int32)
+
+    def attend(q, k, v, layer_idx, state):
+        state = layout.write_token(state, layer_idx, write_pages, offsets, k[:, 0], v[:, 0])
+        if attention == "tpu_ragged":
+            (pool,) = state
+            L, Pn = pool.shape[:2]
+            flat = (pool.reshape(L * Pn, *pool.shape[2:]),)
+            head_axis = 2
+        else:
+            kp, vp = state
+            L, Pn = kp.shape[1:3]
+            flat = tuple(a.reshape(a.shape[0], L * Pn, *a.shape[3:]) for a in state)
+            head_axis = 0
+        pages = jnp.minimum(page_table, Pn - 1) + layer_idx * Pn  # null entries past a slot's length: unread
+        out = _on_mesh(attention, q[:, 0], flat, head_axis, kv_lens, pages, scale=float(scale), **opts)
+        return out[:, None], state
+
+    return attend
+
+
+def _kernel_platform() -> str:
+    from jaxrl_async.sharding.activations import active_activation_rules
+
+    active = active_activation_rules()
+    return active[0].devices.flat[0].platform if active is not None else jax.devices()[0].platform
+
+
+def _on_mesh(attention: str, q, pools: tuple, head_axis: int, kv_lens, pages, **opts):
+    """Run the kernel on every shard of the active mesh: slots over the decode batch's axis, kv heads
+    (and their query heads) over the pool's head axis; directly without a mesh."""
+    from jaxrl_async.sharding.activations import active_activation_rules
+
+    local = functools.partial(_tpu_local if attention == "tpu_ragged" else _gpu_local, **opts)
+    active = active_activation_rules()
+    if active is None:
+        return local(q, kv_lens, pages, *pools)
+    mesh, rules = active
+    S, H = q.shape[0], q.shape[1]
+    slot_ax = logical_to_spec(("batch",), (S,), rules, mesh)[0]
+    heads = pools[0].shape[head_axis] // (2 if attention == "tpu_ragged" else 1)
+    kv_ax = logical_to_spec(("cache_kv_heads",), (heads,), rules, mesh)[0]
+    pool_spec = [None] * pools[0].ndim
+    pool_spec[head_axis] = kv_ax
+    q_spec = P(slot_ax, kv_ax, None)
+    fn = jax.shard_map(lambda q_, l_, p_, *ps: local(q_, l_, p_, *ps), mesh=mesh,
+                       in_specs=(q_spec, P(slot_ax), P(slot_ax, None)) + (P(*pool_spec),) * len(pools),
+                       out_specs=q_spec, check_vma=False)
+    del H
+    return fn(q, kv_lens, pages, *pools)
+
+
+def _tpu_local(q, kv_lens, pages, kv_pages, *, scale: float, pages_per_block: int | None = None,
+               queries_per_block: int | None = None, vmem_limit_bytes: int | None = None, kernel=None):
+    """q [S, H, E], kv_pages [L*P, page, 2K, E] -> [S, H, E] with `ragged_paged_attention` (one query per slot)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+
+    S, maxp = pages.shape
+    cu_q_lens = jnp.arange(S + 1, dtype=jnp.int32)
+    num_seqs = jnp.full((1,), S, jnp.int32)
+    if kernel is None:
+        if _kernel_platform() != "tpu":
+            raise ValueError("decode attention 'tpu_ragged' runs on TPU only (use 'blocked' elsewhere)")
+        kernel = functools.partial(
+            rpa.ragged_paged_attention, vmem_limit_bytes=vmem_limit_bytes,
+            # explicit block sizes: the tuned-size table queries jax.devices(), absent when compiling deviceless
+            num_kv_pages_per_block=min(pages_per_block or 8, maxp), num_queries_per_block=queries_per_block or 8)
+    with jax.default_matmul_precision(_kernel_precision(q.dtype)):
+        out = kernel(q, kv_pages, kv_lens, pages.astype(jnp.int32), cu_q_lens, num_seqs, sm_scale=scale)
+    return out.astype(q.dtype)
+
+
+def _gpu_local(q, kv_lens, pages, k_pages, v_pages, *, scale: float, pages_per_block: int | None = None,
+               k_splits: int | None = None, block_h: int = 16, interpret: bool | None = None):
+    """q [S, H, E], k/v_pages [K, L*P, page, E] -> [S, H, E] with the Pallas-Triton `paged_attention`.
+
+    The kernel has no softmax scale: q is scaled first. Its page table needs pages_per_sequence % (k_splits
+    x pages_per_compute_block) == 0: padded with page 0, never read (the kernel stops at each length)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpa
+
+    if interpret is None:
+        interpret = _kernel_platform() not in ("gpu", "cuda")
+    page = k_pages.shape[2]
+    maxp = pages.shape[1]
+    ppcb = min(pages_per_block or max(1, 64 // page), maxp)
+    splits = k_splits or max(1, min(16, maxp // ppcb))
+    padded = math.ceil(maxp / (ppcb * splits)) * ppcb * splits
+    if padded > maxp:
+        pages = jnp.pad(pages, ((0, 0), (0, padded - maxp)))
+    qs = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    with jax.default_matmul_precision(_kernel_precision(q.dtype)):
+        out = gpa.paged_attention(qs, k_pages, v_pages, pages.astype(jnp.int32), kv_lens, block_h=block_h,
+                                  pages_per_compute_block=ppcb, k_splits=splits, interpret=interpret)
+    return out.astype(q.dtype)
+
+
+def _kernel_precision(dtype) -> str:
+    """Matmul precision inside the kernels: float32 pools at full precision, others at the native one (Mosaic
+    rejects a float32-precision matmul of bf16 operands, which a caller's "highest" default would ask for)."""
+    return "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
