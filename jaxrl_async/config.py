@@ -73,6 +73,42 @@ class ConfigError(ValueError):
 # Sections
 # =============================================================================================
 @dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters (``models/lora.py``): ``rank`` 0 trains all weights; ``rank`` > 0 freezes the base
+    and trains adapters ``W + (alpha / rank) A B`` on the ``targets`` projections (q, k, v, o, gate, up,
+    down), A initialised as PEFT (Kaiming-uniform), B = 0. ``base_dtype``: storage of the frozen base in
+    the trainer (adapters and their Adam state are float32). ``decode``: the generator applies the
+    adapters ``unmerged`` (low-rank matmuls next to the base weights, loaded once) or ``merged`` into a
+    generator-side copy of the weights at every push. ``dropout``: only 0 (not implemented)."""
+
+    rank: int = 0
+    alpha: float = 32.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    dropout: float = 0.0
+    base_dtype: Literal["float32", "bfloat16"] = "float32"
+    decode: Literal["unmerged", "merged"] = "unmerged"
+    init_seed: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            raise ValueError(f"rank: must be an int >= 0 (0: no LoRA), got {self.rank!r}")
+        if self.rank > 0:
+            self.spec()
+
+    def spec(self):
+        """``models.lora.LoraSpec`` (None when rank is 0); its ValueError names the field."""
+        if self.rank == 0:
+            return None
+        from jaxrl_async.models.lora import LoraSpec
+
+        try:
+            return LoraSpec(rank=self.rank, alpha=float(self.alpha), targets=tuple(self.targets),
+                            dropout=float(self.dropout), base_dtype=self.base_dtype)
+        except ValueError as e:  # "ModelConfig.lora.field: ..." -> "field: ..."
+            raise ValueError(str(e).removeprefix("ModelConfig.lora.")) from None
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfigSection:
     """The policy. ``path``: a Hugging Face checkpoint directory (config.json + safetensors); None
     initialises the architecture below at random (vocabulary size taken from the tokenizer).
@@ -107,6 +143,7 @@ class ModelConfigSection:
     attention: Literal["auto", "xla", "blockwise", "splash", "gpu_flash"] = "auto"
     attention_block: int = 512
     init_seed: int = 0
+    lora: LoraSection = LoraSection()
 
     def numerics(self) -> dict[str, Any]:
         return dict(dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, scan_layers=self.scan_layers,
@@ -118,8 +155,8 @@ class ModelConfigSection:
         from jaxrl_async.models.config import ModelConfig
 
         if self.path is not None:
-            return ModelConfig.from_hf(self.path, **self.numerics())
-        return ModelConfig(
+            return ModelConfig.from_hf(self.path, **self.numerics()).replace(lora=self.lora.spec())
+        return ModelConfig(lora=self.lora.spec(),
             model_type=self.model_type, vocab_size=self.vocab_size if self.vocab_size is not None else vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,

@@ -65,8 +65,14 @@ class ModelConfig:
     # training / scoring / prefill attention (`models/attention.py`): auto, xla, blockwise, splash, gpu_flash
     attention: str = "auto"
     attention_block: int = 512  # query and key block of "blockwise" (tokens)
+    # LoRA adapters (`models/lora.py`: LoraSpec, or its dict): adds `layers/{target}_lora_{a,b}` to the params
+    lora: Any = None
 
     def __post_init__(self):
+        if isinstance(self.lora, Mapping):
+            from jaxrl_async.models.lora import LoraSpec
+
+            object.__setattr__(self, "lora", LoraSpec(**self.lora))
         self.validate()
 
     # -- validation -------------------------------------------------------------------
@@ -105,6 +111,11 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"ModelConfig.rope_type: RoPE scaling {self.rope_type!r} is not supported (default, llama3)"
             )
+        if self.lora is not None:
+            from jaxrl_async.models.lora import LoraSpec
+
+            if not isinstance(self.lora, LoraSpec):
+                bad("lora", f"must be a LoraSpec, a dict of its fields or None, got {self.lora!r}")
         if self.rope_type == "llama3":
             keys = dict(self.rope_scaling or ())
             for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):

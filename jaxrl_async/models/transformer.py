@@ -54,8 +54,9 @@ Params = dict[str, Any]
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
     shape: tuple[int, ...]
-    axes: tuple[str, ...]  # logical axis names, one per dimension
-    init: str  # "normal" | "ones" | "zeros"
+    axes: tuple[str | None, ...]  # logical axis names, one per dimension (None: replicated, the LoRA rank)
+    init: str  # "normal" | "ones" | "zeros" | "lora_a" (U(+-1/sqrt(fan_in)), PEFT's default)
+    fan_in: int = 0  # "lora_a" only: input features of the adapted projection
 
 
 def param_table(cfg: ModelConfig) -> dict[str, Any]:
@@ -93,7 +94,27 @@ def param_table(cfg: ModelConfig) -> dict[str, Any]:
     }
     if not cfg.tie_word_embeddings:
         table["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
+    if cfg.lora is not None:
+        layers.update(lora_param_table(cfg, layers))
     return table
+
+
+def lora_param_table(cfg: ModelConfig, layers: dict[str, ParamSpec]) -> dict[str, ParamSpec]:
+    """Adapter rows (`models/lora.py`): for a target W [L, in..., out...] with axes (layers, in..., out...),
+    A [L, in..., r] (axes of the inputs, rank unnamed) initialised like PEFT and B [L, r, out...] zeros."""
+    from jaxrl_async.models.lora import TARGETS, adapter_keys
+
+    r = cfg.lora.rank
+    rows = {}
+    for t in cfg.lora.targets:
+        w = layers[t]
+        n_in = TARGETS[t][1]
+        ka, kb = adapter_keys(t)
+        ins, outs = slice(1, 1 + n_in), slice(1 + n_in, None)
+        rows[ka] = ParamSpec((w.shape[0], *w.shape[ins], r), (w.axes[0], *w.axes[ins], None), "lora_a",
+                             fan_in=int(np.prod(w.shape[ins])))
+        rows[kb] = ParamSpec((w.shape[0], r, *w.shape[outs]), (w.axes[0], None, *w.axes[outs]), "zeros")
+    return rows
 
 
 def _is_spec(x):
@@ -123,6 +144,10 @@ def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
             return jnp.ones(spec.shape, dt)
         if spec.init == "zeros":
             return jnp.zeros(spec.shape, dt)
+        if spec.init == "lora_a":
+            from jaxrl_async.models.lora import init_adapter
+
+            return init_adapter(k, spec.shape, spec.fan_in, dt)
         return (std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dt)
 
     return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
@@ -183,15 +208,32 @@ LOGITS_HIDDEN_AXES = ("logits_batch", "length", "activation_embed")
 LOGITS_AXES = ("logits_batch", "length", "activation_vocab")
 
 
+def _proj(p: Params, name: str, x: jax.Array, x_sub: str, out_sub: str, cfg: ModelConfig) -> jax.Array:
+    """x W_name in x's dtype, + (alpha / r) (x A) B when the layer carries LoRA adapters for `name`
+    (`models/lora.py`; a generator holding merged weights has none, and computes x W alone)."""
+    from jaxrl_async.models.lora import TARGETS, adapter_keys, delta
+
+    w_sub = TARGETS[name][0]
+    y = jnp.einsum(f"{x_sub},{w_sub}->{out_sub}", x, p[name].astype(x.dtype))
+    ka, kb = adapter_keys(name)
+    if ka in p:
+        if cfg.lora is None:
+            raise ValueError(f"parameters carry LoRA adapters for {name!r} but ModelConfig.lora is None")
+        # the barrier keeps XLA from fusing the low-rank dot into the base one (it reassociated the sums:
+        # logits 1 ulp off with a zero adapter); with it a zero B leaves the output bit-identical
+        y = jax.lax.optimization_barrier(y) + delta(x, p[ka], p[kb], name, cfg.lora.scale, x_sub, out_sub)
+    return y
+
+
 def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: AttendFn, state, layer_idx):
     """One pre-norm block: x + Attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x)). Returns (x, state)."""
     dt = x.dtype
     eps = cfg.rms_norm_eps
     x = constrain(x, *RESIDUAL_AXES)
     h = rms_norm(x, p["attn_norm"], eps)
-    q = constrain(checkpoint_name(jnp.einsum("btd,dhe->bthe", h, p["q"].astype(dt)), "query_proj"), *Q_AXES)
-    k = constrain(checkpoint_name(jnp.einsum("btd,dke->btke", h, p["k"].astype(dt)), "key_proj"), *KV_AXES)
-    v = constrain(checkpoint_name(jnp.einsum("btd,dke->btke", h, p["v"].astype(dt)), "value_proj"), *KV_AXES)
+    q = constrain(checkpoint_name(_proj(p, "q", h, "btd", "bthe", cfg), "query_proj"), *Q_AXES)
+    k = constrain(checkpoint_name(_proj(p, "k", h, "btd", "btke", cfg), "key_proj"), *KV_AXES)
+    v = constrain(checkpoint_name(_proj(p, "v", h, "btd", "btke", cfg), "value_proj"), *KV_AXES)
     if cfg.qkv_bias:
         q = q + p["q_bias"].astype(dt)
         k = k + p["k_bias"].astype(dt)
@@ -203,18 +245,18 @@ def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: A
     k = apply_rope(k, cos, sin)
     a, state = attend(q, k, v, layer_idx, state)
     a = constrain(a, *Q_AXES)
-    out = checkpoint_name(jnp.einsum("bthe,hed->btd", a, p["o"].astype(dt)), "out_proj")
+    out = checkpoint_name(_proj(p, "o", a, "bthe", "btd", cfg), "out_proj")
     if cfg.o_bias:
         out = out + p["o_bias"].astype(dt)
     x = constrain(x + out, *RESIDUAL_AXES)
     h = rms_norm(x, p["mlp_norm"], eps)
-    g = checkpoint_name(jnp.einsum("btd,df->btf", h, p["gate"].astype(dt)), "mlpwi")
-    u = checkpoint_name(jnp.einsum("btd,df->btf", h, p["up"].astype(dt)), "mlpwi")
+    g = checkpoint_name(_proj(p, "gate", h, "btd", "btf", cfg), "mlpwi")
+    u = checkpoint_name(_proj(p, "up", h, "btd", "btf", cfg), "mlpwi")
     if cfg.mlp_bias:
         g = g + p["gate_bias"].astype(dt)
         u = u + p["up_bias"].astype(dt)
     g, u = constrain(g, *MLP_AXES), constrain(u, *MLP_AXES)
-    y = checkpoint_name(jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["down"].astype(dt)), "mlpwo")
+    y = checkpoint_name(_proj(p, "down", jax.nn.silu(g) * u, "btf", "btd", cfg), "mlpwo")
     if cfg.mlp_bias:
         y = y + p["down_bias"].astype(dt)
     return constrain(x + y, *RESIDUAL_AXES), state

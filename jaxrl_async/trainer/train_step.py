@@ -31,6 +31,10 @@ update (clip_by_global_norm + AdamW, `optimizer.py`).
   values carried by the trajectories ("given").
 * Shapes are bucketed by packing; the step compiles once per (row_len, n_micro) bucket, never
   per content (`Trainer.n_compilations` counts traces).
+* LoRA (`ModelConfig.lora`, `models/lora.py`): the parameters hold the frozen base and the adapters;
+  the gradient is taken with respect to the adapters only (no base gradient or accumulator exists),
+  AdamW state exists only for them, and the base passes through the step unchanged. The base is stored
+  in `lora.base_dtype` (float32 or bfloat16), the adapters in float32.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxrl_async.models import lora
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params, sequence_logprobs
 from jaxrl_async.sharding import activation_sharding, make_mesh, model_shardings
@@ -100,7 +105,8 @@ class TrainerConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
-    """params: fp32 master weights; step: applied optimizer updates; n_skipped: non-finite steps skipped."""
+    """params: fp32 master weights (LoRA: frozen base + fp32 adapters); opt_state: of the trainable
+    parameters (LoRA: the adapters); step: applied optimizer updates; n_skipped: non-finite steps skipped."""
 
     params: Params
     opt_state: Any
@@ -166,7 +172,8 @@ def _combine_stats(stats: Mapping[str, jax.Array], weights: jax.Array) -> dict[s
 
 
 def accumulate_gradients(params: Params, batch: PackedBatch, normaliser: jax.Array, policy_version: jax.Array,
-                         *, grad_shardings: Any = None, **loss_kw) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
+                         *, grad_shardings: Any = None, frozen: Params | None = None,
+                         **loss_kw) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
     """(sum_k grad L_k, sum_k L_k, combined stats) over the leading micro-batch axis (lax.scan).
 
     A micro-batch without loss tokens (the empty micro-batches that round the count up to a bucket)
@@ -175,8 +182,13 @@ def accumulate_gradients(params: Params, batch: PackedBatch, normaliser: jax.Arr
 
     `loss_kw` are the keyword arguments of `micro_batch_loss`. The accumulator is fp32 and, when
     `grad_shardings` is given, constrained to the parameter shardings at every micro-batch.
+    `frozen`: parameters the loss also reads but that get no gradient (LoRA: `params` are the adapters,
+    `frozen` the base; `lora.join` puts them together inside the loss).
     """
-    grad_fn = jax.value_and_grad(functools.partial(micro_batch_loss, **loss_kw), has_aux=True)
+    loss = functools.partial(micro_batch_loss, **loss_kw)
+    if frozen is not None:
+        loss = (lambda f: lambda p, *a: f(lora.join(p, frozen), *a))(loss)
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def constrain(g):
         return g if grad_shardings is None else jax.lax.with_sharding_constraint(g, grad_shardings)
@@ -225,6 +237,7 @@ class Trainer:
         if model_cfg.param_dtype != "float32":
             model_cfg = model_cfg.replace(param_dtype="float32")  # fp32 master weights
         self.model_cfg = model_cfg
+        self.lora = model_cfg.lora  # LoRA: only the adapters train
         if mesh is None:
             mesh = make_mesh({"fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
         self.mesh = mesh
@@ -244,6 +257,8 @@ class Trainer:
         self.tx = make_optimizer(self.cfg.optimizer)
         self.lr_schedule = learning_rate_schedule(self.cfg.optimizer)
         self.param_shardings = model_shardings(model_cfg, mesh, "trainer")
+        self.param_dtypes = _storage_dtypes(model_cfg)
+        self.trainable_shardings = self._trainable(self.param_shardings)
         self.batch_sharding = batch_sharding(mesh)
         self.replicated = NamedSharding(mesh, P())
         self.state_shardings = self._state_shardings()
@@ -262,22 +277,27 @@ class Trainer:
         return traced_with_activation_rules(fn, self.mesh, "trainer")
 
     # -- state ---------------------------------------------------------------------------
+    def _trainable(self, params):
+        """The subtree the optimizer updates: everything, or the LoRA adapters."""
+        return params if self.lora is None else lora.split(params)[0]
+
     def _state_shardings(self) -> TrainState:
-        abstract = jax.eval_shape(self.tx.init, jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), _param_structs(self.model_cfg)))
+        abstract = jax.eval_shape(self.tx.init, self._trainable(jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), _param_structs(self.model_cfg))))
         opt_sh = optax.tree_utils.tree_map_params(
-            self.tx, lambda _, sh: sh, abstract, self.param_shardings,
+            self.tx, lambda _, sh: sh, abstract, self.trainable_shardings,
             transform_non_params=lambda _: self.replicated)
         return TrainState(params=self.param_shardings, opt_state=opt_sh, step=self.replicated,
                           n_skipped=self.replicated)
 
     def init_state(self, params: Params) -> TrainState:
-        """fp32 copy of `params` placed on the trainer shardings, fresh AdamW state."""
-        params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+        """fp32 copy of `params` placed on the trainer shardings, fresh AdamW state (LoRA: the base in
+        `lora.base_dtype`, fp32 adapters, AdamW state of the adapters only)."""
+        params = jax.tree.map(lambda x, dt: jnp.asarray(x, dt), params, self.param_dtypes)
         params = jax.device_put(params, self.param_shardings)
 
         def init(p):
-            return TrainState(params=p, opt_state=self.tx.init(p), step=jnp.zeros((), jnp.int32),
+            return TrainState(params=p, opt_state=self.tx.init(self._trainable(p)), step=jnp.zeros((), jnp.int32),
                               n_skipped=jnp.zeros((), jnp.int32))
 
         return jax.jit(init, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings)(params)
@@ -319,25 +339,33 @@ class Trainer:
         return dict(model_cfg=self.model_cfg, loss_fn=self.loss_fn, num_seqs=num_seqs, proximal=self.cfg.proximal,
                     temperature=self.cfg.temperature, chunk=self.cfg.logprob_chunk)
 
+    def _split(self, params):
+        """(trainable, frozen): (params, None), or LoRA's (adapters, base)."""
+        return (params, None) if self.lora is None else lora.split(params)
+
     def _grads_impl(self, params, batch, normaliser, policy_version, *, num_seqs):
-        return accumulate_gradients(params, batch, normaliser, policy_version, **self._loss_kw(num_seqs))
+        train, frozen = self._split(params)
+        return accumulate_gradients(train, batch, normaliser, policy_version, frozen=frozen,
+                                    **self._loss_kw(num_seqs))
 
     def gradients(self, params: Params, packed: PackedMinibatch, batch: PackedBatch | None = None,
                   policy_version: int = 0) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
-        """The accumulated gradient, loss and stats the step would use (diagnostics and tests)."""
+        """The accumulated gradient (of the trainable parameters: LoRA's adapters), loss and stats the
+        step would use (diagnostics and tests)."""
         batch = self.put_batch(packed) if batch is None else batch
         norm = jnp.float32(self.normaliser_fn(packed.n_loss_tokens, packed.n_loss_seqs))
         return self._jit_grads(params, batch, norm, jnp.int32(policy_version), num_seqs=packed.num_seqs)
 
     def _step_impl(self, state: TrainState, batch: PackedBatch, normaliser, policy_version, *, num_seqs):
         self._traces["step"] += 1
-        grads, loss, stats = accumulate_gradients(state.params, batch, normaliser, policy_version,
-                                                  grad_shardings=self.param_shardings, **self._loss_kw(num_seqs))
+        train, frozen = self._split(state.params)
+        grads, loss, stats = accumulate_gradients(train, batch, normaliser, policy_version, frozen=frozen,
+                                                  grad_shardings=self.trainable_shardings, **self._loss_kw(num_seqs))
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = self.tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        new_state = TrainState(params=_where_tree(ok, new_params, state.params),
+        updates, new_opt = self.tx.update(grads, state.opt_state, train)
+        new_train = _where_tree(ok, optax.apply_updates(train, updates), train)
+        new_state = TrainState(params=new_train if frozen is None else lora.join(new_train, frozen),
                                opt_state=_where_tree(ok, new_opt, state.opt_state),
                                step=state.step + ok.astype(jnp.int32),
                                n_skipped=state.n_skipped + (~ok).astype(jnp.int32))
@@ -417,6 +445,19 @@ class Trainer:
 def _behave_prox_abs_max(b: PackedBatch) -> jax.Array:
     """max over loss tokens of |log pi_prox - log pi_behav| (0 = on-policy, e.g. eta = 0 in fp32)."""
     return jnp.max(jnp.where(b.loss_mask > 0, jnp.abs(b.proximal_logprobs - b.behaviour_logprobs), 0.0))
+
+
+def _storage_dtypes(cfg: ModelConfig):
+    """Per-leaf storage dtype in the trainer: float32, or with LoRA the base in `lora.base_dtype` and the
+    adapters in float32."""
+    from jaxrl_async.models.transformer import param_shapes
+
+    shapes = param_shapes(cfg)
+    if cfg.lora is None:
+        return jax.tree.map(lambda _: jnp.dtype(jnp.float32), shapes)
+    adapters, base = lora.split(shapes)
+    return lora.join(jax.tree.map(lambda _: jnp.dtype(jnp.float32), adapters),
+                     jax.tree.map(lambda _: jnp.dtype(cfg.lora.base_dtype), base))
 
 
 def _param_structs(cfg: ModelConfig):

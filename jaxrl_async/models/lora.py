@@ -1,0 +1,149 @@
+"""LoRA adapters (Hu et al. 2021) on the decoder's projections.
+
+For a target projection with base weight W (our layout: input axes first, output axes last),
+
+    y = x W + (alpha / rank) * (x A) B,     A: [in..., r],  B: [r, out...]
+
+A is initialised like PEFT's default (``init_lora_weights=True``: Kaiming-uniform with a = sqrt(5),
+i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in))) and B = 0, so a fresh adapter leaves the model unchanged
+(bit-identical logits). Adapters live in the same parameter tree as the base weights, as stacked
+per-layer leaves ``layers/{target}_lora_a`` and ``layers/{target}_lora_b``; their shapes, logical
+axes and initialisers are rows of ``transformer.param_table`` (the single source of truth), which
+adds them when ``ModelConfig.lora`` is set. The rank dimension has no logical name (replicated on
+every mesh): r is small and sharding it would only add collectives.
+
+Training (``trainer/train_step.py``) differentiates and optimises only the adapter leaves
+(``split``); the base is frozen and may be stored in bfloat16 (``LoraSpec.base_dtype``). The
+generator either applies the adapters unmerged (the same layer code) or receives them merged into a
+generator-side copy of the base (``merge``); see NOTES.md (LoRA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["LoraSpec", "TARGETS", "split", "join", "merge", "adapter_keys", "init_adapter", "delta"]
+
+# target name -> (einsum subscripts of the base weight, number of leading input axes)
+# q [D, H, E], k/v [D, K, E], o [H, E, D], gate/up [D, F], down [F, D] (transformer.param_table)
+TARGETS: dict[str, tuple[str, int]] = {
+    "q": ("dhe", 1), "k": ("dke", 1), "v": ("dke", 1), "o": ("hed", 2),
+    "gate": ("df", 1), "up": ("df", 1), "down": ("fd", 1),
+}
+# Hugging Face module paths of the targets (PEFT's `target_modules` names and adapter tensor names)
+HF_MODULES: dict[str, str] = {
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+}
+BASE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """rank r, alpha (scale = alpha / r), target projections by name, dropout (must be 0: see NOTES),
+    base_dtype (storage dtype of the frozen base weights in the trainer; adapters are float32)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    dropout: float = 0.0
+    base_dtype: str = "float32"
+
+    def __post_init__(self):
+        if isinstance(self.targets, (list, str)):
+            object.__setattr__(self, "targets", tuple([self.targets] if isinstance(self.targets, str)
+                                                      else self.targets))
+        self.validate()
+
+    def validate(self, prefix: str = "ModelConfig.lora") -> None:
+        def bad(field, msg):
+            raise ValueError(f"{prefix}.{field}: {msg}")
+
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            bad("rank", f"must be a positive int, got {self.rank!r}")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+            bad("alpha", f"must be a positive finite number, got {self.alpha!r}")
+        if not self.targets:
+            bad("targets", "needs at least one of " + ", ".join(TARGETS))
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown or len(set(self.targets)) != len(self.targets):
+            bad("targets", f"{list(self.targets)}: each one of {', '.join(TARGETS)}, no repeats")
+        if self.dropout != 0.0:
+            bad("dropout", f"only 0.0 is supported (got {self.dropout!r}): LoRA dropout is not implemented")
+        if self.base_dtype not in BASE_DTYPES:
+            bad("base_dtype", f"must be one of {BASE_DTYPES}, got {self.base_dtype!r}")
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / self.rank
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "targets": list(self.targets)}
+
+
+def adapter_keys(target: str) -> tuple[str, str]:
+    return f"{target}_lora_a", f"{target}_lora_b"
+
+
+def is_adapter_key(name: str) -> bool:
+    return name.endswith("_lora_a") or name.endswith("_lora_b")
+
+
+def split(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(adapters, base): ``{"layers": {..._lora_a/b}}`` and the rest of the tree (same leaves, no copy)."""
+    layers = params["layers"]
+    adapters = {"layers": {k: v for k, v in layers.items() if is_adapter_key(k)}}
+    base = {**params, "layers": {k: v for k, v in layers.items() if not is_adapter_key(k)}}
+    return adapters, base
+
+
+def join(adapters: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of ``split``."""
+    return {**base, "layers": {**base["layers"], **adapters["layers"]}}
+
+
+def has_adapters(params: Mapping[str, Any]) -> bool:
+    return any(is_adapter_key(k) for k in params.get("layers", {}))
+
+
+def init_adapter(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype: Any = jnp.float32) -> jax.Array:
+    """PEFT's default A: Kaiming-uniform (a = sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+def delta(x: jax.Array, a: jax.Array, b: jax.Array, target: str, scale: float, x_sub: str, out_sub: str
+          ) -> jax.Array:
+    """scale * (x A) B in x's dtype: x [..., in], A [in..., r], B [r, out...]."""
+    w_sub, n_in = TARGETS[target]
+    dt = x.dtype
+    xa = jnp.einsum(f"{x_sub},{w_sub[:n_in]}r->{x_sub[:-n_in]}r", x, a.astype(dt))
+    return scale * jnp.einsum(f"{x_sub[:-n_in]}r,r{w_sub[n_in:]}->{out_sub}", xa, b.astype(dt))
+
+
+def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, target: str, scale: float) -> jax.Array:
+    """W + scale * A B for stacked [L, ...] weights, computed in float32, stored in W's dtype."""
+    w_sub, n_in = TARGETS[target]
+    ab = jnp.einsum(f"l{w_sub[:n_in]}r,lr{w_sub[n_in:]}->l{w_sub}", a.astype(jnp.float32), b.astype(jnp.float32))
+    return (w.astype(jnp.float32) + scale * ab).astype(w.dtype)
+
+
+def merge(params: Mapping[str, Any], spec: LoraSpec) -> dict[str, Any]:
+    """The base tree with every adapter folded into its weight (no adapter leaves left)."""
+    adapters, base = split(params)
+    layers = dict(base["layers"])
+    for t in spec.targets:
+        ka, kb = adapter_keys(t)
+        layers[t] = merged_weight(layers[t], adapters["layers"][ka], adapters["layers"][kb], t, spec.scale)
+    return {**base, "layers": layers}
+
+
+def adapter_bytes(params: Mapping[str, Any]) -> int:
+    adapters, _ = split(params)
+    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(adapters)))

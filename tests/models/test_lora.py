@@ -1,0 +1,106 @@
+"""LoRA adapters (models/lora.py): the forward is base + (alpha/r) x A B, a zero B leaves the logits
+bit-identical, the adapters are rows of the parameter table (shapes, logical axes, shardings), merge
+folds them into the weights, config mistakes name the field."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_async.models import lora
+from jaxrl_async.models.config import ModelConfig
+from jaxrl_async.models.transformer import apply, init_params, logical_axes, param_shapes
+from jaxrl_async.sharding import make_mesh, model_shardings
+
+BASE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, rope_theta=10000.0)
+SPEC = lora.LoraSpec(rank=4, alpha=8.0)
+CFG = BASE.replace(lora=SPEC)
+
+
+def _tokens(seed=0, B=3, T=11):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, BASE.vocab_size, (B, T)), jnp.int32)
+
+
+def _random_adapters(params, seed=1, std=0.3):
+    """Non-zero A and B (a trained adapter)."""
+    adapters, base = lora.split(params)
+    keys = jax.random.split(jax.random.key(seed), len(adapters["layers"]))
+    adapters = {"layers": {k: std * jax.random.normal(kk, v.shape, v.dtype)
+                           for kk, (k, v) in zip(keys, sorted(adapters["layers"].items()))}}
+    return lora.join(adapters, base)
+
+
+def test_adapter_rows_of_the_parameter_table():
+    shapes, axes = param_shapes(CFG)["layers"], logical_axes(CFG)["layers"]
+    r, L, D, H, K, E, F = 4, 2, 32, 4, 2, 8, 48
+    assert shapes["q_lora_a"].shape == (L, D, r) and shapes["q_lora_b"].shape == (L, r, H, E)
+    assert shapes["k_lora_b"].shape == (L, r, K, E) and shapes["o_lora_a"].shape == (L, H, E, r)
+    assert shapes["o_lora_b"].shape == (L, r, D) and shapes["down_lora_a"].shape == (L, F, r)
+    assert axes["q_lora_a"] == ("layers", "embed", None) and axes["q_lora_b"] == ("layers", None, "heads", "head_dim")
+    assert axes["down_lora_b"] == ("layers", None, "embed") and axes["gate_lora_b"] == ("layers", None, "mlp")
+    assert sorted(k for k in shapes if lora.is_adapter_key(k)) == sorted(
+        f"{t}_lora_{x}" for t in lora.TARGETS for x in "ab")
+    # the trainer and generator rule sets shard them like their base weights; the rank stays whole
+    mesh = make_mesh({"fsdp": 4, "tensor": 2})
+    sh = model_shardings(CFG, mesh, "trainer")["layers"]
+    assert tuple(sh["q_lora_a"].spec) == (None, "fsdp", None)
+    assert tuple(sh["q_lora_b"].spec) == (None, None, "tensor", None)
+    gmesh = make_mesh({"data": 4, "tensor": 2}, axis_names=("data", "tensor"))
+    gsh = model_shardings(CFG, gmesh, "generator")["layers"]
+    assert tuple(gsh["gate_lora_b"].spec) == (None, None, "tensor")
+
+
+def test_init_like_peft_b_zero_and_zero_adapter_is_bit_identical():
+    params = init_params(CFG, jax.random.key(0))
+    layers = params["layers"]
+    for t in lora.TARGETS:
+        a, b = np.asarray(layers[f"{t}_lora_a"]), np.asarray(layers[f"{t}_lora_b"])
+        fan_in = int(np.prod(layers[t].shape[1:1 + lora.TARGETS[t][1]]))
+        assert np.all(b == 0)
+        assert np.abs(a).max() <= 1 / np.sqrt(fan_in) and np.abs(a).max() > 0.5 / np.sqrt(fan_in)
+    _, base = lora.split(params)
+    tok = _tokens()
+    for scan in (True, False):
+        got = apply(params, CFG.replace(scan_layers=scan), tok)
+        want = apply(base, BASE.replace(scan_layers=scan), tok)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_forward_is_base_plus_scaled_low_rank_update():
+    params = _random_adapters(init_params(CFG, jax.random.key(0)))
+    adapters, base = lora.split(params)
+    tok = _tokens(3)
+    got = np.asarray(apply(params, CFG, tok))
+    # the reference: every target weight replaced by W + (alpha / r) A B, computed independently in numpy
+    ref = jax.tree.map(np.asarray, base)
+    for t, (w_sub, n_in) in lora.TARGETS.items():
+        a = np.asarray(adapters["layers"][f"{t}_lora_a"], np.float64)
+        b = np.asarray(adapters["layers"][f"{t}_lora_b"], np.float64)
+        ab = np.einsum(f"l{w_sub[:n_in]}r,lr{w_sub[n_in:]}->l{w_sub}", a, b)
+        ref["layers"][t] = (ref["layers"][t] + SPEC.scale * ab).astype(np.float32)
+    want = np.asarray(apply(ref, BASE, tok))
+    assert np.abs(want - np.asarray(apply(base, BASE, tok))).max() > 1e-2  # the adapters matter
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    # lora.merge is that reference
+    merged = lora.merge(params, SPEC)
+    assert not lora.has_adapters(merged)
+    for t in lora.TARGETS:
+        np.testing.assert_allclose(np.asarray(merged["layers"][t]), ref["layers"][t], atol=1e-6, rtol=0)
+    # only the configured targets are adapted
+    cfg_q = BASE.replace(lora=lora.LoraSpec(rank=2, alpha=2.0, targets=("q", "down")))
+    p_q = init_params(cfg_q, jax.random.key(0))
+    assert sorted(k for k in p_q["layers"] if lora.is_adapter_key(k)) == [
+        "down_lora_a", "down_lora_b", "q_lora_a", "q_lora_b"]
+
+
+def test_adapters_without_lora_config_and_bad_specs_name_the_field():
+    params = init_params(CFG, jax.random.key(0))
+    with pytest.raises(ValueError, match="ModelConfig.lora is None"):
+        apply(params, BASE, _tokens())
+    for kw, field in ((dict(rank=0), "rank"), (dict(alpha=-1.0), "alpha"), (dict(targets=("qkv",)), "targets"),
+                      (dict(dropout=0.1), "dropout"), (dict(base_dtype="int8"), "base_dtype"),
+                      (dict(targets=()), "targets")):
+        with pytest.raises(ValueError, match=rf"^ModelConfig\.lora\.{field}:"):
+            lora.LoraSpec(**kw)
+    assert ModelConfig(**{**BASE.__dict__, "lora": {"rank": 2, "alpha": 4, "targets": ["q"]}}).lora == \
+        lora.LoraSpec(rank=2, alpha=4, targets=("q",))
