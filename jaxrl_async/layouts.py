@@ -56,7 +56,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {k.name: k for k in (
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """``num_devices`` devices of ``device``: the first ``num_generator_devices`` form the generator
-    mesh (axes among data, tensor), the rest the trainer mesh (axes among data, fsdp, tensor)."""
+    mesh (axes among data, tensor), the rest the trainer mesh (axes among data, fsdp, tensor, context)."""
 
     name: str
     device: str
@@ -102,6 +102,12 @@ LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (
            "nodes 6-7); 3:1"),
     Layout("v5p-64", "v5p", 32, 16, (4, 4), ("data", "tensor"), (16,), ("fsdp",),
            "TPU v5p-64 slice (32 chips): generator 16 (4 replicas x tensor 4), trainer 16 (FSDP)"),
+    Layout("h100x8-tp2-cp2", "h100", 8, 4, (2, 2), ("data", "tensor"), (2, 2), ("fsdp", "context"),
+           "1 node x 8 H100: generator 4 (2 replicas x tensor 2), trainer 4 (FSDP 2 x context 2: every trainer "
+           "row split over 2 GPUs, for reasoning-length rows that do not fit one)"),
+    Layout("v5p-64-cp4", "v5p", 32, 16, (4, 4), ("data", "tensor"), (4, 4), ("fsdp", "context"),
+           "TPU v5p-64 slice (32 chips): generator 16 (4 replicas x tensor 4), trainer 16 (FSDP 4 x context 4: "
+           "every trainer row split over 4 chips)"),
     Layout("v4-32", "v4", 16, 8, (4, 2), ("data", "tensor"), (8,), ("fsdp",),
            "TPU v4-32 slice (16 chips, 32 GiB each): generator 8 (4 replicas x tensor 2), trainer 8 (FSDP)"),
 )}
