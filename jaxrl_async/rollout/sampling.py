@@ -21,9 +21,15 @@ Definitions, for one row with float32 logits l in R^V:
   i.e. a draw from softmax(z) restricted to and renormalised on the support. Greedy rows
   return argmax(l) (first index on ties, like torch.argmax).
 
-The sort needed by truncation runs only when some row of the batch uses it (`lax.cond`),
-and a row without truncation gets the same token either way (its support is the full
-vocabulary in both branches), so results are independent of the batch composition.
+Truncation without a full-vocabulary sort: when some row of the batch truncates (`lax.cond`),
+the M = `TOPK_PREFILTER` largest scaled logits of every row come from `lax.top_k` and theta is
+computed on that sorted prefix (softmax normalised by the full-vocabulary logsumexp). A row is
+*resolved* by the prefix when its kept set provably ends inside it: 0 < top_k <= M, or top_k off
+and the prefix's cumulative mass already reaches top_p. Only if some truncating row is not resolved
+(a flat distribution under top-p, or top_k > M) does a second `lax.cond` sort the full vocabulary,
+and even then a resolved row keeps its prefix theta, so every row's result depends only on its own
+logits and parameters, never on the batch composition. A row without truncation gets theta =
+-inf (the full support) in every branch.
 """
 
 from __future__ import annotations
@@ -76,13 +82,50 @@ def truncation_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> ja
     return jnp.take_along_axis(z_sorted, (n_keep - 1)[:, None], axis=-1)[:, 0]
 
 
+TOPK_PREFILTER = 64  # M: sorted candidates taken with lax.top_k before any full-vocabulary sort
+
+
+def threshold_from_sorted(z_sorted: jax.Array, lse: jax.Array, top_k: jax.Array,
+                          top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(theta [B], resolved [B] bool) from the M largest scaled logits in descending order (M <= V).
+
+    lse [B] = logsumexp of the full row, so p = exp(z - lse) are the full-vocabulary probabilities of
+    the prefix; top-k renormalises over the top_k ranks (mass 1 when top-k is off). `resolved`: the kept
+    set ends inside the prefix, so theta equals the full-vocabulary sort's (always true when M == V).
+    """
+    M = z_sorted.shape[-1]
+    rank = jnp.arange(M)[None, :]
+    keep_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    p_k = jnp.where(keep_k, jnp.exp(z_sorted - lse[:, None]), 0.0)
+    mass = jnp.where(top_k > 0, jnp.sum(p_k, axis=-1), 1.0)
+    p_k = p_k / mass[:, None]
+    inclusive = jnp.cumsum(p_k, axis=-1)
+    keep_p = (top_p[:, None] >= 1.0) | (inclusive - p_k < top_p[:, None])
+    keep = (keep_k & keep_p).at[:, 0].set(True)
+    n_keep = jnp.sum(keep, axis=-1)  # the kept set is a prefix of the sorted order
+    theta = jnp.take_along_axis(z_sorted, (n_keep - 1)[:, None], axis=-1)[:, 0]
+    ends_by_k = (top_k > 0) & (top_k <= M)
+    ends_by_p = (top_k <= 0) & (top_p < 1.0) & (inclusive[:, -1] >= top_p)  # top_k > M: mass unknown
+    return theta, ends_by_k | ends_by_p
+
+
+def prefilter_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                        prefilter: int = TOPK_PREFILTER) -> tuple[jax.Array, jax.Array]:
+    """`threshold_from_sorted` on the `prefilter` largest logits of each row (`lax.top_k`, no sort of V)."""
+    lse = jax.nn.logsumexp(z, axis=-1)
+    M = min(int(prefilter), z.shape[-1])
+    theta, resolved = threshold_from_sorted(jax.lax.top_k(z, M)[0], lse, top_k, top_p)
+    return theta, resolved | (M == z.shape[-1])
+
+
 def needs_truncation(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """[B] bool: the row samples (T > 0) with top-k or top-p active."""
     return (temperature > 0) & ((top_k > 0) | (top_p < 1.0))
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seed: jax.Array,
-           sample_index: jax.Array, position: jax.Array) -> tuple[jax.Array, jax.Array]:
+           sample_index: jax.Array, position: jax.Array,
+           prefilter: int = TOPK_PREFILTER) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row; returns (tokens [B] int32, behaviour log-probs [B] float32).
 
     logits [B, V] (any float dtype, used in float32); temperature [B] float (0 = greedy);
@@ -95,11 +138,16 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     top_p = top_p.astype(jnp.float32)
     z = scale_logits(logits, temperature)
     trunc = needs_truncation(temperature, top_k, top_p)
-    theta = jax.lax.cond(
-        jnp.any(trunc),
-        lambda: jnp.where(trunc, truncation_threshold(z, top_k, top_p), -jnp.inf),
-        lambda: jnp.full(z.shape[:1], -jnp.inf, jnp.float32),
-    )
+
+    def truncated():
+        theta, resolved = prefilter_threshold(z, top_k, top_p, prefilter)
+        theta = jax.lax.cond(  # the full sort only for rows the prefix cannot settle
+            jnp.any(trunc & ~resolved),
+            lambda: jnp.where(resolved, theta, truncation_threshold(z, top_k, top_p)),
+            lambda: theta)
+        return jnp.where(trunc, theta, -jnp.inf)
+
+    theta = jax.lax.cond(jnp.any(trunc), truncated, lambda: jnp.full(z.shape[:1], -jnp.inf, jnp.float32))
     keys = jax.vmap(request_key)(seed, sample_index, position)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[-1:], jnp.float32))(keys)
     masked = jnp.where(z >= theta[:, None], z, -jnp.inf)

@@ -142,6 +142,59 @@ def test_row_result_independent_of_batch_composition():
     assert _sample._cache_size() == 1  # every call of this module shares one compilation
 
 
+def _large_vocab_rows(rng, V=2000):
+    """Rows from peaked (nucleus inside the top 64) to flat (nucleus of hundreds of tokens), with
+    top-k / top-p settings the prefix settles and settings it cannot (flat top-p, top_k > 64)."""
+    scales = np.array([8.0, 8.0, 8.0, 4.0, 0.3, 0.3, 8.0, 0.3, 1.0, 1.0, 8.0, 0.0])
+    top_k = np.array([0, 5, 64, 0, 0, 10, 100, 200, 0, 50, 0, 0])
+    top_p = np.array([0.9, 1.0, 0.95, 0.5, 0.9, 0.7, 0.9, 1.0, 0.99, 0.8, 1.0, 0.9])
+    z = (rng.normal(size=(len(scales), V)) * scales[:, None]).astype(np.float32)
+    z[:, 7] = z.max(axis=1) + 0.5  # a clear top token in every row; row 11 is exactly flat elsewhere
+    return jnp.asarray(z), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32)
+
+
+def test_prefilter_threshold_equals_the_full_sort_where_it_resolves():
+    z, top_k, top_p = _large_vocab_rows(np.random.default_rng(3))
+    theta, resolved = jax.jit(sampling.prefilter_threshold)(z, top_k, top_p)
+    ref = jax.jit(sampling.truncation_threshold)(z, top_k, top_p)
+    resolved = np.asarray(resolved)
+    # peaked top-p, top-k <= 64 and top-k <= 64 with top-p resolve; flat top-p and top_k > 64 do not
+    np.testing.assert_array_equal(resolved[[0, 1, 2, 3, 5, 9]], True)
+    np.testing.assert_array_equal(resolved[[4, 6, 7, 8]], False)
+    np.testing.assert_array_equal(np.asarray(theta)[resolved], np.asarray(ref)[resolved])
+
+
+def test_sampling_with_prefilter_and_fallback_equals_the_full_sort():
+    """End to end on V = 2000: the tokens of `sample` (prefilter, full sort only for rows it cannot
+    settle) equal those of sampling from the full-sort threshold with the same keys, row by row, in
+    batches that do and do not need the fallback; log-probs are the full-vocabulary ones."""
+    z, top_k, top_p = _large_vocab_rows(np.random.default_rng(4))
+    B = z.shape[0]
+    temps = jnp.full(B, 1.0)
+    seeds, idx, pos = jnp.arange(B, dtype=jnp.uint32), jnp.zeros(B, jnp.int32), jnp.full(B, 3, jnp.int32)
+
+    def reference(rows):
+        theta = sampling.truncation_threshold(z[rows], top_k[rows], top_p[rows])
+        trunc = sampling.needs_truncation(temps[rows], top_k[rows], top_p[rows])
+        theta = jnp.where(trunc, theta, -jnp.inf)
+        keys = jax.vmap(sampling.request_key)(seeds[rows], idx[rows], pos[rows])
+        g = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[-1:], jnp.float32))(keys)
+        return np.asarray(jnp.argmax(jnp.where(z[rows] >= theta[:, None], z[rows], -jnp.inf) + g, axis=-1))
+
+    for rows in (np.arange(B), np.array([0, 1, 2, 3, 5, 9]), np.array([4, 6, 8])):  # mixed, resolved, fallback
+        r = jnp.asarray(rows)
+        toks, lps = jax.jit(sampling.sample)(z[r], temps[r], top_k[r], top_p[r], seeds[r], idx[r], pos[r])
+        np.testing.assert_array_equal(np.asarray(toks), reference(r))
+        np.testing.assert_allclose(np.asarray(lps), np.asarray(sampling.behaviour_logprobs(z[r], temps[r], toks)),
+                                   atol=1e-6)
+    # the truncation is real: a narrow top-k over many keys never leaves its support
+    n = 4000
+    toks, _ = jax.jit(sampling.sample)(jnp.broadcast_to(z[1], (n, z.shape[1])), jnp.ones(n), jnp.full(n, 5),
+                                        jnp.ones(n), jnp.full(n, 1, jnp.uint32), jnp.arange(n), jnp.full(n, 3))
+    top5 = set(np.argsort(-np.asarray(z[1]))[:5].tolist())
+    assert set(np.asarray(toks).tolist()) == top5
+
+
 def test_is_stop():
     stop_ids = jnp.asarray([[5, -1], [-1, -1], [0, 7]], jnp.int32)
     got = sampling.is_stop(jnp.asarray([5, -1, 7], jnp.int32), stop_ids)
