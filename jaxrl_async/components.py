@@ -54,7 +54,10 @@ def build_engine(run_cfg: "RunConfig", model_cfg: "ModelConfig", mesh: "Mesh", *
     num_pages: KV pool size; default `rollout.engine.num_pages` (None there: sized from the free
     device memory). The planner passes the full reservation explicitly.
     """
-    return engine_from_section(run_cfg.rollout.engine, generator_model_config(model_cfg), mesh, num_pages=num_pages)
+    gen_cfg = generator_model_config(model_cfg)
+    if gen_cfg.lora is not None and run_cfg.model.lora.decode == "merged":
+        gen_cfg = gen_cfg.replace(lora=None)  # LoRA merged into the generator's weights at each push
+    return engine_from_section(run_cfg.rollout.engine, gen_cfg, mesh, num_pages=num_pages)
 
 
 def engine_from_section(e: "EngineConfig", gen_model_cfg: "ModelConfig", mesh: "Mesh", *,

@@ -325,8 +325,11 @@ class RLLoop(WarmStartMixin):
         ro = self.cfg.rollout
         engine = self._build_engine()
         gen_dtype = jnp.dtype(self.model_cfg.dtype)
-        gen_params = jax.device_put(jax.tree.map(lambda x: x.astype(gen_dtype), params), engine.param_shardings,
-                                    may_alias=False)
+        if self.model_cfg.lora is not None:
+            gen_params = self._place_lora_generator_params(params, engine)
+        else:
+            gen_params = jax.device_put(jax.tree.map(lambda x: x.astype(gen_dtype), params), engine.param_shardings,
+                                        may_alias=False)
         t0 = time.monotonic()
         engine.warmup(gen_params, max_samples=ro.n_samples)
         self._say(f"engine: {engine.max_concurrent_decodes} slots, {engine.num_pages} KV pages of "
@@ -335,11 +338,32 @@ class RLLoop(WarmStartMixin):
         return Generator(engine, gen_params, version=version, tokenizer=self.tokenizer,
                          kv_update_policy=ro.kv_update_policy, max_prefills_per_step=ro.engine.max_prefills_per_step)
 
+    def _place_lora_generator_params(self, params: Any, engine: Any) -> Any:
+        """LoRA: the base (once) and the adapters on the generator devices; the engine gets them unmerged,
+        or merged into a generator-side copy (``model.lora.decode``). Keeps the base for the pusher."""
+        from jaxrl_async.components import generator_model_config
+        from jaxrl_async.models import lora
+        from jaxrl_async.sharding.rules import model_shardings
+
+        gen_cfg = generator_model_config(self.model_cfg)
+        self._lora_shardings = model_shardings(gen_cfg, self.gen_mesh, "generator")  # base + adapters
+        full = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.dtype(gen_cfg.dtype)), params),
+                              self._lora_shardings, may_alias=False)
+        self._lora_base = lora.split(full)[1]
+        if self.cfg.model.lora.decode == "unmerged":
+            return full
+        return jax.jit(lambda p: lora.merge(p, gen_cfg.lora), out_shardings=engine.param_shardings)(full)
+
     def _build_pusher(self, generator: Any, *, on_applied: Callable[[int], None], timeout_s: float,
                       initial_version: int) -> Any:
-        """The weight pusher onto the generator of ``_start_generator`` (``weight_sync.WeightPusher``)."""
-        from jaxrl_async.weight_sync import WeightPusher
+        """The weight pusher onto the generator of ``_start_generator`` (``weight_sync.WeightPusher``;
+        LoRA: adapters only, onto the generator's base)."""
+        from jaxrl_async.weight_sync import LoraPush, WeightPusher
 
+        if self.model_cfg.lora is not None:
+            return WeightPusher(generator, self._lora_shardings, dtype=jnp.dtype(self.model_cfg.dtype),
+                                on_applied=on_applied, timeout_s=timeout_s, initial_version=initial_version,
+                                lora=LoraPush(self.model_cfg.lora, self._lora_base, self.cfg.model.lora.decode))
         return WeightPusher(generator, self._engine.param_shardings, dtype=jnp.dtype(self.model_cfg.dtype),
                             on_applied=on_applied, timeout_s=timeout_s, initial_version=initial_version)
 
@@ -347,7 +371,15 @@ class RLLoop(WarmStartMixin):
     def _initial_state(self, trainer: Any) -> Any:
         """Fresh training state: ``init_params`` (+ the SFT warm start when ``trainer.sft.steps > 0``)."""
         params = self.init_params
-        if self.cfg.trainer.sft.steps > 0:
+        if self.cfg.trainer.sft.steps > 0 and self.model_cfg.lora is not None:
+            # LoRA: the warm start trains the base (all weights, the stand-in for a pretrained checkpoint);
+            # RL then trains adapters on it (B = 0: the same function at the start of RL)
+            from jaxrl_async.models import lora
+
+            adapters, base = lora.split(params)
+            params = lora.join(adapters, self._warm_start(base, self._sft_examples(),
+                                                          model_cfg=self.model_cfg.replace(lora=None)))
+        elif self.cfg.trainer.sft.steps > 0:
             params = self._warm_start(params, self._sft_examples())
         return self._init_state(trainer, params)
 

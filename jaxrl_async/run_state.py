@@ -29,12 +29,30 @@ def initial_params(cfg: RunConfig, model_cfg: Any = None, *, mesh: Any = None) -
     from jaxrl_async.models.transformer import init_params
     from jaxrl_async.sharding.rules import model_shardings
 
+    spec = cfg.model.lora.spec()  # LoRA: the base as without it, + fresh adapters (model.lora.init_seed)
     if cfg.model.path is not None:
         shardings = (lambda m: model_shardings(m, mesh, "trainer")) if mesh is not None else None
         model_cfg, params = load_hf(cfg.model.path, shardings, **cfg.model.numerics())
+        if spec is not None:
+            model_cfg = model_cfg.replace(lora=spec)
+            params = _with_adapters(params, model_cfg, cfg.model.lora.init_seed, mesh)
         return model_cfg, params if mesh is not None else jax.device_get(params)
-    params = init_params(model_cfg.replace(param_dtype="float32"), jax.random.key(cfg.model.init_seed))
+    base_cfg = model_cfg.replace(param_dtype="float32", lora=None)
+    params = init_params(base_cfg, jax.random.key(cfg.model.init_seed))
+    if spec is not None:
+        model_cfg = model_cfg.replace(lora=spec)
+        params = _with_adapters(params, model_cfg, cfg.model.lora.init_seed, None)
     return model_cfg, jax.device_get(params)
+
+
+def _with_adapters(base: Any, model_cfg: Any, seed: int, mesh: Any) -> Any:
+    from jaxrl_async.models import lora
+    from jaxrl_async.sharding.rules import model_shardings
+
+    adapters = lora.init_adapters(model_cfg, jax.random.key(seed))
+    if mesh is not None:
+        adapters = jax.device_put(adapters, lora.split(model_shardings(model_cfg, mesh, "trainer"))[0])
+    return lora.join(adapters, base)
 
 
 def build_checkpointer(cfg: RunConfig, run_dir: str, model_cfg: Any, tokenizer_dir: str | None) -> Any:

@@ -41,18 +41,19 @@ class WarmStartMixin:
     """``_warm_start`` / ``_save_warm_start`` of ``RLLoop`` (which provides cfg, model_cfg, trainer_mesh,
     run_dir, wall(), _say, _phase, _stop_requested, _stopped, resume_rows, wall0 and the checkpoint hooks)."""
 
-    def _warm_start(self, params: Any, examples: Sequence[Any]) -> Any:
+    def _warm_start(self, params: Any, examples: Sequence[Any], model_cfg: Any = None) -> Any:
         """The SFT warm start (``SFTRun``), checkpointed in ``RUN/warm_start`` every
         ``checkpoint.every_seconds`` and when a stop signal arrives (after the current step: then
         ``StopRequested``), and continued from there by the next process. On a trainer group (the
         followers run the warm start whole, in step) it is neither stopped nor checkpointed part-way:
-        a stop there waits for its end and an interrupted one restarts."""
+        a stop there waits for its end and an interrupted one restarts. ``model_cfg``: of ``params``
+        (default the run's; LoRA runs warm-start the base without adapters)."""
         from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
         from jaxrl_async.trainer.sft import SFTRun
 
         c, tr, ck = self.cfg, self.cfg.trainer, self.cfg.checkpoint
         t0 = time.monotonic()
-        sft = SFTRun(params, self.model_cfg, examples, tr.sft, mesh=self.trainer_mesh, seed=c.seed)
+        sft = SFTRun(params, model_cfg or self.model_cfg, examples, tr.sft, mesh=self.trainer_mesh, seed=c.seed)
         N = sft.total_steps
         if getattr(self, "group", None) is not None:
             self._phase("the SFT warm start of a trainer group", "stopping once the warm start is done")

@@ -37,6 +37,12 @@ would route weights through host memory fails loudly instead of silently costing
 
 Errors in the transfer thread are kept in ``error`` and re-raised by the next ``push``/``wait``;
 every wait has a timeout.
+
+LoRA (``lora=LoraPush(...)``, ``models/lora.py``): the generator's copy of the frozen base is placed once
+(``LoraPush.base``, on the generator devices); ``push`` moves only the adapter leaves (the same routes,
+guards and mailbox; ``PushStats.bytes`` counts only them) and the push thread then hands the generator
+either ``join(adapters, base)`` (``decode="unmerged"``: the layer code applies the low-rank update) or a
+freshly merged copy ``W + (alpha/r) A B`` computed on the generator devices (``decode="merged"``).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["NewestWinsPusher", "WeightPusher", "PushStats", "WeightPushError", "plan_push", "PushPlan"]
+__all__ = ["NewestWinsPusher", "WeightPusher", "PushStats", "WeightPushError", "plan_push", "PushPlan", "LoraPush"]
 
 
 class WeightPushError(RuntimeError):
@@ -67,6 +73,22 @@ class PushStats:
     transfer_s: float = 0.0  # dispatch -> copy complete on the generator devices
     apply_s: float = 0.0  # copy complete -> generator uses the weights
     total_s: float = 0.0  # dispatch -> applied
+
+
+@dataclasses.dataclass
+class LoraPush:
+    """Adapter-only pushes (see the module docstring). ``spec``: the ``LoraSpec``; ``base``: the frozen base
+    weights already on the generator devices (generator dtype and shardings); ``decode``: "unmerged" or
+    "merged". The pusher's ``target_shardings`` are then those of the full tree, base + adapters (the
+    generator rules of the LoRA model config)."""
+
+    spec: Any
+    base: Any
+    decode: str = "unmerged"
+
+    def __post_init__(self):
+        if self.decode not in ("unmerged", "merged"):
+            raise ValueError(f"LoraPush.decode: must be 'unmerged' or 'merged', got {self.decode!r}")
 
 
 def _guard(enabled: bool):
@@ -252,14 +274,25 @@ class WeightPusher(NewestWinsPusher):
       timeout_s: limit of each wait (copy completion, generator apply).
       guard: disallow host<->device transfers during a push.
       initial_version: the version the generator already has (``wait`` for it returns at once).
+      lora: ``LoraPush``: push only the adapters onto the generator's base (None: all parameters).
     """
 
     def __init__(self, generator: Any, target_shardings: Any, *, dtype: Any = None,
                  on_applied: Callable[[int], None] | None = None, timeout_s: float = 300.0, guard: bool = True,
-                 initial_version: int | None = None):
+                 initial_version: int | None = None, lora: LoraPush | None = None):
         super().__init__(on_applied=on_applied, timeout_s=timeout_s, guard=guard, initial_version=initial_version,
                          thread_name="weight-push")
         self.generator = generator
+        self.lora = lora
+        if lora is not None:
+            from jaxrl_async.models import lora as lora_lib
+
+            target_shardings, base_shardings = lora_lib.split(target_shardings)
+            spec = lora.spec
+            # merged: W + s A B on the generator devices, into the base's shardings (a new buffer: the
+            # generator may still decode with the previous merged copy)
+            self._merge = jax.jit(lambda a, b: lora_lib.merge(lora_lib.join(a, b), spec),
+                                  out_shardings=base_shardings)
         self.target_shardings = target_shardings
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self._cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p))
@@ -274,8 +307,12 @@ class WeightPusher(NewestWinsPusher):
         t0 = time.perf_counter()
         with _guard(self.guard):
             src = params
-            if self.dtype is not None and any(x.dtype != self.dtype for x in jax.tree.leaves(params)):
-                src = self._cast(params)
+            if self.lora is not None:
+                from jaxrl_async.models import lora as lora_lib
+
+                src = lora_lib.split(params)[0]  # the adapters only: the generator holds the base
+            if self.dtype is not None and any(x.dtype != self.dtype for x in jax.tree.leaves(src)):
+                src = self._cast(src)
             out = self._move(src)
         stats = PushStats(version=int(version), bytes=tree_bytes(out), dispatch_s=time.perf_counter() - t0)
         self._post(out, stats, t0)
@@ -320,9 +357,22 @@ class WeightPusher(NewestWinsPusher):
             self._wait_ready(params, stats.version)
         t1 = time.perf_counter()
         stats.transfer_s = t1 - t0
+        if self.lora is not None:
+            params = self._with_base(params)
         self.generator.update_params(params, stats.version, wait=True, timeout=self.timeout_s)
         t2 = time.perf_counter()
         stats.apply_s, stats.total_s = t2 - t1, t2 - t0
+
+    def _with_base(self, adapters: Any) -> Any:
+        """The generator's parameters for pushed ``adapters``: base + adapters, or the merged copy."""
+        from jaxrl_async.models import lora as lora_lib
+
+        if self.lora.decode == "unmerged":
+            return lora_lib.join(adapters, self.lora.base)
+        with _guard(self.guard):
+            merged = self._merge(adapters, self.lora.base)
+            jax.block_until_ready(merged)
+        return merged
 
     def _wait_ready(self, params: Any, version: int) -> None:
         deadline = time.monotonic() + self.timeout_s

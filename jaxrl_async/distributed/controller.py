@@ -475,10 +475,13 @@ class DistributedRLLoop(RLLoop):
             self.group.send("build_checkpointer")
         return super()._build_checkpointer()
 
-    def _warm_start(self, params: Any, examples: Sequence[Any]) -> Any:
+    def _warm_start(self, params: Any, examples: Sequence[Any], model_cfg: Any = None) -> Any:
         if self.group is not None:
+            if model_cfg is not None:
+                raise ValueError("model.lora: a multi-process trainer group does not run LoRA yet (one trainer "
+                                 "process does)")
             self.group.send("warm_start", list(examples))
-        return super()._warm_start(params, examples)
+        return super()._warm_start(params, examples, model_cfg)
 
     def _init_state(self, trainer: Any, params: Any) -> Any:
         if self.group is not None:

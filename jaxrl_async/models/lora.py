@@ -147,3 +147,17 @@ def merge(params: Mapping[str, Any], spec: LoraSpec) -> dict[str, Any]:
 def adapter_bytes(params: Mapping[str, Any]) -> int:
     adapters, _ = split(params)
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(adapters)))
+
+
+def init_adapters(cfg: Any, key: jax.Array, dtype: Any = jnp.float32) -> dict[str, Any]:
+    """Fresh adapters ``{"layers": {...}}`` of ``cfg`` (``cfg.lora`` set) from their rows of
+    ``transformer.param_table`` (A as PEFT, B = 0), independent of the base's initialisation."""
+    from jaxrl_async.models.transformer import param_table
+
+    specs = {k: v for k, v in param_table(cfg)["layers"].items() if is_adapter_key(k)}
+    keys = jax.random.split(key, len(specs))
+    out = {}
+    for k, (name, spec) in zip(keys, sorted(specs.items())):
+        out[name] = (init_adapter(k, spec.shape, spec.fan_in, dtype) if spec.init == "lora_a"
+                     else jnp.zeros(spec.shape, dtype))
+    return {"layers": out}
