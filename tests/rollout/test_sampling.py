@@ -195,6 +195,14 @@ def test_sampling_with_prefilter_and_fallback_equals_the_full_sort():
     assert set(np.asarray(toks).tolist()) == top5
 
 
+def test_first_argmax_is_argmax_with_ties():
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 4, size=(50, 33)).astype(np.float32)  # many ties
+    x[3] = -np.inf
+    x[4, 7] = np.inf
+    np.testing.assert_array_equal(np.asarray(sampling.first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+
+
 def test_is_stop():
     stop_ids = jnp.asarray([[5, -1], [-1, -1], [0, 7]], jnp.int32)
     got = sampling.is_stop(jnp.asarray([5, -1, 7], jnp.int32), stop_ids)
