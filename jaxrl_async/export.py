@@ -1,6 +1,7 @@
 """Export a checkpoint of a run as a Hugging Face model directory.
 
     python -m jaxrl_async.export --run-dir RUN [--step N] --out DIR [--overwrite] [--dtype bfloat16] [--fallback]
+                                 [--lora merged|peft]
 
 writes DIR/model.safetensors (or shards + index), config.json, generation_config.json and the
 tokenizer files the run copied into RUN/tokenizer. The model architecture and numerical policy
@@ -14,6 +15,13 @@ directory, no or corrupt checkpoint, --out in the way: one line on stderr naming
 
 During training, `export_checkpoint(checkpointer, out_dir)` exports the latest committed step;
 export right after a commit or keep keep_last >= 2 so the step is not deleted while it is read.
+
+LoRA runs (``model.lora``): ``--lora merged`` (default) writes the merged weights ``W + (alpha/r) A B``
+as a plain Hugging Face model; ``--lora peft`` writes a PEFT adapter directory (``adapter_config.json`` +
+``adapter_model.safetensors``, PEFT's tensor names and [r, in] / [out, r] layouts) that
+``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the base model, plus the base itself in
+``DIR/base`` unless the run's base is a ``model.path`` checkpoint (then ``base_model_name_or_path``
+names it and nothing of the base is written).
 """
 
 from __future__ import annotations
@@ -31,7 +39,10 @@ if TYPE_CHECKING:  # imported where used: a mistyped command line fails before o
     from jaxrl_async.checkpoint.manager import Checkpointer, Restored
 
 _DTYPES = ("float32", "bfloat16", "float16")
+LORA_FORMATS = ("merged", "peft")
 TOOL = "export"
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
 class _DropReadOnlyNotice(logging.Filter):
@@ -65,18 +76,22 @@ def restore_for_export(ckpt: Checkpointer, step: int | None = None, *, fallback:
 
 
 def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None = None, dtype: str | None = None,
-                      fallback: bool = False, max_shard_bytes: int = 2 * 2**30, clean: bool = False) -> ExportResult:
+                      fallback: bool = False, max_shard_bytes: int = 2 * 2**30, clean: bool = False,
+                      lora: str = "merged") -> ExportResult:
     """Write the Hugging Face directory of checkpoint `step` (default: latest committed) of `run`.
 
     run: a run directory (opened read-only) or a live Checkpointer. dtype: weight dtype in the
     files (default: the run's param_dtype). clean: once the checkpoint is restored, remove the files
     of an earlier export from `out_dir` (weights, shard index, configs, tokenizer) before writing.
+    lora: for a LoRA run, "merged" weights or a "peft" adapter directory (module docstring).
     """
     from jaxrl_async.checkpoint.manager import Checkpointer, CheckpointIncompatibleError
     from jaxrl_async.models.hf_io import save_hf
 
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"export: dtype must be one of {_DTYPES}, got {dtype!r}")
+    if lora not in LORA_FORMATS:
+        raise ValueError(f"export: lora must be one of {LORA_FORMATS}, got {lora!r}")
     ckpt = run if isinstance(run, Checkpointer) else Checkpointer(run, read_only=True)
     restored = restore_for_export(ckpt, step, fallback=fallback)
     cfg = restored.model_config
@@ -90,10 +105,92 @@ def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None
     if clean and os.path.isdir(out_dir):
         for f in _export_files(out_dir):
             os.remove(f)
-    files = save_hf(restored.arrays["params"], cfg, out_dir, tokenizer_dir=tok, dtype=dtype,
-                    max_shard_bytes=max_shard_bytes)
+    params = restored.arrays["params"]
+    if cfg.lora is not None and lora == "peft":
+        base_ref = ((restored.meta.config or {}).get("model") or {}).get("path")
+        files = save_peft_adapter(params, cfg, out_dir, base_model_name_or_path=base_ref, tokenizer_dir=tok,
+                                  dtype=dtype, max_shard_bytes=max_shard_bytes)
+        return ExportResult(step=restored.step, out_dir=os.path.abspath(out_dir), weight_files=tuple(files),
+                            tokenizer_copied=tok is not None)
+    if cfg.lora is not None:
+        params, cfg = _merged_on_host(params, cfg), cfg.replace(lora=None)
+    files = save_hf(params, cfg, out_dir, tokenizer_dir=tok, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return ExportResult(step=restored.step, out_dir=os.path.abspath(out_dir), weight_files=tuple(files),
                         tokenizer_copied=tok is not None)
+
+
+def _merged_on_host(params, cfg):
+    """W + (alpha/r) A B of every target (float32 on the host CPU device), the adapters removed."""
+    import jax
+
+    from jaxrl_async.models import lora as lora_lib
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        return jax.device_get(lora_lib.merge(params, cfg.lora))
+
+
+def peft_adapter_tensors(params, cfg) -> dict:
+    """PEFT's ``adapter_model.safetensors`` contents: for target module M of layer i,
+    ``base_model.model.model.layers.{i}.M.lora_A.weight`` [r, in] and ``....lora_B.weight`` [out, r]
+    (in/out features flattened as in the HF weight of M: heads-major, as ``hf_mapping``)."""
+    import jax
+    import numpy as np
+
+    from jaxrl_async.models import lora as lora_lib
+
+    adapters = jax.device_get(lora_lib.split(params)[0])["layers"]
+    out = {}
+    for t in cfg.lora.targets:
+        ka, kb = lora_lib.adapter_keys(t)
+        a, b = np.asarray(adapters[ka], np.float32), np.asarray(adapters[kb], np.float32)
+        r = cfg.lora.rank
+        for i in range(cfg.num_layers):
+            name = f"base_model.model.model.layers.{i}.{lora_lib.HF_MODULES[t]}"
+            out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
+            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
+    return out
+
+
+def save_peft_adapter(params, cfg, out_dir: str, *, base_model_name_or_path: str | None = None,
+                      tokenizer_dir: str | None = None, dtype: str | None = None,
+                      max_shard_bytes: int = 2 * 2**30) -> list[str]:
+    """A PEFT LoRA adapter directory of ``params`` (base + adapters of ``cfg.lora``) in ``out_dir``. Without
+    ``base_model_name_or_path`` the base is written as a Hugging Face model into ``out_dir/base`` and the
+    adapter config names that directory. Returns the written weight files (relative to ``out_dir``)."""
+    import json
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_async.models import lora as lora_lib
+    from jaxrl_async.models.hf_io import copy_tokenizer, save_hf
+    from jaxrl_async.models.safetensors_io import write_safetensors
+
+    os.makedirs(out_dir, exist_ok=True)
+    files = []
+    if base_model_name_or_path is None:
+        base = lora_lib.split(params)[1]
+        files += [os.path.join("base", f) for f in save_hf(base, cfg.replace(lora=None), os.path.join(out_dir, "base"),
+                                                           tokenizer_dir=tokenizer_dir, dtype=dtype,
+                                                           max_shard_bytes=max_shard_bytes)]
+        base_model_name_or_path = os.path.abspath(os.path.join(out_dir, "base"))
+    np_dtype = np.dtype(jnp.dtype(dtype or "float32"))
+    tensors = {k: v.astype(np_dtype) for k, v in peft_adapter_tensors(params, cfg).items()}
+    write_safetensors(os.path.join(out_dir, PEFT_WEIGHTS), tensors, metadata={"format": "pt"})
+    spec = cfg.lora
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
+        "target_modules": sorted(lora_lib.HF_MODULES[t].rsplit(".", 1)[-1] for t in spec.targets),
+        "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+        "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
+        "rank_pattern": {}, "alpha_pattern": {},
+    }
+    with open(os.path.join(out_dir, PEFT_CONFIG), "w") as fh:
+        json.dump(config, fh, indent=2)
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, out_dir)
+    return [*files, PEFT_WEIGHTS]
 
 
 def build_parser():
@@ -107,6 +204,9 @@ def build_parser():
     p.add_argument("--fallback", action="store_true",
                    help="if the chosen step is corrupt, export the newest older committed step instead")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size (GiB)")
+    p.add_argument("--lora", choices=LORA_FORMATS, default="merged",
+                   help="LoRA runs: merged Hugging Face weights, or a PEFT adapter directory (+ the base in DIR/base "
+                        "unless the run's base is its model.path)")
     return p
 
 
@@ -115,7 +215,8 @@ def _export_files(out_dir: str) -> list[str]:
     from jaxrl_async.models.hf_io import TOKENIZER_FILES
     from jaxrl_async.models.safetensors_io import INDEX_NAME, SINGLE_NAME
 
-    names = {SINGLE_NAME, INDEX_NAME, "config.json", "generation_config.json", *TOKENIZER_FILES}
+    names = {SINGLE_NAME, INDEX_NAME, "config.json", "generation_config.json", PEFT_CONFIG, PEFT_WEIGHTS,
+             *TOKENIZER_FILES}
     found = [os.path.join(out_dir, n) for n in names if os.path.isfile(os.path.join(out_dir, n))]
     return found + glob.glob(os.path.join(glob.escape(out_dir), "model-*-of-*.safetensors"))
 
@@ -145,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         res = export_checkpoint(args.run_dir, args.out, step=args.step, dtype=args.dtype, fallback=args.fallback,
-                                max_shard_bytes=int(args.max_shard_gb * 2**30), clean=args.overwrite)
+                                max_shard_bytes=int(args.max_shard_gb * 2**30), clean=args.overwrite, lora=args.lora)
     except (CheckpointError, FileNotFoundError) as e:
         msg = str(e)
         named = args.run_dir in msg or os.path.abspath(args.run_dir) in msg  # the checkpoint errors name their path

@@ -226,12 +226,17 @@ def _file_sizes(root: str) -> dict[str, int]:
 
 
 def model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:
-    """{"hf_config": cfg.to_hf(), "policy": {dtype, param_dtype, remat, scan_layers}}."""
-    return {"hf_config": cfg.to_hf(), "policy": {f: getattr(cfg, f) for f in _POLICY_FIELDS}}
+    """{"hf_config": cfg.to_hf(), "policy": {dtype, param_dtype, remat, scan_layers}}, + "lora" (the
+    LoraSpec's fields) for a LoRA run: its params hold the base and the adapters."""
+    out = {"hf_config": cfg.to_hf(), "policy": {f: getattr(cfg, f) for f in _POLICY_FIELDS}}
+    if cfg.lora is not None:
+        out["lora"] = cfg.lora.to_json()
+    return out
 
 
 def model_config_from_json(d: Mapping[str, Any]) -> ModelConfig:
-    return ModelConfig.from_hf(d["hf_config"], **d.get("policy", {}))
+    cfg = ModelConfig.from_hf(d["hf_config"], **d.get("policy", {}))
+    return cfg.replace(lora=dict(d["lora"])) if d.get("lora") else cfg
 
 
 def copy_tokenizer_once(src_dir: str, run_dir: str) -> str:

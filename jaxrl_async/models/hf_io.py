@@ -127,6 +127,11 @@ def _load_leaf(reader: SafetensorsReader, row: Row, cfg: ModelConfig, shape, sha
 def save_hf(params: Params, cfg: ModelConfig, out_dir: str, *, tokenizer_dir: str | None = None,
             dtype: str | None = None, max_shard_bytes: int = 2 * 2**30) -> list[str]:
     """Write a HF model directory; returns the written weight file names."""
+    from jaxrl_async.models.lora import has_adapters
+
+    if has_adapters(params):  # the mapping has no adapter rows: they would be dropped silently
+        raise ValueError("save_hf: the parameters carry LoRA adapters; merge them (models.lora.merge) or export a "
+                         "PEFT adapter directory (export.save_peft_adapter)")
     os.makedirs(out_dir, exist_ok=True)
     np_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     # Plan: (hf name, row, layer index or None, nbytes), grouped by row so one stacked tensor
