@@ -4,13 +4,12 @@ AReaL's long-CoT lengths (``recipes.qwen3_math_rl_long``): prompts up to 4,096 t
 tokens (31,744 in all), 16 samples per prompt, trainer rows of 32,768 tokens (one row per FSDP shard per
 micro-batch), full remat, ``model.attention=auto`` (the Pallas-Triton flash kernel on GPU). Sized from plans
 compiled for the target (``python -m jaxrl_async.plan --config configs/qwen3_8b_long.py`` with the
-``[aot-gpu]`` extra; benchmarks/RESULTS.md): trainer peak 116.6 of 126.9 GiB per device (train step
-temporaries 62.9 GiB), generator 99.2 GiB (KV pool 65,536 pages of 16 tokens = 1.05 M tokens per replica,
+``[aot-gpu]`` extra; benchmarks/RESULTS.md): trainer peak 103.7 of 126.9 GiB per device (train step
+temporaries 50.0 GiB), generator 96.0 GiB (KV pool 65,536 pages of 16 tokens = 1.05 M tokens per replica,
 allocated on demand; 96 decode slots).
 
-On 8 H100 (``--layout h100x8-tp2``, trainer fsdp 4, one 32k row per device) the trainer shard does not fit
-at these lengths: 78.7 GiB of a 72 GiB budget (train step temporaries 51.9 GiB): use H200s, a TPU slice
-(``configs/qwen3_8b_long_v5p.py``), or more trainer devices.
+On 8 H100 see ``configs/qwen3_8b_long_h100.py`` (context parallelism, 53.5 of 72 GiB per trainer GPU); with
+the layer gradients sharded per layer the plain FSDP 4 layout fits too (``--layout h100x8-tp2``, 60.0 GiB).
 """
 from jaxrl_async.recipes import qwen3_math_rl_long
 
