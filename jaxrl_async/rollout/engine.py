@@ -131,6 +131,21 @@ def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: Mod
     return k, v, logits_from_hidden(params, last)[0]
 
 
+def prefill_chunk_fn(params: Params, k_buf, v_buf, tokens: jax.Array, start: jax.Array, length: jax.Array, *,
+                     cfg: ModelConfig):
+    """One chunk [1, C] of a sequence longer than the largest prefill bucket (chunked prefill).
+
+    k_buf/v_buf [L, T, K, E] (T = chunks x C) hold the k/v of the chunks before `start`; returns them
+    with this chunk's added and the logits at position length - 1 (meaningful for the chunk holding it).
+    """
+    C = tokens.shape[1]
+    positions = (start + jnp.arange(C, dtype=jnp.int32))[None]
+    attend = kv_cache.chunk_prefill_attend(start, length, cfg.head_dim ** -0.5, C)
+    hidden, (k_buf, v_buf) = forward(params, cfg, tokens, positions, attend, (k_buf, v_buf))
+    last = jax.lax.dynamic_index_in_dim(hidden[0], jnp.clip(length - 1 - start, 0, C - 1), axis=0, keepdims=True)
+    return k_buf, v_buf, logits_from_hidden(params, last)[0]
+
+
 def sample_first_fn(logits: jax.Array, temperature, top_k, top_p, seed, sample_index, position):
     """First tokens of n samples of one prompt: `sampling.sample` on logits broadcast to [n, V]."""
     n = sample_index.shape[0]
@@ -327,6 +342,10 @@ class PagedEngine(Engine):
         traced = lambda fn: traced_with_activation_rules(fn, self.mesh, "generator")  # noqa: E731
         self._prefill = jax.jit(traced(functools.partial(prefill_fn, cfg=cfg)),
                                 out_shardings=(kv_sh, kv_sh, self.replicated))
+        self._prefill_chunk = jax.jit(traced(functools.partial(prefill_chunk_fn, cfg=cfg)), donate_argnums=(1, 2),
+                                      out_shardings=(kv_sh, kv_sh, self.replicated))
+        kv_zeros = lambda T: (jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), cfg.dtype),) * 2  # noqa: E731
+        self._kv_zeros = jax.jit(kv_zeros, static_argnums=0, out_shardings=(kv_sh, kv_sh))
         self._sample_first = jax.jit(sample_first_fn)
         null = self.cache_spec.null_page
         self._insert = jax.jit(functools.partial(insert_fn, page_size=self.page_size, layout=self.layout),
@@ -343,8 +362,9 @@ class PagedEngine(Engine):
 
     def compile_counts(self) -> dict[str, int]:
         """Number of compiled variants of each jitted function (for no-recompilation checks)."""
-        fns = {"init": self._init, "prefill": self._prefill, "sample_first": self._sample_first, "insert": self._insert,
-               "generate": self._step, "release": self._release}
+        fns = {"init": self._init, "prefill": self._prefill, "prefill_chunk": self._prefill_chunk,
+               "sample_first": self._sample_first, "insert": self._insert, "generate": self._step,
+               "release": self._release}
         return {k: f._cache_size() for k, f in fns.items()}
 
     def place_params(self, params: Params) -> Params:
@@ -363,6 +383,11 @@ class PagedEngine(Engine):
     @property
     def max_sequence_length(self) -> int:
         return self._max_seq
+
+    @property
+    def max_reprefill_length(self) -> int:
+        """Longest sequence `prefill` takes: past the largest bucket it runs in chunks of that bucket."""
+        return self._max_seq - 1
 
     @property
     def num_pages(self) -> int:
@@ -413,10 +438,22 @@ class PagedEngine(Engine):
             raise ValueError(f"prefill: num_samples={num_samples} must be >= 1 and sample_offset={sample_offset} >= 0")
         if np.any(toks < 0) or np.any(toks >= self.cfg.vocab_size):
             raise ValueError(f"prefill: token ids must be in [0, {self.cfg.vocab_size})")
-        bucket = self.bucket_for(n_tok)
-        padded = np.zeros((1, bucket), np.int32)
-        padded[0, :n_tok] = toks
-        k, v, logits = self._prefill(params, padded, np.int32(n_tok))
+        if n_tok > self.max_reprefill_length:
+            raise ValueError(f"prefill: {n_tok} tokens leave no room in max_sequence_length={self._max_seq}")
+        if n_tok <= self.buckets[-1]:
+            bucket = self.bucket_for(n_tok)
+            padded = np.zeros((1, bucket), np.int32)
+            padded[0, :n_tok] = toks
+            k, v, logits = self._prefill(params, padded, np.int32(n_tok))
+        else:  # chunked prefill: chunks of the largest bucket, each attending to the ones before it
+            C = self.buckets[-1]
+            bucket = kv_cache.pages_for(n_tok, C) * C
+            padded = np.zeros((1, bucket), np.int32)
+            padded[0, :n_tok] = toks
+            k, v = self._kv_zeros(bucket)
+            for start in range(0, bucket, C):  # dispatched back to back, no host sync
+                k, v, logits = self._prefill_chunk(params, k, v, padded[:, start:start + C], np.int32(start),
+                                                   np.int32(n_tok))
         nb = 1 << (num_samples - 1).bit_length()
         idx = np.arange(sample_offset, sample_offset + nb, dtype=np.int32)
         first, lps = self._sample_first(logits, np.float32(sampling.temperature), np.int32(sampling.top_k),

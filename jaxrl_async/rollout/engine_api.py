@@ -120,6 +120,12 @@ class Engine(abc.ABC):
         """Longest total length (prompt + generated) of one slot."""
         return self.max_prefill_length
 
+    @property
+    def max_reprefill_length(self) -> int:
+        """Longest sequence `prefill` accepts for a re-prefill (recompute_kv, a preempted continuation);
+        engines with chunked prefill take up to max_sequence_length - 1, others max_prefill_length."""
+        return self.max_prefill_length
+
     @abc.abstractmethod
     def init_decode_state(self) -> Any:
         """Empty decode state: all slots free, all pages free."""
@@ -130,7 +136,7 @@ class Engine(abc.ABC):
         """Run the prompt (padded to a bucket), sample `num_samples` first tokens.
 
         Sample k of the result has request-level sample index `sample_offset + k` (for its
-        random stream). Raises ValueError if the prompt is longer than `max_prefill_length`.
+        random stream). Raises ValueError if the prompt is longer than `max_reprefill_length`.
         """
 
     @abc.abstractmethod

@@ -398,3 +398,45 @@ def prefill_attend(valid: jax.Array, scale: float, impl: str = "xla", block: int
         return inner(q, k, v, layer_idx, None)[0], (k_buf, v_buf)
 
     return attend
+
+
+def chunk_prefill_attend(start: jax.Array, length: jax.Array, scale: float, block: int):
+    """`attend` for one chunk of C query tokens at absolute positions start..start+C-1 of a sequence
+    whose earlier tokens' k/v are already in `state` = (k_buf, v_buf) [L, T, K, E] (T a multiple of
+    `block`, the chunk size). Writes the chunk's k/v at [start, start + C) of its layer, then attends
+    causally (key j <= query position, j < length) over the key blocks 0..(start + C) / block with an
+    online softmax: no [C, T] score matrix, and no block past the chunk's end is read."""
+
+    def attend(q, k, v, layer_idx, state):
+        k_buf, v_buf = state
+        upd = lambda buf, x: jax.lax.dynamic_update_slice(  # noqa: E731
+            buf, x.astype(buf.dtype)[None], (layer_idx, start, 0, 0))
+        k_buf, v_buf = upd(k_buf, k[0]), upd(v_buf, v[0])
+        C, H, E = q.shape[1], q.shape[2], q.shape[3]
+        K = k_buf.shape[2]
+        G = H // K
+        qg = q[0].reshape(C, K, G, E)
+        q_pos = start + jnp.arange(C)
+        neg = jnp.float32(-1e30)
+
+        def body(b, carry):
+            m, l, acc = carry
+            kb = jax.lax.dynamic_slice(k_buf, (layer_idx, b * block, 0, 0), (1, block, K, E))[0].astype(q.dtype)
+            vb = jax.lax.dynamic_slice(v_buf, (layer_idx, b * block, 0, 0), (1, block, K, E))[0].astype(q.dtype)
+            s = jnp.einsum("ckge,nke->kgcn", qg, kb, preferred_element_type=jnp.float32) * scale
+            key_pos = b * block + jnp.arange(block)
+            ok = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < length)
+            s = jnp.where(ok[None, None], s, neg)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            pv = jnp.einsum("kgcn,nke->kgce", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+            return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
+
+        init = (jnp.full((K, G, C), neg, jnp.float32), jnp.zeros((K, G, C), jnp.float32),
+                jnp.zeros((K, G, C, E), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(0, start // block + 1, body, init)
+        out = (acc / l[..., None]).astype(q.dtype)  # [K, G, C, E]
+        return jnp.moveaxis(out, 2, 0).reshape(1, C, H, E), (k_buf, v_buf)
+
+    return attend

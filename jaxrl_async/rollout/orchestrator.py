@@ -96,12 +96,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
 
 from jaxrl_async.rollout.engine_api import Engine, OutOfPagesError, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort")
 KV_UPDATE_POLICIES = ("keep_kv", "recompute_kv")
@@ -185,6 +188,7 @@ class GeneratorStats:
     host_s_per_step: float  # mean Python time per iteration (excl. device wait and prefills)
     device_wait_s_per_step: float
     host_overhead_fraction: float  # sum(host_s) / sum(step_s)
+    recompute_fallbacks: int = 0  # recompute_kv: live sequences that could not be re-prefilled (kept their KV)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,6 +476,7 @@ class Generator:
         # stats (written by the decode thread; read racily by stats())
         self._n_steps = self._n_tokens = self._n_prefills = self._n_prefill_tokens = 0
         self._n_updates = self._n_preempt = self._n_recompute = self._n_finished = 0
+        self._n_recompute_fallback = 0
         self._live_sum = 0
         self._t_busy = self._t_host = self._t_wait = 0.0
         self._t_prefill_iter = self._t_wait_iter = 0.0
@@ -596,7 +601,8 @@ class Generator:
             tokens_per_s=self._n_tokens / busy if busy > 0 else 0.0,
             slot_utilisation=self._live_sum / (steps * self.num_slots),
             step_s=busy / steps, host_s_per_step=self._t_host / steps, device_wait_s_per_step=self._t_wait / steps,
-            host_overhead_fraction=self._t_host / busy if busy > 0 else 0.0)
+            host_overhead_fraction=self._t_host / busy if busy > 0 else 0.0,
+            recompute_fallbacks=self._n_recompute_fallback)
 
     # -- failure --------------------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:
@@ -874,8 +880,12 @@ class Generator:
         for s in live:
             req = s.request
             tokens = req.prompt + s.tokens
-            if len(tokens) > eng.max_prefill_length:
-                continue  # cannot re-prefill: keeps its KV (documented gap: mixed-version KV)
+            if len(tokens) > eng.max_reprefill_length:  # an engine without chunked prefill: keeps its old KV
+                self._n_recompute_fallback += 1
+                logger.warning("recompute_kv: request %r sample %d (%d tokens) is longer than the engine's "
+                               "max_reprefill_length %d and keeps its KV of the previous weights (fallback #%d)",
+                               req.id, s.index, len(tokens), eng.max_reprefill_length, self._n_recompute_fallback)
+                continue
             sampling = continuation_sampling(req.sampling, req.max_new, req.max_new - len(s.tokens))
             prefix = eng.prefill(self._params, tokens, sampling, num_samples=1, sample_offset=s.index)
             self._n_prefills += 1
@@ -919,7 +929,7 @@ class Generator:
         if self._live < live_before or not self._live:
             return  # finished sequences freed pages: retry first
         victims = sorted((s for s in self._slot_owner if s is not None), key=lambda s: -s.admit_seq)
-        fits = [s for s in victims if len(s.request.prompt) + len(s.tokens) <= self.engine.max_prefill_length]
+        fits = [s for s in victims if len(s.request.prompt) + len(s.tokens) <= self.engine.max_reprefill_length]
         if self._live == 1 or not fits:
             s = victims[0]
             self._fail_request(s.request, OutOfPagesError(

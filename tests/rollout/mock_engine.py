@@ -259,6 +259,10 @@ class GatedEngine(Engine):
     def max_sequence_length(self) -> int:
         return self.inner.max_sequence_length
 
+    @property
+    def max_reprefill_length(self) -> int:
+        return self.inner.max_reprefill_length
+
     def init_decode_state(self) -> Any:
         return self.inner.init_decode_state()
 

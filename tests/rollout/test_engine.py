@@ -390,3 +390,32 @@ def test_sharded_engine_matches_single_device(fam):
     ref, _, _ = run(engine, params, [(p, greedy) for p in ps])
     got, _, _ = run(sharded, sp_params, [(p, greedy) for p in ps])
     assert got == ref
+
+
+def test_chunked_prefill_equals_one_pass_prefill(fam):
+    """A sequence longer than the largest bucket (32) is prefilled in chunks of 32 (each attending to the
+    chunks before it): first token, its log-prob, the KV (the continuation) equal a one-pass prefill."""
+    family, cfg, params, engine, hf = fam
+    if family != "qwen3":
+        pytest.skip("engine-level property; one family suffices")
+    one_pass = make_engine(cfg, prefill_buckets=(56,))
+    assert engine.max_prefill_length == 32 and engine.max_reprefill_length == MAX_SEQ - 1
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, seed=5)
+    for n in (33, 50, 56):
+        toks = prompts(1, seed=n, lo=n, hi=n + 1)[0]
+        outs = []
+        for eng in (engine, one_pass):
+            pre = eng.prefill(params, toks, sp)
+            state = eng.insert(pre, eng.init_decode_state(), 0)
+            seq, lps = [int(pre.first_tokens[0])], [float(pre.first_logprobs[0])]
+            while not state.host.done[0]:
+                state, step = eng.generate(params, state)
+                seq.append(int(np.asarray(step.tokens)[0]))
+                lps.append(float(np.asarray(step.logprobs)[0]))
+            eng.release(state, 0)
+            outs.append((seq, lps))
+        assert outs[0][0] == outs[1][0]
+        np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5)
+    assert engine.compile_counts()["prefill_chunk"] == 1  # one program per buffer length (2 chunks of 32 here)
+    with pytest.raises(ValueError, match="no room"):
+        engine.prefill(params, [5] * MAX_SEQ, sp)

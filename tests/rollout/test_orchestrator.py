@@ -446,3 +446,33 @@ def test_real_engine_weight_swap(real, policy):
             assert j >= 6  # first token from prefill + >= 5 decode steps before the swap
     assert interrupted == 3  # the three requests in slots at the swap; the fourth starts under version 1
     assert outs[3].versions == [1] * 24
+
+
+def test_real_engine_recompute_kv_reprefills_sequences_longer_than_the_largest_bucket(real):
+    """recompute_kv on an engine whose largest prefill bucket (16) is shorter than every in-flight
+    sequence at the swap (>= 22 tokens): each is re-prefilled in chunks under the new weights (checked
+    token by token against transformers with the recompute arrangement; the old code kept their KV of
+    the previous weights, which the keep_kv arrangement would match instead), with no fallback."""
+    from jaxrl_async.rollout.engine import PagedEngine
+
+    base, params, models = real
+    eng = PagedEngine(base.cfg, max_concurrent_decodes=3, max_sequence_length=64, prefill_buckets=(16,),
+                      page_size=8, num_pages=40)
+    assert eng.max_prefill_length == 16 and eng.max_reprefill_length == 63
+    gated = GatedEngine(eng, gate_step=12)
+    ps = [[(7 * i + 3 * j) % 250 + 3 for j in range(10 + 2 * i)] for i in range(3)]
+    sp = SamplingParams(temperature=0, max_new_tokens=30)
+    with Generator(gated, params[0], kv_update_policy="recompute_kv") as gen:
+        hs = [gen.submit(p, sp) for p in ps]
+        assert gated.reached.wait(60)
+        gen.update_params(params[1], version=1)
+        gated.gate.set()
+        outs = [h.result(60).samples[0] for h in hs]
+        stats = gen.stats()
+    assert stats.recomputed_sequences == 3 and stats.recompute_fallbacks == 0 and stats.preemptions == 0
+    for p, o in zip(ps, outs):
+        v = o.versions
+        j = v.index(1)
+        assert len(p) + j > eng.max_prefill_length  # longer than the largest bucket when re-prefilled
+        assert o.num_recomputes == 1 and len(o.completion_ids) == 30
+        check_against_torch(models, p, o.completion_ids, o.logprobs, v, "recompute_kv")
