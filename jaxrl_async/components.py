@@ -42,8 +42,12 @@ def build_trainer(run_cfg: "RunConfig", model_cfg: "ModelConfig", mesh: "Mesh") 
 
 
 def generator_model_config(model_cfg: "ModelConfig") -> "ModelConfig":
-    """The generator holds its weights in the compute dtype (the trainer pushes them cast)."""
-    return model_cfg.replace(param_dtype=model_cfg.dtype)
+    """The generator holds its weights in the compute dtype (the trainer pushes them cast). LoRA with
+    ``decode="merged"``: the engine's model has no adapters (it decodes merged weights)."""
+    gen = model_cfg.replace(param_dtype=model_cfg.dtype)
+    if gen.lora is not None and gen.lora.decode == "merged":
+        gen = gen.replace(lora=None)
+    return gen
 
 
 def build_engine(run_cfg: "RunConfig", model_cfg: "ModelConfig", mesh: "Mesh", *,

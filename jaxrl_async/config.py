@@ -103,7 +103,7 @@ class LoraSection:
 
         try:
             return LoraSpec(rank=self.rank, alpha=float(self.alpha), targets=tuple(self.targets),
-                            dropout=float(self.dropout), base_dtype=self.base_dtype)
+                            dropout=float(self.dropout), base_dtype=self.base_dtype, decode=self.decode)
         except ValueError as e:  # "ModelConfig.lora.field: ..." -> "field: ..."
             raise ValueError(str(e).removeprefix("ModelConfig.lora.")) from None
 

@@ -265,10 +265,43 @@ def _abstract_state(trainer):
     from jaxrl_async.models.transformer import param_shapes
     from jaxrl_async.trainer.train_step import TrainState
 
-    ps = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), param_shapes(trainer.model_cfg))
-    st = jax.eval_shape(lambda p: TrainState(p, trainer.tx.init(p), jnp.zeros((), jnp.int32),
+    # fp32 master weights; LoRA: the frozen base in lora.base_dtype, AdamW state of the adapters only
+    ps = jax.tree.map(lambda s, dt: jax.ShapeDtypeStruct(s.shape, dt), param_shapes(trainer.model_cfg),
+                      trainer.param_dtypes)
+    st = jax.eval_shape(lambda p: TrainState(p, trainer.tx.init(trainer._trainable(p)), jnp.zeros((), jnp.int32),
                                              jnp.zeros((), jnp.int32)), ps)
     return _with_shardings(st, trainer.state_shardings)
+
+
+def _lora_push_plan(cfg, model_cfg, trainer, gen_mesh):
+    """LoRA runs (else (None, None, None)): (report section, the generator shardings of the adapters, their
+    abstract leaves in the generator dtype); the section also carries the adapters' shapes and trainer
+    shardings under private keys for the push plan."""
+    import jax
+
+    from jaxrl_async.models import lora
+    from jaxrl_async.models.transformer import param_shapes
+    from jaxrl_async.sharding.rules import model_shardings
+
+    if model_cfg.lora is None:
+        return None, None, None
+    full_gen_cfg = model_cfg.replace(param_dtype=model_cfg.dtype)  # base + adapters as the generator holds them
+    gen_sh = model_shardings(full_gen_cfg, gen_mesh, "generator")
+    ad_shapes, base_shapes = lora.split(param_shapes(full_gen_cfg))
+    ad_sh, base_sh = lora.split(gen_sh)
+    base_copy = 0
+    if model_cfg.lora.decode == "merged":
+        base_copy = _device_bytes(jax.tree.leaves(base_shapes), jax.tree.leaves(base_sh))
+    ad_trn = lora.split(jax.tree.map(lambda s, dt: jax.ShapeDtypeStruct(s.shape, dt), param_shapes(model_cfg),
+                                     trainer.param_dtypes))[0]
+    spec = model_cfg.lora
+    section = {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets), "decode": spec.decode,
+               "base_dtype": spec.base_dtype,
+               "adapter_params": int(sum(math.prod(a.shape) for a in jax.tree.leaves(ad_trn))),
+               "adapter_bytes_trainer": int(sum(math.prod(a.shape) * _itemsize(a.dtype) for a in jax.tree.leaves(ad_trn))),
+               "generator_base_copy_bytes": base_copy,
+               "_adapter_shapes": ad_shapes, "_trainer_shardings": lora.split(trainer.param_shardings)[0]}
+    return section, ad_sh, jax.tree.leaves(ad_shapes)
 
 
 def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None, headroom: float = 0.10,
@@ -410,11 +443,16 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     # -- weight push ----------------------------------------------------------------------------------
     shapes = jax.tree.map(lambda s: s.shape, param_shapes(gen_cfg))
     trn_param_sh = trainer.param_shardings
-    push = plan_push(trn_param_sh, engine_r.param_shardings, shapes)
+    lora_report, dst_param_sh, gen_abs = _lora_push_plan(cfg, model_cfg, trainer, gen_mesh)
+    if lora_report is None:
+        dst_param_sh, gen_abs = engine_r.param_shardings, jax.tree.leaves(param_shapes(gen_cfg))
+    else:  # a push moves the adapters only
+        shapes = jax.tree.map(lambda a: a.shape, lora_report.pop("_adapter_shapes"))
+        trn_param_sh = lora_report.pop("_trainer_shardings")
+    push = plan_push(trn_param_sh, dst_param_sh, shapes)
     route_leaves = jax.tree.leaves(push.routes)
     inter_leaves = jax.tree.leaves(push.intermediate, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding))
-    gen_abs = jax.tree.leaves(param_shapes(gen_cfg))
-    dst_leaves = jax.tree.leaves(engine_r.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    dst_leaves = jax.tree.leaves(dst_param_sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     trn_leaves = jax.tree.leaves(trn_param_sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     recv_per_dev = 0
     gen_staging = 0  # via_generator: trainer-layout shards staged on generator devices
@@ -437,8 +475,12 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
 
     # -- peaks ---------------------------------------------------------------------------------------
     budget = int(kind.memory_bytes * (1 - headroom))
-    gen_resident = gen_params + kv_bytes + slot_bytes
-    gen_incoming = gen_params + gen_staging
+    # LoRA: a push brings the adapters (cross-mesh bytes); merged decoding also keeps the base to merge into
+    # and builds a new merged copy per push
+    base_copy = 0 if lora_report is None else lora_report["generator_base_copy_bytes"]
+    push_bytes = gen_params if lora_report is None else recv_per_dev
+    gen_resident = gen_params + kv_bytes + slot_bytes + base_copy
+    gen_incoming = push_bytes + gen_staging + (gen_params if base_copy else 0)
     pre_transient = pre_mem.transient_bytes
     gen_peak = gen_resident + gen_incoming + max(dec_mem.transient_bytes, pre_transient)
     trn_resident = trn_state_all + batches_resident
@@ -500,6 +542,10 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
         "fits": fits_gen and fits_trn,
         "notes": notes,
     }
+    if lora_report is not None:
+        report["lora"] = lora_report
+        report["weight_push"].update(new_weights_bytes_per_generator_device=push_bytes,
+                                     new_weights_total_bytes=push_bytes * len(gen_ids))
     report["suggestions"] = suggestions(cfg, report)
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     return report
@@ -598,6 +644,13 @@ def format_plan(r: dict[str, Any]) -> str:
     lines.append(f"model: {mdl['type']} {mdl['params'] / 1e9:.3f} B params, {mdl['layers']} layers, hidden {mdl['hidden']}, "
                  f"heads {mdl['heads']}/{mdl['kv_heads']} x {mdl['head_dim']}, vocab {mdl['vocab']}"
                  f"{' tied' if mdl['tied'] else ''}; compute {mdl['dtype']}, remat {mdl['remat']}")
+    if r.get("lora"):
+        lo = r["lora"]
+        lines.append(f"LoRA: rank {lo['rank']}, alpha {lo['alpha']:g} on {'/'.join(lo['targets'])}: "
+                     f"{lo['adapter_params'] / 1e6:.1f} M adapter params ({lo['adapter_bytes_trainer'] / 2**20:.0f} MiB "
+                     f"fp32), frozen base in {lo['base_dtype']}; generator decodes {lo['decode']}"
+                     + (f" (keeps a {gib(lo['generator_base_copy_bytes'])} base copy)" if lo["generator_base_copy_bytes"]
+                        else ""))
     cf = r.get("compiled_for", {})
     lines.append(f"compiled for: trainer {cf.get('trainer', '?')}; generator {cf.get('generator', '?')}")
     lines.append("")
@@ -617,8 +670,11 @@ def format_plan(r: dict[str, Any]) -> str:
     mb = t["micro_batch"]
     lines.append(f"trainer (per device; mesh {mesh(t['mesh'])}; micro-batch {mb['rows']} rows x {mb['row_len']} = "
                  f"{mb['tokens']} tokens, {mb['n_micro']} micro-batch(es) x {t['ppo_n_minibatches']} minibatches)")
-    row("parameters (float32)", t["params_bytes"])
-    row("optimizer state (AdamW)", t["optimizer_state_bytes"])
+    lo = r.get("lora")
+    row("parameters (float32)" if lo is None else f"parameters ({lo['base_dtype']} base + fp32 adapters)",
+        t["params_bytes"])
+    row("optimizer state (AdamW)" if lo is None else "optimizer state (AdamW, adapters only)",
+        t["optimizer_state_bytes"])
     row("packed batches", t["batches_bytes"])
     row(f"push staging ({w['dtype']} copy)", t["push_staging_bytes"])
     row("train step temporaries", t["train_step_transient_bytes"], "gradient accumulators, activations")

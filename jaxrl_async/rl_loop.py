@@ -341,16 +341,15 @@ class RLLoop(WarmStartMixin):
     def _place_lora_generator_params(self, params: Any, engine: Any) -> Any:
         """LoRA: the base (once) and the adapters on the generator devices; the engine gets them unmerged,
         or merged into a generator-side copy (``model.lora.decode``). Keeps the base for the pusher."""
-        from jaxrl_async.components import generator_model_config
         from jaxrl_async.models import lora
         from jaxrl_async.sharding.rules import model_shardings
 
-        gen_cfg = generator_model_config(self.model_cfg)
+        gen_cfg = self.model_cfg.replace(param_dtype=self.model_cfg.dtype)  # base + adapters, generator dtype
         self._lora_shardings = model_shardings(gen_cfg, self.gen_mesh, "generator")  # base + adapters
         full = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.dtype(gen_cfg.dtype)), params),
                               self._lora_shardings, may_alias=False)
         self._lora_base = lora.split(full)[1]
-        if self.cfg.model.lora.decode == "unmerged":
+        if self.model_cfg.lora.decode == "unmerged":
             return full
         return jax.jit(lambda p: lora.merge(p, gen_cfg.lora), out_shardings=engine.param_shardings)(full)
 
@@ -363,7 +362,7 @@ class RLLoop(WarmStartMixin):
         if self.model_cfg.lora is not None:
             return WeightPusher(generator, self._lora_shardings, dtype=jnp.dtype(self.model_cfg.dtype),
                                 on_applied=on_applied, timeout_s=timeout_s, initial_version=initial_version,
-                                lora=LoraPush(self.model_cfg.lora, self._lora_base, self.cfg.model.lora.decode))
+                                lora=LoraPush(self.model_cfg.lora, self._lora_base, self.model_cfg.lora.decode))
         return WeightPusher(generator, self._engine.param_shardings, dtype=jnp.dtype(self.model_cfg.dtype),
                             on_applied=on_applied, timeout_s=timeout_s, initial_version=initial_version)
 

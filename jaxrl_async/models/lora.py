@@ -42,18 +42,21 @@ HF_MODULES: dict[str, str] = {
     "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
 }
 BASE_DTYPES = ("float32", "bfloat16")
+DECODE = ("unmerged", "merged")
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
     """rank r, alpha (scale = alpha / r), target projections by name, dropout (must be 0: see NOTES),
-    base_dtype (storage dtype of the frozen base weights in the trainer; adapters are float32)."""
+    base_dtype (storage dtype of the frozen base weights in the trainer; adapters are float32), decode
+    (the generator's strategy: "unmerged" low-rank matmuls, or "merged" weights at each push)."""
 
     rank: int = 8
     alpha: float = 16.0
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
     dropout: float = 0.0
     base_dtype: str = "float32"
+    decode: str = "unmerged"
 
     def __post_init__(self):
         if isinstance(self.targets, (list, str)):
@@ -78,6 +81,8 @@ class LoraSpec:
             bad("dropout", f"only 0.0 is supported (got {self.dropout!r}): LoRA dropout is not implemented")
         if self.base_dtype not in BASE_DTYPES:
             bad("base_dtype", f"must be one of {BASE_DTYPES}, got {self.base_dtype!r}")
+        if self.decode not in DECODE:
+            bad("decode", f"must be one of {DECODE}, got {self.decode!r}")
 
     @property
     def scale(self) -> float:
