@@ -72,6 +72,19 @@ _TPU_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "
 _TPU_PREFIX = {"v5p": "v5", "v4": "v4", "v5e": "v5e", "v6e": "v6e"}
 
 
+#: XLA options for deviceless GPU compiles: CUB radix sort (XLA's choice for large sorts, e.g. a
+#: full-vocabulary sort in sampling) sizes its scratch through the CUDA runtime at compile time and
+#: fails without a GPU ("Error loading CUDA libraries"); the XLA sort kernel compiles anywhere. The
+#: plan then omits CUB's scratch (a few MB for [slots, vocab] on H100).
+GPU_DEVICELESS_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+
+
+def compiler_options(devices) -> dict | None:
+    """Options for ``Lowered.compile`` on compile-only ``devices`` (None: the defaults)."""
+    platform = next(iter(devices)).platform if devices else None
+    return dict(GPU_DEVICELESS_OPTIONS) if platform in ("gpu", "cuda") else None
+
+
 def target_devices(kind: str, n: int) -> tuple[list, str]:
     """(compile-only devices, description) of ``n`` devices of a ``layouts.DEVICE_KINDS`` kind.
 

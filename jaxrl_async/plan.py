@@ -39,6 +39,14 @@ float32 *compute* (``model.dtype``), counts resident bytes in the configured dty
 the float32 temporaries: an upper bound of the bf16 program's (no buffer is smaller in float32).
 ``--platform native`` plans on the machine's own accelerators with the configured dtypes.
 
+Compiled for the target (``--compile-for target``, default ``auto`` = when installed; extras
+``[aot-tpu]`` / ``[aot-gpu]``): the trainer's AND the generator's programs are compiled deviceless for
+the layout's device kind (``jaxrl_async.aot``: libtpu topologies, the CUDA plugin with an H100 target
+description) in the configured dtypes, with the attention each platform picks (splash / the Pallas-
+Triton kernel in the trainer, the ragged / Pallas paged decode kernels in the generator), and the
+resident KV bytes are those of the target engine's pool layout. GPU compiles use XLA's sort instead
+of CUB radix sort (``aot.GPU_DEVICELESS_OPTIONS``: CUB needs the CUDA runtime at compile time).
+
 Target: the config's ``mesh.layout`` (``--layout NAME`` replaces the mesh section with that
 layout's), or ``--target KIND``. ``--devices N`` simulates N devices (default: the layout's count).
 
@@ -196,11 +204,12 @@ class ExecutableMemory:
         return self.temp_bytes + max(0, self.output_bytes - self.alias_bytes)
 
 
-def _compile(name: str, fn, args: Sequence[Any], compute_dtype: str) -> tuple[Any, ExecutableMemory]:
+def _compile(name: str, fn, args: Sequence[Any], compute_dtype: str,
+             options: dict | None = None) -> tuple[Any, ExecutableMemory]:
     import jax
 
     t0 = time.perf_counter()
-    compiled = fn.lower(*args).compile()
+    compiled = fn.lower(*args).compile(compiler_options=options)
     dt = time.perf_counter() - t0
     m = compiled.memory_analysis()
     if m is None:
@@ -377,6 +386,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
                                                 if float32_temporaries else platform)
     if compile_for not in ("auto", "target", "cpu"):
         raise PlanError(f"--compile-for must be auto, target or cpu, got {compile_for!r}")
+    tdevs = None
     if compile_for != "cpu" and platform == "cpu":
         from jaxrl_async import aot
 
@@ -385,7 +395,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
         except aot.AOTUnavailableError as e:
             if compile_for == "target":
                 raise PlanError(f"--compile-for target: {e}") from None
-            notes.append(f"trainer compiled on the CPU, not for {kind.name}: {e}")
+            notes.append(f"trainer and generator compiled on the CPU, not for {kind.name}: {e}")
         else:
             t_mesh = make_mesh(dict(trn_mesh.shape), tuple(trn_mesh.axis_names),
                                devices=[tdevs[i] for i in trn_ids])
@@ -414,25 +424,42 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     S = e.max_concurrent_decodes
     max_pages = kv_cache.pages_for(e.max_sequence_length, e.page_size)
     num_pages = e.num_pages if e.num_pages is not None else S * max_pages
-    gen_cfg, gen_compile_cfg = generator_model_config(model_cfg), generator_model_config(compile_cfg)
-    engine_c = build_engine(cfg, compile_cfg, gen_mesh, num_pages=num_pages)
-    engine_r = engine_c if gen_compile_cfg == gen_cfg else build_engine(cfg, model_cfg, gen_mesh, num_pages=num_pages)
+    gen_cfg = generator_model_config(model_cfg)
+    engine_c = None
+    gen_compiled_for = f"{platform}" + (" (float32 compute: an upper bound)" if float32_temporaries else "")
+    if tdevs is not None:  # the generator's programs for the target too, in the configured dtypes
+        g_mesh = make_mesh(dict(gen_mesh.shape), tuple(gen_mesh.axis_names), devices=[tdevs[i] for i in gen_ids])
+        try:
+            engine_c = build_engine(cfg, model_cfg, g_mesh, num_pages=num_pages)
+        except Exception as err:  # noqa: BLE001 - reported, and the CPU bound is used instead
+            notes.append(f"generator compiled on the CPU, not for {kind.name}: {type(err).__name__}: {err}")
+        else:
+            compile_gen_cfg, gen_compiled_for = model_cfg, described
+    if engine_c is None:
+        compile_gen_cfg = compile_cfg
+        engine_c = build_engine(cfg, compile_cfg, gen_mesh, num_pages=num_pages)
+    gen_compile_cfg = generator_model_config(compile_gen_cfg)
+    engine_r = build_engine(cfg, model_cfg, gen_mesh, num_pages=num_pages)
     gen_params_c = _with_shardings(param_shapes(gen_compile_cfg), engine_c.param_shardings)
     arrays_c = _with_shardings(jax.eval_shape(engine_c._init_arrays), engine_c.state_shardings)
     new_pages = _sds((S,), jnp.int32, engine_c.slot_sharding)
     dec_args = (gen_params_c, arrays_c, new_pages)
-    dec_c, dec_mem = _compile("decode_step", engine_c._step, dec_args, compile_cfg.dtype)
+    gen_options = aot.compiler_options(engine_c.mesh.devices.flat) if tdevs is not None else None
+    dec_c, dec_mem = _compile("decode_step", engine_c._step, dec_args, compile_gen_cfg.dtype, gen_options)
     bucket = engine_c.buckets[-1]
     pre_args = (gen_params_c, _sds((1, bucket), jnp.int32), _sds((), jnp.int32))
-    _, pre_mem = _compile("prefill", engine_c._prefill, pre_args, compile_cfg.dtype)
+    _, pre_mem = _compile("prefill", engine_c._prefill, pre_args, compile_gen_cfg.dtype, gen_options)
     dec_sh = _input_shardings(dec_c, len(dec_args), dec_args)
     # resident generator bytes in the configured dtypes, laid out by the decode step's own shardings
     gen_params = _device_bytes(jax.tree.leaves(param_shapes(gen_cfg)), dec_sh[0])
-    arrays_r = jax.eval_shape(engine_r._init_arrays)
+    # (compiled for the target: that engine's own state, e.g. the TPU kernel's combined K/V pool)
+    engine_res = engine_c if compile_gen_cfg is model_cfg else engine_r
+    pool_keys = tuple(engine_res.layout.keys)
+    arrays_r = jax.eval_shape(engine_res._init_arrays)
     keys = sorted(arrays_r)  # dict pytrees flatten in sorted key order
     arr_sh = dict(zip(keys, dec_sh[1]))
-    kv_bytes = sum(_device_bytes([arrays_r[k]], [arr_sh[k]]) for k in ("k_pool", "v_pool"))
-    slot_bytes = sum(_device_bytes([arrays_r[k]], [arr_sh[k]]) for k in keys if k not in ("k_pool", "v_pool"))
+    kv_bytes = sum(_device_bytes([arrays_r[k]], [arr_sh[k]]) for k in pool_keys)
+    slot_bytes = sum(_device_bytes([arrays_r[k]], [arr_sh[k]]) for k in keys if k not in pool_keys)
     kv_shards = kv_cache.kv_head_shards(model_cfg.num_kv_heads, gen_mesh)
     kv_per_token = 2 * model_cfg.num_layers * (model_cfg.num_kv_heads // kv_shards) * model_cfg.head_dim * _itemsize(
         model_cfg.dtype)
@@ -494,8 +521,10 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
         if em.argument_bytes and abs(em.accounted_argument_bytes - em.argument_bytes) > 0.01 * em.argument_bytes:
             notes.append(f"{em.name}: arguments split by input shardings sum to {em.accounted_argument_bytes} B, "
                          f"memory_analysis reports {em.argument_bytes} B")
-    if float32_temporaries:
-        what = "generator" if trainer_c is not trainer else "generator and trainer"
+    gen_on_cpu_f32 = float32_temporaries and compile_gen_cfg is compile_cfg
+    if float32_temporaries and (gen_on_cpu_f32 or trainer_c is trainer):
+        what = {(True, True): "generator and trainer", (True, False): "generator"}.get(
+            (gen_on_cpu_f32, trainer_c is trainer), "trainer")
         notes.append(f"{what} temporaries compiled with float32 compute on {platform} (XLA:CPU would add float32 "
                      f"copies of {model_cfg.dtype} weights and KV pool that GPU/TPU do not make): an upper bound; "
                      f"resident bytes are in the configured dtypes")
@@ -536,9 +565,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
                         "cross_mesh_total_bytes": recv_per_dev * len(gen_ids), "generator_devices": len(gen_ids),
                         "dtype": gen_cfg.param_dtype, "routes": routes},
         "executables": {em.name: dataclasses.asdict(em) for em in (step_mem, lp_mem, dec_mem, pre_mem)},
-        "compiled_for": {"trainer": trainer_compiled_for,
-                         "generator": f"{platform}" + (" (float32 compute: an upper bound)" if float32_temporaries
-                                                       else "")},
+        "compiled_for": {"trainer": trainer_compiled_for, "generator": gen_compiled_for},
         "fits": fits_gen and fits_trn,
         "notes": notes,
     }

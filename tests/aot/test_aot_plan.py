@@ -1,6 +1,6 @@
-"""`plan` compiles the trainer's programs for the target device kind itself (deviceless), in the
-configured dtypes, and says so; the generator part stays a CPU float32 bound (the engine cannot be
-built on compile-only devices: it places arrays)."""
+"""`plan` compiles the trainer's and the generator's programs for the target device kind itself
+(deviceless), in the configured dtypes, and says so; the generator's decode step holds the platform's
+paged-attention kernel and its KV bytes are those of that engine's pool layout."""
 
 from __future__ import annotations
 
@@ -21,11 +21,15 @@ def test_plan_compiles_the_trainer_for_h100():
     r = make_plan(cfg, num_devices=8, compile_for="target")
     assert "H100" in r["compiled_for"]["trainer"] and "deviceless" in r["compiled_for"]["trainer"]
     assert r["executables"]["train_step"]["compute_dtype"] == "bfloat16"
-    assert r["executables"]["decode_step"]["compute_dtype"] == "float32"  # generator: the CPU bound
-    assert r["trainer"]["train_step_transient_bytes"] > 0
+    assert "H100" in r["compiled_for"]["generator"] and "deviceless" in r["compiled_for"]["generator"]
+    assert r["executables"]["decode_step"]["compute_dtype"] == "bfloat16"  # no longer the CPU float32 bound
+    assert r["executables"]["prefill"]["compute_dtype"] == "bfloat16"
+    assert r["trainer"]["train_step_transient_bytes"] > 0 and r["generator"]["decode_transient_bytes"] > 0
     cpu = make_plan(cfg, num_devices=8, compile_for="cpu")
-    assert cpu["compiled_for"]["trainer"].startswith("cpu")
+    assert cpu["compiled_for"]["trainer"].startswith("cpu") and cpu["compiled_for"]["generator"].startswith("cpu")
+    assert cpu["executables"]["decode_step"]["compute_dtype"] == "float32"
     assert cpu["trainer"]["params_bytes"] == r["trainer"]["params_bytes"]  # same layout, other compiler
+    assert cpu["generator"]["kv_cache_bytes"] == r["generator"]["kv_cache_bytes"]  # same pool (bf16, k and v)
 
 
 @pytest.mark.skipif(not aot.tpu_available(), reason="needs libtpu (extra [aot-tpu])")
@@ -34,3 +38,6 @@ def test_plan_compiles_the_trainer_for_a_tpu_slice():
     r = make_plan(cfg, num_devices=8, target="v5p", compile_for="target")
     assert "v5:2x2x2" in r["compiled_for"]["trainer"]
     assert r["target"]["kind"] == "v5p" and r["executables"]["train_step"]["compute_dtype"] == "bfloat16"
+    assert "v5:2x2x2" in r["compiled_for"]["generator"]
+    assert r["executables"]["decode_step"]["compute_dtype"] == "bfloat16"
+    assert r["generator"]["kv_cache_bytes"] > 0 and r["generator"]["decode_transient_bytes"] > 0
