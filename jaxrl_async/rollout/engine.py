@@ -60,7 +60,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params, forward, logits_from_hidden
 from jaxrl_async.rollout import kv_cache, paged_attention, sampling
-from jaxrl_async.rollout.engine_api import Engine, Prefix, SamplingParams, StepResult
+from jaxrl_async.rollout.engine_api import Engine, Prefix, PrefillRequest, SamplingParams, StepResult
 from jaxrl_async.sharding.activations import traced_with_activation_rules
 from jaxrl_async.sharding.mesh import make_mesh
 from jaxrl_async.sharding.rules import logical_to_spec, model_shardings
@@ -81,6 +81,7 @@ class PrefixKV:
     v: jax.Array
     bucket: int
     prefix_id: int
+    offset: int = 0  # the prompt's first token in the buffer (prompts packed into one row)
 
 
 @dataclasses.dataclass
@@ -120,15 +121,27 @@ class DecodeState:
 # Pure device functions
 # ---------------------------------------------------------------------------------------
 def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: ModelConfig):
-    """Run one prompt padded to [1, T]; returns (k [L, T, K, E], v, logits at length - 1 [V])."""
+    """Run prompts packed into one row [1, T]: prompt i holds tokens [off_i, off_i + length[i]) with
+    off = the exclusive cumsum of `length` [N] (0 = an unused entry); causal attention within each prompt
+    only, positions restarting at 0 per prompt. Returns (k [L, T, K, E], v, logits [N, V] at each prompt's
+    last token). A scalar `length` is one prompt (logits [V])."""
     T = tokens.shape[1]
-    positions = jnp.arange(T, dtype=jnp.int32)[None]
-    valid = positions < length
+    single = jnp.ndim(length) == 0
+    lengths = jnp.atleast_1d(length).astype(jnp.int32)
+    ends = jnp.cumsum(lengths)
+    offs = ends - lengths
+    t = jnp.arange(T, dtype=jnp.int32)
+    seg = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)  # prompt index of token t
+    valid = t < ends[-1]
+    seg_c = jnp.minimum(seg, lengths.shape[0] - 1)
+    positions = jnp.where(valid, t - offs[seg_c], 0)[None]
+    segment_ids = jnp.where(valid, seg + 1, 0)[None]
     buf = jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
-    attend = kv_cache.prefill_attend(valid, cfg.head_dim ** -0.5, cfg.attention, cfg.attention_block)
+    attend = kv_cache.prefill_attend(segment_ids, cfg.head_dim ** -0.5, cfg.attention, cfg.attention_block)
     hidden, (k, v) = forward(params, cfg, tokens, positions, attend, (buf, buf))
-    last = jax.lax.dynamic_index_in_dim(hidden[0], length - 1, axis=0, keepdims=True)
-    return k, v, logits_from_hidden(params, last)[0]
+    last = jnp.take(hidden[0], jnp.clip(ends - 1, 0, T - 1), axis=0)  # [N, D]
+    logits = logits_from_hidden(params, last)
+    return k, v, (logits[0] if single else logits)
 
 
 def prefill_chunk_fn(params: Params, k_buf, v_buf, tokens: jax.Array, start: jax.Array, length: jax.Array, *,
@@ -146,20 +159,17 @@ def prefill_chunk_fn(params: Params, k_buf, v_buf, tokens: jax.Array, start: jax
     return k_buf, v_buf, logits_from_hidden(params, last)[0]
 
 
-def sample_first_fn(logits: jax.Array, temperature, top_k, top_p, seed, sample_index, position):
-    """First tokens of n samples of one prompt: `sampling.sample` on logits broadcast to [n, V]."""
-    n = sample_index.shape[0]
-    full = lambda x, dt: jnp.full((n,), x, dt)  # noqa: E731
-    return sampling.sample(jnp.broadcast_to(logits, (n, logits.shape[-1])), full(temperature, jnp.float32),
-                           full(top_k, jnp.int32), full(top_p, jnp.float32), full(seed, jnp.uint32),
-                           sample_index, full(position, jnp.int32))
+def sample_first_fn(logits: jax.Array, rows, temperature, top_k, top_p, seed, sample_index, position):
+    """First tokens of the samples of one prefill call: sample j draws from logits[rows[j]] ([N, V]) with
+    its own parameters (all [n])."""
+    return sampling.sample(jnp.take(logits, rows, axis=0), temperature, top_k, top_p, seed, sample_index, position)
 
 
-def insert_fn(arrays, k, v, dest_pages, page_row, slot, ints, floats, seed, stop_row, *, page_size: int,
+def insert_fn(arrays, k, v, dest_pages, dest_offsets, page_row, slot, ints, floats, seed, stop_row, *,
               layout: paged_attention.PoolLayout):
-    """Write the prompt k/v to `dest_pages` and set slot `slot`'s row (ints in _SLOT_INTS order)."""
+    """Write the prompt k/v to (`dest_pages`, `dest_offsets`) and set slot `slot`'s row (ints in _SLOT_INTS order)."""
     out = dict(arrays)
-    out.update(layout.write_prefix({key: arrays[key] for key in layout.keys}, k, v, dest_pages, page_size))
+    out.update(layout.write_prefix({key: arrays[key] for key in layout.keys}, k, v, dest_pages, dest_offsets))
     out["page_table"] = arrays["page_table"].at[slot].set(page_row)
     for i, name in enumerate(_SLOT_INTS):
         val = ints[i] if name != "done" else ints[i] != 0
@@ -254,6 +264,8 @@ class PagedEngine(Engine):
           pool layout (`self.layout`).
       decode_block_pages: pages per block of the "blocked" decode attention (None: `DEFAULT_BLOCK_TOKENS`
           tokens' worth).
+      max_prefill_pack: most prompts packed into one prefill row by `prefill_many` (a static size: one
+          compilation per bucket whatever the number packed).
       kernel_options: keyword arguments of the kernel paths (`paged_attention._tpu_local` / `_gpu_local`:
           block sizes, vmem limit, interpret).
     """
@@ -263,7 +275,7 @@ class PagedEngine(Engine):
                  prefill_buckets: Sequence[int] | None = None, page_size: int = 16, num_pages: int | None = None,
                  cache_memory_fraction: float = 0.9, max_stop_tokens: int = 8, reserve_weight_push: bool = False,
                  attention: str = "auto", decode_block_pages: int | None = None,
-                 kernel_options: dict | None = None):
+                 kernel_options: dict | None = None, max_prefill_pack: int = 8):
         if max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
         if max_sequence_length < 2:
@@ -288,6 +300,9 @@ class PagedEngine(Engine):
         self.attention = paged_attention.resolve(attention, self.mesh.devices.flat[0].platform)
         self.layout = paged_attention.layout_for(self.attention)
         self.kernel_options = dict(kernel_options or {})
+        if max_prefill_pack < 1:
+            raise ValueError(f"max_prefill_pack must be >= 1, got {max_prefill_pack}")
+        self.max_prefill_pack = int(max_prefill_pack)
         if decode_block_pages is not None and decode_block_pages < 1:
             raise ValueError(f"decode_block_pages must be >= 1, got {decode_block_pages}")
         self._S = int(max_concurrent_decodes)
@@ -348,7 +363,7 @@ class PagedEngine(Engine):
         self._kv_zeros = jax.jit(kv_zeros, static_argnums=0, out_shardings=(kv_sh, kv_sh))
         self._sample_first = jax.jit(sample_first_fn)
         null = self.cache_spec.null_page
-        self._insert = jax.jit(functools.partial(insert_fn, page_size=self.page_size, layout=self.layout),
+        self._insert = jax.jit(functools.partial(insert_fn, layout=self.layout),
                                donate_argnums=0, out_shardings=ss)
         self._release = jax.jit(functools.partial(release_fn, null_page=null), donate_argnums=0, out_shardings=ss)
         step_out = (ss, (self.slot_sharding,) * 4)
@@ -429,43 +444,96 @@ class PagedEngine(Engine):
 
     def prefill(self, params: Params, tokens: Sequence[int] | np.ndarray, sampling: SamplingParams,
                 num_samples: int = 1, sample_offset: int = 0) -> PagedPrefix:
-        self._validate_sampling(sampling)
-        toks = np.asarray(tokens, dtype=np.int32).reshape(-1)
-        n_tok = int(toks.shape[0])
-        if n_tok < 1:
-            raise ValueError("prefill: empty prompt")
-        if num_samples < 1 or sample_offset < 0:
-            raise ValueError(f"prefill: num_samples={num_samples} must be >= 1 and sample_offset={sample_offset} >= 0")
-        if np.any(toks < 0) or np.any(toks >= self.cfg.vocab_size):
-            raise ValueError(f"prefill: token ids must be in [0, {self.cfg.vocab_size})")
-        if n_tok > self.max_reprefill_length:
-            raise ValueError(f"prefill: {n_tok} tokens leave no room in max_sequence_length={self._max_seq}")
-        if n_tok <= self.buckets[-1]:
-            bucket = self.bucket_for(n_tok)
-            padded = np.zeros((1, bucket), np.int32)
-            padded[0, :n_tok] = toks
-            k, v, logits = self._prefill(params, padded, np.int32(n_tok))
-        else:  # chunked prefill: chunks of the largest bucket, each attending to the ones before it
-            C = self.buckets[-1]
-            bucket = kv_cache.pages_for(n_tok, C) * C
-            padded = np.zeros((1, bucket), np.int32)
-            padded[0, :n_tok] = toks
-            k, v = self._kv_zeros(bucket)
-            for start in range(0, bucket, C):  # dispatched back to back, no host sync
-                k, v, logits = self._prefill_chunk(params, k, v, padded[:, start:start + C], np.int32(start),
-                                                   np.int32(n_tok))
-        nb = 1 << (num_samples - 1).bit_length()
-        idx = np.arange(sample_offset, sample_offset + nb, dtype=np.int32)
-        first, lps = self._sample_first(logits, np.float32(sampling.temperature), np.int32(sampling.top_k),
-                                        np.float32(sampling.top_p), np.uint32(sampling.seed), idx, np.int32(n_tok))
-        first = np.asarray(first)[:num_samples]
-        lps = np.asarray(lps)[:num_samples]
-        first_done = (np.isin(first, np.asarray(sampling.stop_token_ids, np.int64))
-                      | (sampling.max_new_tokens <= 1) | (n_tok + 1 >= self._max_seq))
-        return PagedPrefix(kv=PrefixKV(k, v, bucket, next(self._prefix_ids)), length=n_tok, first_tokens=first,
-                           first_logprobs=lps, sampling=sampling,
-                           sample_indices=tuple(range(sample_offset, sample_offset + num_samples)),
-                           first_done=first_done)
+        return self.prefill_many(params, [PrefillRequest(tokens, sampling, num_samples, sample_offset)])[0]
+
+    def prefill_many(self, params: Params, requests: Sequence[PrefillRequest]) -> list[PagedPrefix]:
+        """Prefill several sequences with one host transfer (see `engine_api.Engine.prefill_many`).
+
+        Sequences that fit the largest bucket are packed, in order, into rows of at most that many tokens
+        and `max_prefill_pack` prompts (one `prefill` call per row, bucketed by its total tokens: no
+        compilation beyond the per-bucket one); longer ones run chunked. The first tokens of every sample
+        of a row are drawn by one `sample_first` call; everything is dispatched before the single read
+        of all first tokens and log-probs.
+        """
+        reqs = []
+        for r in requests:
+            self._validate_sampling(r.sampling)
+            toks = np.asarray(r.tokens, dtype=np.int32).reshape(-1)
+            n_tok = int(toks.shape[0])
+            if n_tok < 1:
+                raise ValueError("prefill: empty prompt")
+            if r.num_samples < 1 or r.sample_offset < 0:
+                raise ValueError(f"prefill: num_samples={r.num_samples} must be >= 1 and "
+                                 f"sample_offset={r.sample_offset} >= 0")
+            if np.any(toks < 0) or np.any(toks >= self.cfg.vocab_size):
+                raise ValueError(f"prefill: token ids must be in [0, {self.cfg.vocab_size})")
+            if n_tok > self.max_reprefill_length:
+                raise ValueError(f"prefill: {n_tok} tokens leave no room in max_sequence_length={self._max_seq}")
+            reqs.append((toks, r))
+        C, N = self.buckets[-1], self.max_prefill_pack
+        groups: list[list[int]] = []  # packed rows (indices into reqs); a chunked sequence is a row alone
+        for i, (toks, _) in enumerate(reqs):
+            n = len(toks)
+            g = groups[-1] if groups else None
+            if (n <= C and g is not None and len(g) < N and len(reqs[g[0]][0]) <= C
+                    and sum(len(reqs[j][0]) for j in g) + n <= C):
+                g.append(i)
+            else:
+                groups.append([i])
+        out: list[PagedPrefix | None] = [None] * len(reqs)
+        pending = []  # (group, kv, bucket, offsets, firsts, lps) with device first tokens
+        for g in groups:
+            lens = [len(reqs[i][0]) for i in g]
+            total = sum(lens)
+            if total <= C:
+                bucket = self.bucket_for(total)
+                padded = np.zeros((1, bucket), np.int32)
+                padded[0, :total] = np.concatenate([reqs[i][0] for i in g])
+                lengths = np.zeros(N, np.int32)
+                lengths[:len(g)] = lens
+                k, v, logits = self._prefill(params, padded, lengths)
+            else:  # chunked prefill: chunks of the largest bucket, each attending to the ones before it
+                (toks, _), = [reqs[i] for i in g]
+                bucket = kv_cache.pages_for(total, C) * C
+                padded = np.zeros((1, bucket), np.int32)
+                padded[0, :total] = toks
+                k, v = self._kv_zeros(bucket)
+                for start in range(0, bucket, C):  # dispatched back to back, no host sync
+                    k, v, logits = self._prefill_chunk(params, k, v, padded[:, start:start + C], np.int32(start),
+                                                       np.int32(total))
+                logits = logits[None]
+            offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(int)
+            rows, cols = [], {name: [] for name in ("t", "k", "p", "seed", "idx", "pos")}
+            for row, i in enumerate(g):
+                sp, r = reqs[i][1].sampling, reqs[i][1]
+                for j in range(r.num_samples):
+                    rows.append(row)
+                    for name, val in (("t", sp.temperature), ("k", sp.top_k), ("p", sp.top_p), ("seed", sp.seed),
+                                      ("idx", r.sample_offset + j), ("pos", lens[row])):
+                        cols[name].append(val)
+            n = len(rows)
+            nb = 1 << (n - 1).bit_length()
+            pad = lambda xs, dt: np.asarray(xs + [xs[-1]] * (nb - n), dt)  # noqa: E731
+            firsts, lps = self._sample_first(logits, pad(rows, np.int32), pad(cols["t"], np.float32),
+                                             pad(cols["k"], np.int32), pad(cols["p"], np.float32),
+                                             pad(cols["seed"], np.uint32), pad(cols["idx"], np.int32),
+                                             pad(cols["pos"], np.int32))
+            pending.append((g, k, v, bucket, offsets, firsts, lps))
+        host = jax.device_get([(f, lp) for *_, f, lp in pending])  # the one host sync
+        for (g, k, v, bucket, offsets, _, _), (firsts, lps) in zip(pending, host):
+            at = 0
+            for row, i in enumerate(g):
+                toks, r = reqs[i]
+                sp, n_tok, ns = r.sampling, len(toks), r.num_samples
+                first, lp = np.asarray(firsts[at:at + ns]), np.asarray(lps[at:at + ns])
+                at += ns
+                first_done = (np.isin(first, np.asarray(sp.stop_token_ids, np.int64))
+                              | (sp.max_new_tokens <= 1) | (n_tok + 1 >= self._max_seq))
+                out[i] = PagedPrefix(kv=PrefixKV(k, v, bucket, next(self._prefix_ids), int(offsets[row])),
+                                     length=n_tok, first_tokens=first, first_logprobs=lp, sampling=sp,
+                                     sample_indices=tuple(range(r.sample_offset, r.sample_offset + ns)),
+                                     first_done=first_done)
+        return out  # type: ignore[return-value]
 
     # -- insert ---------------------------------------------------------------------------
     def insert(self, prefix: Prefix, state: DecodeState, slot: int, sample: int = 0) -> DecodeState:
@@ -505,13 +573,15 @@ class PagedEngine(Engine):
         floats = np.asarray([sp.temperature, sp.top_p], np.float32)
         first_done = getattr(prefix, "first_done", None)
         arrays = state.arrays
-        t = np.arange(kv.bucket)
+        t = np.arange(kv.bucket) - kv.offset  # position of buffer token in this prompt (< 0: another prompt's)
+        t_page = np.maximum(t, 0)
+        dest_offsets = (t_page % ps).astype(np.int32)
         for i, (s, k) in enumerate(items):
             if i > 0 or not write_full:
                 alloc.share(shared)
             pages = list(shared) + (alloc.allocate(1, [s]) if has_tail else [])
             alloc.slot_pages[s] = pages
-            page_of_t = np.asarray(pages + [self.cache_spec.null_page], np.int32)[np.minimum(t // ps, len(pages))]
+            page_of_t = np.asarray(pages + [self.cache_spec.null_page], np.int32)[np.minimum(t_page // ps, len(pages))]
             lo = 0 if (i == 0 and write_full) else full * ps
             dest = np.where((t >= lo) & (t < P_len), page_of_t, self.cache_spec.null_page).astype(np.int32)
             page_row = np.full(self.max_pages_per_seq, self.cache_spec.null_page, np.int32)
@@ -521,7 +591,7 @@ class PagedEngine(Engine):
                 tok in sp.stop_token_ids or sp.max_new_tokens <= 1 or P_len + 1 >= self._max_seq)
             ints = np.asarray([P_len, tok, 1, sp.max_new_tokens, sp.top_k, prefix.sample_indices[k], int(done)],
                               np.int32)
-            arrays = self._insert(arrays, kv.k, kv.v, dest, page_row, np.int32(s), ints, floats,
+            arrays = self._insert(arrays, kv.k, kv.v, dest, dest_offsets, page_row, np.int32(s), ints, floats,
                                   np.uint32(sp.seed), stop_row)
             host.live[s], host.done[s], host.pos[s] = True, done, P_len
             host.num_generated[s], host.max_new[s], host.num_pages[s] = 1, sp.max_new_tokens, len(pages)

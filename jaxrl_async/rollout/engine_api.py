@@ -67,6 +67,16 @@ class Prefix:
     sample_indices: tuple[int, ...]  # which sample index of the request each first token belongs to
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillRequest:
+    """One sequence of `Engine.prefill_many` (the arguments of `Engine.prefill`)."""
+
+    tokens: Sequence[int] | np.ndarray
+    sampling: SamplingParams
+    num_samples: int = 1
+    sample_offset: int = 0
+
+
 @dataclasses.dataclass
 class StepResult:
     """Output of one decode step for all slots (device arrays; call `to_host()` when needed)."""
@@ -138,6 +148,12 @@ class Engine(abc.ABC):
         Sample k of the result has request-level sample index `sample_offset + k` (for its
         random stream). Raises ValueError if the prompt is longer than `max_reprefill_length`.
         """
+
+    def prefill_many(self, params: Any, requests: Sequence[PrefillRequest]) -> list[Prefix]:
+        """`prefill` of several sequences, one `Prefix` each, in order. Engines batch them (`PagedEngine`:
+        prompts packed into rows of a bucket, one host transfer for all first tokens); this default loops."""
+        return [self.prefill(params, r.tokens, r.sampling, num_samples=r.num_samples, sample_offset=r.sample_offset)
+                for r in requests]
 
     @abc.abstractmethod
     def insert(self, prefix: Prefix, state: Any, slot: int, sample: int = 0) -> Any:

@@ -284,12 +284,14 @@ class PageAllocator:
 # ---------------------------------------------------------------------------------------
 # Pure device functions
 # ---------------------------------------------------------------------------------------
-def write_prefix(pool: jax.Array, kv: jax.Array, dest_pages: jax.Array, page_size: int) -> jax.Array:
-    """pool[:, dest_pages[t], t % page_size] = kv[:, t] for every t (null-page writes dropped).
+def write_prefix(pool: jax.Array, kv: jax.Array, dest_pages: jax.Array, offsets: jax.Array | int) -> jax.Array:
+    """pool[:, dest_pages[t], offsets[t]] = kv[:, t] for every t (null-page writes dropped).
 
-    pool [L, P, page, K, E], kv [L, T, K, E], dest_pages [T] int32.
+    pool [L, P, page, K, E], kv [L, T, K, E], dest_pages [T] int32, offsets [T] int32 (the token's place in
+    its page); an int `offsets` is the page size of a prompt starting at t = 0 (offsets = t % page_size).
     """
-    offsets = jnp.arange(kv.shape[1], dtype=jnp.int32) % page_size
+    if isinstance(offsets, int):
+        offsets = jnp.arange(kv.shape[1], dtype=jnp.int32) % offsets
     return pool.at[:, dest_pages, offsets].set(kv.astype(pool.dtype), mode="drop")
 
 
@@ -384,9 +386,10 @@ def blocked_decode_attend(page_table: jax.Array, positions: jax.Array, write_pag
 
 
 def prefill_attend(valid: jax.Array, scale: float, impl: str = "xla", block: int = 512):
-    """`attend` for one padded prompt [1, T]: causal attention, k/v of every layer stored in
-    `state` = (k_buf, v_buf) [L, T, K, E]. valid [1, T] bool marks real tokens. ``impl``: the
-    model's attention implementation (``ModelConfig.attention``, ``models/attention.py``)."""
+    """`attend` for one padded row [1, T] of prompts: causal attention within each prompt, k/v of every
+    layer stored in `state` = (k_buf, v_buf) [L, T, K, E]. valid [1, T]: bool (one prompt, True on its
+    tokens) or int segment ids (packed prompts, 0 = padding). ``impl``: the model's attention
+    implementation (``ModelConfig.attention``, ``models/attention.py``)."""
     from jaxrl_async.models.attention import segment_attention
 
     inner = segment_attention(valid.astype(jnp.int32), scale, impl, block)

@@ -102,7 +102,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
 
-from jaxrl_async.rollout.engine_api import Engine, OutOfPagesError, SamplingParams
+from jaxrl_async.rollout.engine_api import Engine, OutOfPagesError, PrefillRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -741,32 +741,51 @@ class Generator:
 
     # -- admission --------------------------------------------------------------------------
     def _admit(self) -> None:
+        """Admit the head of the queue (FIFO) into free slots: the items that fit now are prefilled in one
+        `prefill_many` (packed prompts, one host read), then inserted in order."""
         eng = self.engine
         budget = self.max_prefills_per_step if self.max_prefills_per_step is not None else 1 << 30
         while self._queue and budget > 0:
-            item = self._queue[0]
-            need = len(item.samples)
-            free = self._free_slots()
-            if len(free) < need:
-                return  # FIFO: wait for slots to free up
-            idle = not self._live and self._inflight is None
-            if not idle and eng.free_pages(self._state) < eng.pages_needed(len(item.tokens) + 1):
-                return  # not even one sequence fits now: wait for finishing sequences to free pages
+            batch, n_free, pages = [], len(self._free_slots()), eng.free_pages(self._state)
+            busy = self._live or self._inflight is not None
+            for item in self._queue:
+                need = len(item.samples)
+                if need > n_free or len(batch) >= budget:
+                    break  # FIFO: wait for slots to free up
+                if (busy or batch) and pages < eng.pages_needed(len(item.tokens) + 1):
+                    break  # not even one sequence fits now: wait for finishing sequences to free pages
+                batch.append(item)
+                n_free -= need
+                pages -= eng.pages_needed(len(item.tokens) + 1)
+            if not batch:
+                return
             t0 = time.perf_counter()
             try:
-                self._admit_item(item, free[:need])
-            except OutOfPagesError as e:
-                if idle:  # cannot fit even into the empty cache
+                todo = [it for it in batch if it.prefix is None or it.prefix_version != self._version]
+                if todo:
+                    prefixes = eng.prefill_many(self._params, [PrefillRequest(
+                        it.tokens, it.sampling, len(it.samples), it.samples[0].index) for it in todo])
+                    for it, pre in zip(todo, prefixes):
+                        it.prefix, it.prefix_version = pre, self._version
+                        self._n_prefills += 1
+                        self._n_prefill_tokens += len(it.tokens)
+                for item in batch:
+                    idle = not self._live and self._inflight is None
+                    try:
+                        self._admit_item(item, self._free_slots()[:len(item.samples)])
+                    except OutOfPagesError as e:
+                        if idle:  # cannot fit even into the empty cache
+                            self._queue.popleft()
+                            self._fail_request(item.request, OutOfPagesError(
+                                f"request {item.request.id!r}: {len(item.samples)} sequence(s) of {len(item.tokens)} "
+                                f"tokens do not fit the empty KV cache: {e}"))
+                            budget -= 1
+                            continue
+                        return  # stays queued with the ones behind it (their prefills are kept)
                     self._queue.popleft()
-                    self._fail_request(item.request, OutOfPagesError(
-                        f"request {item.request.id!r}: {need} sequence(s) of {len(item.tokens)} tokens do not fit the "
-                        f"empty KV cache: {e}"))
-                    continue
-                return  # stays queued (its prefill is kept)
+                    budget -= 1
             finally:
                 self._t_prefill_iter += time.perf_counter() - t0
-            self._queue.popleft()
-            budget -= 1
 
     def _admit_item(self, item: _WorkItem, slots: list[int]) -> None:
         """Prefill `item` and insert its unfinished samples into `slots`; all-or-nothing."""
@@ -774,7 +793,7 @@ class Generator:
         first = item.samples[0].index
         if item.prefix is not None and item.prefix_version == self._version:
             prefix = item.prefix
-        else:
+        else:  # not reached from _admit (which prefills its batch first); kept for direct use
             prefix = eng.prefill(self._params, item.tokens, item.sampling, num_samples=len(item.samples),
                                  sample_offset=first)
             self._n_prefills += 1
@@ -877,6 +896,7 @@ class Generator:
         live = sorted((s for s in self._slot_owner if s is not None), key=lambda s: s.admit_seq)
         emits = []
         t0 = time.perf_counter()
+        todo = []
         for s in live:
             req = s.request
             tokens = req.prompt + s.tokens
@@ -887,7 +907,10 @@ class Generator:
                                req.id, s.index, len(tokens), eng.max_reprefill_length, self._n_recompute_fallback)
                 continue
             sampling = continuation_sampling(req.sampling, req.max_new, req.max_new - len(s.tokens))
-            prefix = eng.prefill(self._params, tokens, sampling, num_samples=1, sample_offset=s.index)
+            todo.append((s, PrefillRequest(tokens, sampling, 1, s.index)))
+        prefixes = eng.prefill_many(self._params, [r for _, r in todo]) if todo else []  # one batch
+        for (s, r), prefix in zip(todo, prefixes):
+            req, tokens = s.request, r.tokens
             self._n_prefills += 1
             self._n_prefill_tokens += len(tokens)
             self._n_recompute += 1

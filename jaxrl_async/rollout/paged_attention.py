@@ -89,12 +89,11 @@ class PoolLayout:
         return a.shape[2] if self.name == "heads_first" else a.shape[1]
 
     def write_prefix(self, pools: dict[str, jax.Array], k: jax.Array, v: jax.Array, dest_pages: jax.Array,
-                     page_size: int) -> dict[str, jax.Array]:
-        """Prompt k/v [L, T, K, E] to (dest_pages[t], t % page) of every layer (null page: dropped)."""
+                     offsets: jax.Array) -> dict[str, jax.Array]:
+        """Prompt k/v [L, T, K, E] to (dest_pages[t], offsets[t]) of every layer (null page: dropped)."""
         if self.name == "split":
-            return {"k_pool": kv_cache.write_prefix(pools["k_pool"], k, dest_pages, page_size),
-                    "v_pool": kv_cache.write_prefix(pools["v_pool"], v, dest_pages, page_size)}
-        offsets = jnp.arange(k.shape[1], dtype=jnp.int32) % page_size
+            return {"k_pool": kv_cache.write_prefix(pools["k_pool"], k, dest_pages, offsets),
+                    "v_pool": kv_cache.write_prefix(pools["v_pool"], v, dest_pages, offsets)}
         if self.name == "combined":
             pool = pools["kv_pool"]
             return {"kv_pool": pool.at[:, dest_pages, offsets].set(interleave(k, v).astype(pool.dtype), mode="drop")}

@@ -106,6 +106,7 @@ class MockEngine(Engine):
         self.num_steps = 0
         self.num_prefills = 0
         self.prefill_calls: list[tuple[int, int, int]] = []  # (length, num_samples, sample_offset)
+        self.prefill_batches: list[int] = []  # sizes of the prefill_many calls
         self.inserted_slots: list[int] = []
         self.live_per_step: list[int] = []
         self.out_of_pages_raised = 0
@@ -151,6 +152,10 @@ class MockEngine(Engine):
                       first_tokens=np.asarray(firsts, np.int32),
                       first_logprobs=np.asarray([token_logprob(t, params.salt) for t in firsts], np.float32),
                       sampling=sampling, sample_indices=tuple(range(sample_offset, sample_offset + num_samples)))
+
+    def prefill_many(self, params, requests):
+        self.prefill_batches.append(len(requests))
+        return super().prefill_many(params, requests)
 
     def insert(self, prefix: Prefix, state: MockState, slot: int, sample: int = 0) -> MockState:
         if state.slots[slot] is not None:
@@ -268,6 +273,9 @@ class GatedEngine(Engine):
 
     def prefill(self, params, tokens, sampling, num_samples=1, sample_offset=0):
         return self.inner.prefill(params, tokens, sampling, num_samples=num_samples, sample_offset=sample_offset)
+
+    def prefill_many(self, params, requests):
+        return self.inner.prefill_many(params, requests)
 
     def insert(self, prefix, state, slot, sample=0):
         return self.inner.insert(prefix, state, slot, sample=sample)

@@ -419,3 +419,47 @@ def test_chunked_prefill_equals_one_pass_prefill(fam):
     assert engine.compile_counts()["prefill_chunk"] == 1  # one program per buffer length (2 chunks of 32 here)
     with pytest.raises(ValueError, match="no room"):
         engine.prefill(params, [5] * MAX_SEQ, sp)
+
+
+def test_prefill_many_packs_prompts_and_equals_single_prefills(fam):
+    """prefill_many packs prompts into rows of the largest bucket (here 32 tokens, at most 8 prompts a row;
+    a 40-token continuation goes chunked) with one host read: first tokens, log-probs and the inserted KV
+    (the continuations, with n = 2 samples sharing pages) equal one prefill per prompt."""
+    family, cfg, params, engine, hf = fam
+    if family != "qwen3":
+        pytest.skip("engine-level property; one family suffices")
+    from jaxrl_async.rollout.engine_api import PrefillRequest
+
+    ps = [prompts(1, seed=40 + i, lo=n, hi=n + 1)[0] for i, n in enumerate((5, 9, 17, 3, 40, 12))]
+    sps = [SamplingParams(temperature=t, max_new_tokens=5, seed=i, top_k=k) for i, (t, k) in
+           enumerate([(1.0, 0), (0.0, 0), (0.7, 5), (1.3, 0), (1.0, 0), (0.9, 3)])]
+    reqs = [PrefillRequest(p, sp, num_samples=2 if i == 1 else 1, sample_offset=i % 2) for i, (p, sp) in
+            enumerate(zip(ps, sps))]
+    calls = []
+    inner = engine._prefill
+    engine._prefill = lambda *a: calls.append(a[2]) or inner(*a)
+    try:
+        many = engine.prefill_many(params, reqs)
+    finally:
+        engine._prefill = inner
+    # rows: [5, 9, 17] (31 tokens), [3], [40] chunked, [12]: three packed calls, the first with 3 prompts
+    assert [int((np.asarray(x) > 0).sum()) for x in calls] == [3, 1, 1]
+    assert many[1].kv.k is many[0].kv.k and many[2].kv.offset == 14
+    singles = [engine.prefill(params, r.tokens, r.sampling, r.num_samples, r.sample_offset) for r in reqs]
+
+    def continuation(pre):
+        state = engine.bulk_insert(pre, engine.init_decode_state(), list(range(len(pre.first_tokens))))
+        seqs = [[int(t)] for t in pre.first_tokens]
+        for _ in range(4):
+            state, step = engine.generate(params, state)
+            for s, seq in enumerate(seqs):
+                seq.append(int(np.asarray(step.tokens)[s]))
+        for s in range(len(seqs)):
+            state = engine.release(state, s)
+        return seqs
+
+    for a, b in zip(many, singles):
+        np.testing.assert_array_equal(a.first_tokens, b.first_tokens)
+        np.testing.assert_allclose(a.first_logprobs, b.first_logprobs, atol=1e-5)
+        assert a.length == b.length and a.sample_indices == b.sample_indices
+        assert continuation(a) == continuation(b)

@@ -253,6 +253,26 @@ def test_weight_swap_mid_generation(policy):
         assert stats.recomputed_sequences == 4
 
 
+def test_admission_and_recompute_prefill_in_batches():
+    """Queued requests that fit the free slots are prefilled by one prefill_many call; a recompute_kv swap
+    re-prefills every live sequence in one call too."""
+    eng = GatedEngine(MockEngine(num_slots=4), gate_step=3)
+    sp = SamplingParams(temperature=0, max_new_tokens=10)
+    ps = prompts(6)
+    gen = Generator(eng, MockParams(SALTS[0]), kv_update_policy="recompute_kv")
+    hs = [gen.submit(p, sp) for p in ps]  # queued before the decode thread starts
+    with gen:
+        assert eng.reached.wait(T)
+        gen.update_params(MockParams(SALTS[1]), version=1)
+        eng.gate.set()
+        outs = [h.result(T).samples[0] for h in hs]
+    batches = eng.inner.prefill_batches
+    assert batches[:2] == [4, 4]  # the 4 that fit the slots; then the 4 live ones re-prefilled at the swap
+    assert sum(batches) == 6 + 4 and all(len(o.completion_ids) == 10 for o in outs)
+    for p, o in zip(ps, outs):
+        assert o.completion_ids == reference_tokens(p, o.versions, SALTS, "recompute_kv", sp)
+
+
 def test_update_params_before_start_and_superseded_update():
     eng = MockEngine(num_slots=2)
     gen = Generator(eng, MockParams(SALTS[0]))
