@@ -159,6 +159,9 @@ def stop_token_ids(cfg: Any, tokenizer: Any = None, model_dir: str | None = None
     return tuple(sorted(int(i) for i in ids))
 
 
+SINGLE_BUCKET_MAX = 512  # longest prompt for which generate uses one prefill bucket
+
+
 def build_parser():
     ap = make_parser("python -m jaxrl_async.generate", __doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors "
@@ -255,9 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = tokenizer()
 
     cfg, params = load_model("--model", args.model, cfg=cfg)
+    # every prompt is queued at once, so prefills pack several prompts into rows of the largest bucket: one
+    # bucket up to 512 tokens saves a compilation per smaller bucket (seconds on a CPU) for little padding
+    buckets = (max_prompt,) if max_prompt <= SINGLE_BUCKET_MAX else None
     engine = PagedEngine(cfg, max_concurrent_decodes=args.max_concurrent,
                          max_sequence_length=min(max_prompt + args.max_new_tokens, cfg.max_position_embeddings),
-                         max_prefill_length=max_prompt, page_size=args.page_size, num_pages=args.num_pages)
+                         max_prefill_length=max_prompt, prefill_buckets=buckets, page_size=args.page_size,
+                         num_pages=args.num_pages)
     params = engine.place_params(params)
     stops = () if args.ignore_eos else stop_token_ids(cfg, tokenizer, args.model)
 
