@@ -93,19 +93,19 @@ def run_starts(segment_ids: jax.Array) -> jax.Array:
     return jnp.where(segment_ids != 0, start, jnp.int32(T))
 
 
-def _block_ranges(q_start: jax.Array, q_offset, nk: int, bq: int, bk: int) -> tuple[jax.Array, jax.Array]:
+def _block_ranges(q_start: jax.Array, qpos: jax.Array, nk: int, bq: int, bk: int) -> tuple[jax.Array, jax.Array]:
     """Per query block i, the key blocks [lo_i, hi_i] that can hold a visible key for some row.
 
     ``q_start`` [B, Tq]: the run start (key index) of each query (``run_starts``; padding: past the end);
-    ``q_offset``: the key index of query 0 (0 in self-attention, the chunk start under context
-    parallelism). hi_i: the causal bound (the block of the block's last query), clipped to the last key
-    block. lo_i: the block of the earliest run start among the block's queries over all rows (segments
+    ``qpos`` [Tq / bq]: the key position of each query block's first query (``i * bq`` in self-attention;
+    chunk or stripe starts under context parallelism). hi_i: the causal bound (the block of the block's
+    last query), clipped to the last key block. lo_i: the block of the earliest run start among the block's queries over all rows (segments
     are contiguous runs, so no key before it is visible). A block of padding only gets lo > hi (no work).
     """
     Tq = q_start.shape[1]
     nq = Tq // bq
     lo = (q_start.min(axis=0).reshape(nq, bq).min(axis=1) // bk).astype(jnp.int32)
-    hi = jnp.minimum((q_offset + (jnp.arange(nq, dtype=jnp.int32) + 1) * bq - 1) // bk, nk - 1)
+    hi = jnp.minimum((qpos + bq - 1) // bk, nk - 1)
     return lo, hi.astype(jnp.int32)
 
 
@@ -132,12 +132,12 @@ def _scores(qb, kb, scale):
     return jnp.einsum("bqkge,bske->bkgqs", qb, kb, preferred_element_type=jnp.float32) * scale
 
 
-def _flash_forward(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk):
-    """(out [B, Tq, K, G, E] in q.dtype, lse [B, K, G, Tq] float32). Queries sit at key positions
-    ``q_offset + i``."""
+def _flash_forward(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk):
+    """(out [B, Tq, K, G, E] in q.dtype, lse [B, K, G, Tq] float32). Query block i sits at key positions
+    ``qpos[i]`` onwards."""
     B, Tq, K, G, E = q.shape
     nq = Tq // bq
-    lo, hi = _block_ranges(q_start, q_offset, k.shape[1] // bk, bq, bk)
+    lo, hi = _block_ranges(q_start, qpos, k.shape[1] // bk, bq, bk)
 
     def q_block(i):
         q0 = i * bq
@@ -146,7 +146,7 @@ def _flash_forward(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk):
 
         def step(j, carry):
             m, l, acc = carry
-            kb, vb, mask = _key_block(k, v, seg_k, sq, q_offset + q0, j, bq, bk)
+            kb, vb, mask = _key_block(k, v, seg_k, sq, qpos[i], j, bq, bk)
             s = jnp.where(mask, _scores(qb, kb, scale), _NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -170,10 +170,10 @@ def _flash_forward(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk):
     return out, lse
 
 
-def _flash_backward(q, k, v, seg_q, seg_k, q_start, q_offset, out, lse, dout, scale, bq, bk):
+def _flash_backward(q, k, v, seg_q, seg_k, q_start, qpos, out, lse, dout, scale, bq, bk):
     B, Tq, K, G, E = q.shape
     nq = Tq // bq
-    lo, hi = _block_ranges(q_start, q_offset, k.shape[1] // bk, bq, bk)
+    lo, hi = _block_ranges(q_start, qpos, k.shape[1] // bk, bq, bk)
     # D_t = sum_e dO * O (FlashAttention-2), float32 [B, K, G, Tq]
     delta = jnp.einsum("btkge,btkge->bkgt", dout.astype(jnp.float32), out.astype(jnp.float32))
 
@@ -189,7 +189,7 @@ def _flash_backward(q, k, v, seg_q, seg_k, q_start, q_offset, out, lse, dout, sc
         def step(j, inner):
             dq_b, dk, dv = inner
             k0 = j * bk
-            kb, vb, mask = _key_block(k, v, seg_k, sq, q_offset + q0, j, bq, bk)
+            kb, vb, mask = _key_block(k, v, seg_k, sq, qpos[i], j, bq, bk)
             s = _scores(qb, kb, scale)
             p = jnp.where(mask, jnp.exp(s - lse_b[..., None]), 0.0)  # [B, K, G, bq, bk] float32
             dv_j = jnp.einsum("bkgqs,bqkge->bske", p.astype(dout.dtype), dob, preferred_element_type=jnp.float32)
@@ -212,18 +212,18 @@ def _flash_backward(q, k, v, seg_q, seg_k, q_start, q_offset, out, lse, dout, sc
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk):
-    return _flash_forward(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk)[0]
+def _flash(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk):
+    return _flash_forward(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk)[0]
 
 
-def _flash_fwd(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk):
-    out, lse = _flash_forward(q, k, v, seg_q, seg_k, q_start, q_offset, scale, bq, bk)
-    return out, (q, k, v, seg_q, seg_k, q_start, q_offset, out, lse)
+def _flash_fwd(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk):
+    out, lse = _flash_forward(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk)
+    return out, (q, k, v, seg_q, seg_k, q_start, qpos, out, lse)
 
 
 def _flash_bwd(scale, bq, bk, res, dout):
-    q, k, v, seg_q, seg_k, q_start, q_offset, out, lse = res
-    dq, dk, dv = _flash_backward(q, k, v, seg_q, seg_k, q_start, q_offset, out, lse, dout, scale, bq, bk)
+    q, k, v, seg_q, seg_k, q_start, qpos, out, lse = res
+    dq, dk, dv = _flash_backward(q, k, v, seg_q, seg_k, q_start, qpos, out, lse, dout, scale, bq, bk)
     return dq, dk, dv, None, None, None, None
 
 
@@ -263,16 +263,32 @@ def blockwise_attention_chunk(q: jax.Array, k: jax.Array, v: jax.Array, seg_q: j
     chunk). Self-attention is ``q_offset = 0``, ``Tq = Tk``. Queries and keys are padded (segment 0) to
     block multiples at their ends; ``q_offset`` may be traced (``lax.axis_index`` under ``shard_map``).
     """
-    B, Tq, H, E = q.shape
+    return blockwise_attention_stripes([(q, seg_q, q_start, q_offset)], k, v, seg_k, scale, block_q, block_k)[0]
+
+
+def blockwise_attention_stripes(stripes, k: jax.Array, v: jax.Array, seg_k: jax.Array, scale: float,
+                                block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK) -> list[jax.Array]:
+    """Several chunks of queries ("stripes", each a contiguous run of key positions) against the whole row
+    in ONE block loop: ``stripes`` = [(q [B, n, H, E], seg_q [B, n], q_start [B, n], first key position
+    (may be traced)), ...] of equal n -> their outputs. Each stripe is padded to a block multiple and every
+    query block carries its own key position, so the causal bound and block skipping are exact per stripe
+    (the load-balanced context-parallel layout: stripes d and 2C-1-d of a row on device d)."""
+    B, n, H, E = stripes[0][0].shape
     Tk, K = k.shape[1], k.shape[2]
-    bq, bk = min(int(block_q), Tq), min(int(block_k), Tk)
-    Tqp, Tkp = -(-Tq // bq) * bq, -(-Tk // bk) * bk
-    q, seg_q = _pad_len(q, Tqp), _pad_len(seg_q.astype(jnp.int32), Tqp)
-    q_start = jnp.pad(q_start.astype(jnp.int32), [(0, 0), (0, Tqp - Tq)], constant_values=Tkp)
+    bq, bk = min(int(block_q), n), min(int(block_k), Tk)
+    npad, Tkp = -(-n // bq) * bq, -(-Tk // bk) * bk
+    qs, sqs, starts, pos = [], [], [], []
+    for q, seg_q, q_start, first in stripes:
+        qs.append(_pad_len(q, npad))
+        sqs.append(_pad_len(seg_q.astype(jnp.int32), npad))
+        starts.append(jnp.pad(q_start.astype(jnp.int32), [(0, 0), (0, npad - n)], constant_values=Tkp))
+        pos.append(jnp.asarray(first, jnp.int32) + jnp.arange(npad // bq, dtype=jnp.int32) * bq)
     k, v, seg_k = _pad_len(k, Tkp), _pad_len(v, Tkp), _pad_len(seg_k.astype(jnp.int32), Tkp)
-    out = _flash(q.reshape(B, Tqp, K, H // K, E), k, v, seg_q, seg_k, q_start,
-                 jnp.asarray(q_offset, jnp.int32), float(scale), bq, bk)
-    return out.reshape(B, Tqp, H, E)[:, :Tq]
+    q = jnp.concatenate(qs, axis=1)
+    out = _flash(q.reshape(B, q.shape[1], K, H // K, E), k, v, jnp.concatenate(sqs, axis=1), seg_k,
+                 jnp.concatenate(starts, axis=1), jnp.concatenate(pos), float(scale), bq, bk)
+    out = out.reshape(B, q.shape[1], H, E)
+    return [out[:, m * npad: m * npad + n] for m in range(len(stripes))]
 
 
 # ---------------------------------------------------------------------------------------

@@ -192,7 +192,14 @@ def _axes_size(mesh, entry) -> int:
     return size
 
 
-def context_parallel_attention(impl: str, q, k, v, segment_ids, scale: float, block: int = 512):
+def _balanced_pair(d: int, C: int) -> tuple[int, int]:
+    """(even stripe, odd stripe) that device d computes under load balancing: stripes d and 2C-1-d."""
+    a, b = d, 2 * C - 1 - d
+    return (a, b) if a % 2 == 0 else (b, a)
+
+
+def context_parallel_attention(impl: str, q, k, v, segment_ids, scale: float, block: int = 512,
+                               load_balance: bool = True):
     """Attention of rows split over the ``context`` mesh axis (the activations' ``length`` under the
     trainer rules): every device holds T/C consecutive queries of its rows and all-gathers the rows'
     keys, values and segment ids over ``context`` (per layer, inside ``shard_map``; the backward pass of
@@ -202,10 +209,16 @@ def context_parallel_attention(impl: str, q, k, v, segment_ids, scale: float, bl
     ``impl``: ``splash`` runs the TPU kernel with the full-row causal mask split into C query shards (its
     mask info enters the ``shard_map`` sharded over ``context``, as MaxText does); anything else runs
     ``blockwise`` on the chunk (queries offset by the chunk start; ``gpu_flash``'s Triton kernel has no
-    query offset, so GPUs use ``blockwise`` here). Contiguous chunks: the last shard has the most causal
-    work (no load-balanced reordering yet).
+    query offset, so GPUs use ``blockwise`` here).
+
+    Load balance (``blockwise``, ``load_balance``): with contiguous chunks the last shard has the most causal
+    work (stripe j of 2C sees j + 1/2 stripes of keys: 2C - 1/2 + 2C - 3/2 for the last shard against 1 for
+    the first). The chunk's two halves are exchanged (``ppermute``) so that device d computes stripes d and
+    2C-1-d (2C stripes of work on every device), and the outputs sent back: the activations keep their
+    contiguous layout, only queries and attention outputs move. ``splash`` keeps contiguous chunks (its mask
+    info is split by query blocks of the natural order).
     """
-    from jaxrl_async.models.attention import blockwise_attention_chunk, run_starts
+    from jaxrl_async.models.attention import blockwise_attention_chunk, blockwise_attention_stripes, run_starts
     from jaxrl_async.sharding.rules import logical_to_spec
 
     mesh, rules = active_activation_rules()
@@ -259,12 +272,37 @@ def context_parallel_attention(impl: str, q, k, v, segment_ids, scale: float, bl
     if impl == "splash":
         _log_fallback(f"splash needs chunks of whole {b}-token blocks (chunk {Tl})")
 
+    Ts = Tl // 2
+    balance = load_balance and Tl % 2 == 0 and C > 1
+
+    def chunk(qc, k_full, v_full, seg_full, starts, first, n):
+        """Attention of n queries at key positions first.. (a traced offset) to the whole row."""
+        sq = jax.lax.dynamic_slice_in_dim(seg_full, first, n, axis=1)
+        qs = jax.lax.dynamic_slice_in_dim(starts, first, n, axis=1)
+        return blockwise_attention_chunk(qc, k_full, v_full, sq, seg_full, qs, first, scale, block, block)
+
     def local(q, k, v, seg):
         i = jax.lax.axis_index(CONTEXT_AXIS)
-        seg_full = gather(seg)
-        q_start = jax.lax.dynamic_slice_in_dim(run_starts(seg_full), i * Tl, Tl, axis=1)
-        return blockwise_attention_chunk(q, gather(k), gather(v), seg, seg_full, q_start, i * Tl, scale,
-                                         block, block)
+        seg_full, k_full, v_full = gather(seg), gather(k), gather(v)
+        starts = run_starts(seg_full)
+        if not balance:
+            return chunk(q, k_full, v_full, seg_full, starts, i * Tl, Tl)
+        # load balance: the row is 2C stripes of Ts queries; device i holds stripes 2i, 2i+1 and computes
+        # stripes i and 2C-1-i (one even, one odd), so every device does the same causal work
+        even, odd = zip(*[_balanced_pair(d, C) for d in range(C)])  # stripes device d computes
+        to_even = [(src, even.index(2 * src)) for src in range(C)]  # first half = stripe 2 src
+        to_odd = [(src, odd.index(2 * src + 1)) for src in range(C)]  # second half = stripe 2 src + 1
+        q_even = jax.lax.ppermute(q[:, :Ts], CONTEXT_AXIS, to_even)
+        q_odd = jax.lax.ppermute(q[:, Ts:], CONTEXT_AXIS, to_odd)
+        stripes = []
+        for qc, ids in ((q_even, even), (q_odd, odd)):
+            first = jnp.asarray(ids, jnp.int32)[i] * Ts
+            stripes.append((qc, jax.lax.dynamic_slice_in_dim(seg_full, first, Ts, axis=1),
+                            jax.lax.dynamic_slice_in_dim(starts, first, Ts, axis=1), first))
+        out_even, out_odd = blockwise_attention_stripes(stripes, k_full, v_full, seg_full, scale, block, block)
+        back = lambda perm: [(b, a) for a, b in perm]  # noqa: E731
+        return jnp.concatenate([jax.lax.ppermute(out_even, CONTEXT_AXIS, back(to_even)),
+                                jax.lax.ppermute(out_odd, CONTEXT_AXIS, back(to_odd))], axis=1)
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
                        check_vma=False)

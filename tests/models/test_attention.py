@@ -88,8 +88,8 @@ def test_skipped_blocks_do_no_work():
     from jaxrl_async.models.attention import _block_ranges as ranges
     from jaxrl_async.models.attention import run_starts
 
-    def _block_ranges(seg, bq, bk, offset=0):
-        return ranges(run_starts(seg), offset, seg.shape[1] // bk, bq, bk)
+    def _block_ranges(seg, bq, bk):
+        return ranges(run_starts(seg), jnp.arange(seg.shape[1] // bq) * bq, seg.shape[1] // bk, bq, bk)
 
     T, blk = 64, 8
     seg = jnp.asarray(_segments("full", 1, T))
@@ -104,7 +104,7 @@ def test_skipped_blocks_do_no_work():
     assert list(np.maximum(np.asarray(hi - lo + 1), 0)[6:]) == [0, 0]
     # a chunk of queries (context parallelism): the second half of a full row sees keys up to its own block
     seg = jnp.ones((1, T), jnp.int32)
-    lo, hi = ranges(run_starts(seg)[:, 32:], 32, T // blk, blk, blk)
+    lo, hi = ranges(run_starts(seg)[:, 32:], 32 + jnp.arange(4) * blk, T // blk, blk, blk)
     assert list(np.asarray(lo)) == [0] * 4 and list(np.asarray(hi)) == [4, 5, 6, 7]
 
 
@@ -271,7 +271,8 @@ def test_blockwise_train_step_on_a_sharded_mesh_matches_xla():
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl,shape,T,block", [
     ("blockwise", {"fsdp": 2, "context": 2}, 64, 8),
-    ("blockwise", {"context": 4}, 96, 16),  # 4 chunks of 24 queries: padded to block multiples locally
+    ("blockwise", {"context": 4}, 96, 16),  # 8 stripes of 12 queries: padded to block multiples locally
+    ("blockwise", {"context": 4}, 100, 16),  # chunks of 25: no even split into stripes, contiguous chunks
     ("blockwise", {"context": 2, "tensor": 2}, 64, 16),  # 2 kv heads split over tensor like the query heads
     ("splash", {"fsdp": 2, "context": 2}, 256, 128),  # Pallas interpret mode; mask info split over context
 ])
@@ -306,6 +307,32 @@ def test_context_parallel_attention_matches_xla(impl, shape, T, block):
         assert _rel(a, b) <= 1e-5, (impl, name, _rel(a, b))
     hlo = jax.jit(cp).lower(q, k, v).as_text()
     assert "all_gather" in hlo or "all-gather" in hlo  # K/V gathered over context, not the T x T reference
+    balanced = impl == "blockwise" and (T // mesh.shape["context"]) % 2 == 0
+    assert ("collective_permute" in hlo) == balanced  # load balance: query stripes exchanged
+
+
+def test_context_parallel_load_balance_evens_the_causal_work():
+    """Stripes d and 2C-1-d per device: every stripe is computed once, and the key blocks each device visits
+    (the block loops' trip counts) are equal, where contiguous chunks give the last device 2C-1 times the
+    first's."""
+    from jaxrl_async.models.attention import _block_ranges, run_starts
+    from jaxrl_async.models.attention_kernels import _balanced_pair
+
+    T, C, blk = 1024, 4, 16
+    starts = run_starts(jnp.ones((1, T), jnp.int32))
+    Ts, Tl = T // (2 * C), T // C
+
+    def work(first, n):
+        lo, hi = _block_ranges(starts[:, first:first + n], first + jnp.arange(n // blk) * blk, T // blk, blk, blk)
+        return int(np.maximum(np.asarray(hi - lo + 1), 0).sum())
+
+    pairs = [_balanced_pair(d, C) for d in range(C)]
+    assert sorted(s for p in pairs for s in p) == list(range(2 * C))
+    assert all(e % 2 == 0 and o % 2 == 1 for e, o in pairs)
+    contiguous = [work(d * Tl, Tl) for d in range(C)]
+    balanced = [work(e * Ts, Ts) + work(o * Ts, Ts) for e, o in pairs]
+    assert max(balanced) == min(balanced) and sum(balanced) == sum(contiguous)
+    assert max(contiguous) / min(contiguous) > 2 * C - 2, contiguous
 
 
 def test_context_parallel_train_step_matches_one_device(monkeypatch):
