@@ -106,6 +106,11 @@ def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None
         for f in _export_files(out_dir):
             os.remove(f)
     params = restored.arrays["params"]
+    base_ref = (restored.meta.extra or {}).get("lora_base") if cfg.lora is not None else None
+    if base_ref:  # the checkpoint holds the adapters; the base is the referenced model.path
+        from jaxrl_async.run_state import with_referenced_base
+
+        params = with_referenced_base(params, base_ref, ckpt.step_dir(restored.step))
     if cfg.lora is not None and lora == "peft":
         base_ref = ((restored.meta.config or {}).get("model") or {}).get("path")
         files = save_peft_adapter(params, cfg, out_dir, base_model_name_or_path=base_ref, tokenizer_dir=tok,

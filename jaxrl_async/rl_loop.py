@@ -84,7 +84,7 @@ from jaxrl_async.rl.batch import build_training_batch
 from jaxrl_async.trainer.train_step import step_metrics
 from jaxrl_async.run_record import RunResult
 from jaxrl_async.run_state import (
-    _group_record, _state_from_items, _state_items, build_checkpointer, initial_params,
+    _group_record, _state_from_items, _state_items, base_reference, build_checkpointer, initial_params,
     restore_buffered_groups, restore_train_state,
 )
 from jaxrl_async.warm_start import WARM_START_DIR, WarmStartMixin, committed_steps
@@ -271,6 +271,8 @@ class RLLoop(WarmStartMixin):
             raise ValueError(f"model.path: vocabulary {self.model_cfg.vocab_size} is smaller than the tokenizer's "
                              f"{len(tok)}")
         self.init_params = params
+        # LoRA on an unchanged model.path: checkpoints hold the adapters and refer to the base
+        self._base_ref = base_reference(c, self.model_cfg)
         from jaxrl_async.generate import stop_token_ids
 
         self.eos_ids = stop_token_ids(self.model_cfg, tok, model_dir=c.model.path)
@@ -387,7 +389,7 @@ class RLLoop(WarmStartMixin):
 
     def _restore_checkpoint(self, ckpt: Any, trainer: Any) -> Any:
         """The newest usable checkpoint restored onto the trainer's shardings (``Restored``)."""
-        return restore_train_state(ckpt, trainer, self.init_params)
+        return restore_train_state(ckpt, trainer, self.init_params, base_ref=getattr(self, "_base_ref", None))
 
     def _train_batch(self, trainer: Any, state: Any, trajs: Sequence[Any], version: int) -> tuple[Any, list]:
         return trainer.train_batch(state, trajs, policy_version=version)
@@ -568,10 +570,13 @@ class RLLoop(WarmStartMixin):
         def save(step_: int, version_: int, why: str) -> None:
             # buffered groups first, then the ledger: a group accepted in between is only replayed
             buffered = [_group_record(g, ledger.draw_index(g.ticket)) for g in staleness.buffered_groups()]
+            extra = {"nonfinite": nonfinite.state_dict(), "why": why, "wall_s": self.wall()}
+            base_ref = getattr(self, "_base_ref", None)
+            if base_ref is not None:  # LoRA: the adapters are saved, the base is referenced
+                extra["lora_base"] = base_ref
             meta = TrainMeta(step=step_, policy_version=version_, data_state=ledger.state(),
-                             staleness=snapshot_stats(), config=to_dict(c),
-                             extra={"nonfinite": nonfinite.state_dict(), "why": why, "wall_s": self.wall()})
-            st = self._save_checkpoint(ckpt, _state_items(state), meta, buffered)
+                             staleness=snapshot_stats(), config=to_dict(c), extra=extra)
+            st = self._save_checkpoint(ckpt, _state_items(state, base_ref), meta, buffered)
             result.checkpoint_step = step_
             save_stats.append(st)
             if why == "periodic":  # quiet: the cost goes to the metrics

@@ -4,7 +4,10 @@ staleness buffer on resume). Used by ``rl_loop`` and mirrored by the processes o
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import logging
+import os
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -14,7 +17,8 @@ from jaxrl_async.data.ledger import DataLedger
 
 log = logging.getLogger("jaxrl_async")
 
-__all__ = ["initial_params", "build_checkpointer", "restore_train_state", "restore_buffered_groups"]
+__all__ = ["initial_params", "build_checkpointer", "restore_train_state", "restore_buffered_groups", "base_reference",
+           "check_base_reference", "with_referenced_base"]
 
 
 def initial_params(cfg: RunConfig, model_cfg: Any = None, *, mesh: Any = None) -> tuple[Any, Any]:
@@ -64,13 +68,85 @@ def build_checkpointer(cfg: RunConfig, run_dir: str, model_cfg: Any, tokenizer_d
                         model_config=model_cfg.replace(param_dtype="float32"), tokenizer_dir=tokenizer_dir)
 
 
-def restore_train_state(ckpt: Any, trainer: Any, params: Any) -> Any:
+def restore_train_state(ckpt: Any, trainer: Any, params: Any, base_ref: Mapping[str, Any] | None = None) -> Any:
     """``ckpt.restore`` (newest usable step, fallback) of the training state onto ``trainer``'s
-    shardings; ``params`` only gives the shapes."""
+    shardings; ``params`` only gives the shapes. ``base_ref`` (LoRA on an unchanged ``model.path``): the
+    checkpoint holds the adapters only; its base reference must match ``base_ref`` and the base of
+    ``params`` (read from that path) is put back next to the restored adapters."""
     from jaxrl_async.checkpoint import abstract_like
 
     abstract = abstract_like(jax.eval_shape(trainer.init_state, params), trainer.state_shardings)
-    return ckpt.restore(targets=_state_items(abstract), fallback=True)
+    r = ckpt.restore(targets=_state_items(abstract, base_ref), fallback=True)
+    if base_ref is not None:
+        from jaxrl_async.models import lora
+
+        check_base_reference((r.meta.extra or {}).get("lora_base"), ckpt.step_dir(r.step), current=base_ref)
+        _, base_sh = lora.split(trainer.param_shardings)
+        _, base_dt = lora.split(trainer.param_dtypes)
+        base = jax.jit(lambda b: jax.tree.map(lambda x, dt: x.astype(dt), b, base_dt),
+                       out_shardings=base_sh)(lora.split(params)[1])
+        r.arrays["params"] = lora.join(r.arrays["params"], base)
+    return r
+
+
+# -- LoRA: checkpoints that reference their base --------------------------------------------------
+def _file_digest(path: str, edge: int = 1 << 20) -> str:
+    """size + sha256 of the first and last ``edge`` bytes (a different checkpoint of the same architecture
+    differs there; hashing 16 GB at every resume would not be affordable)."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(edge))
+        if size > edge:
+            fh.seek(max(edge, size - edge))
+            h.update(fh.read(edge))
+    return h.hexdigest()
+
+
+def base_reference(cfg: RunConfig, model_cfg: Any) -> dict[str, Any] | None:
+    """The base a LoRA run's checkpoints refer to instead of holding it: ``model.path`` (its config.json and
+    weight files fingerprinted), when the run never changes the base (LoRA, no SFT warm start). None: the
+    checkpoints hold the base (random init or a warm-started base exist nowhere else)."""
+    if getattr(model_cfg, "lora", None) is None or cfg.model.path is None or cfg.trainer.sft.steps > 0:
+        return None
+    path = os.path.abspath(cfg.model.path)
+    names = sorted({"config.json", *(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(path),
+                                                                                        "*.safetensors*")))})
+    return {"path": path, "files": {n: _file_digest(os.path.join(path, n)) for n in names
+                                    if os.path.isfile(os.path.join(path, n))}}
+
+
+def check_base_reference(saved: Mapping[str, Any] | None, where: str, *, current: Mapping[str, Any] | None = None
+                         ) -> None:
+    """CheckpointIncompatibleError (naming model.path) unless ``saved`` (a checkpoint's base reference)
+    matches ``current`` (default: the files at ``saved["path"]`` now)."""
+    from jaxrl_async.checkpoint import CheckpointIncompatibleError
+
+    if not saved:
+        raise CheckpointIncompatibleError(f"{where}: holds LoRA adapters without a base reference; this run expects "
+                                          f"adapters on model.path {current['path'] if current else '?'}")
+    path = saved["path"]
+    if current is None:
+        if not os.path.isdir(path):
+            raise CheckpointIncompatibleError(f"{where}: its LoRA base model.path {path} is not a directory")
+        current = {"path": path, "files": {n: _file_digest(os.path.join(path, n)) for n in saved["files"]
+                                           if os.path.isfile(os.path.join(path, n))}}
+    if dict(current["files"]) != dict(saved["files"]):
+        changed = sorted(set(current["files"]) ^ set(saved["files"]) |
+                         {n for n in saved["files"] if current["files"].get(n) not in (None, saved["files"][n])})
+        raise CheckpointIncompatibleError(f"{where}: model.path {path} is not the base these LoRA adapters were "
+                                          f"trained on (changed: {', '.join(changed)})")
+
+
+def with_referenced_base(adapters: Any, saved: Mapping[str, Any], where: str) -> Any:
+    """Host params of a base-referencing checkpoint: its adapters joined with the base read from the
+    referenced ``model.path`` (checked first); for export."""
+    from jaxrl_async.models import lora
+    from jaxrl_async.models.hf_io import load_hf
+
+    check_base_reference(saved, where)
+    _, base = load_hf(saved["path"])
+    return lora.join(adapters, jax.device_get(base))
 
 
 def restore_buffered_groups(saved: Sequence[Mapping[str, Any]], staleness: Any, ledger: DataLedger, version: int,
@@ -151,9 +227,15 @@ def _group_from_record(rec: Mapping[str, Any], item: Any) -> Any:
     return TrajectoryGroup(item, trajs, int(rec.get("group_id", -1)), dict(rec.get("metadata") or {}))
 
 
-def _state_items(state: Any) -> dict[str, Any]:
-    """TrainState → checkpoint items (``params`` is what export reads)."""
-    return {"params": state.params, "opt_state": state.opt_state,
+def _state_items(state: Any, base_ref: Any = None) -> dict[str, Any]:
+    """TrainState → checkpoint items (``params`` is what export reads; with a LoRA ``base_ref``, the adapters
+    only: the base is the referenced ``model.path``)."""
+    params = state.params
+    if base_ref is not None:
+        from jaxrl_async.models import lora
+
+        params = lora.split(params)[0]
+    return {"params": params, "opt_state": state.opt_state,
             "counters": {"step": state.step, "n_skipped": state.n_skipped}}
 
 

@@ -467,6 +467,9 @@ class DistributedRLLoop(RLLoop):
 
     def _build_trainer(self):
         if self.group is not None:
+            if self.model_cfg.lora is not None:
+                raise ValueError("model.lora: a multi-process trainer group does not run LoRA yet (one trainer "
+                                 "process does)")
             self.group.send("build_trainer")
         return super()._build_trainer()
 
