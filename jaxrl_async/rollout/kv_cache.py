@@ -180,6 +180,17 @@ class SizingReport:
     incoming_weight_bytes: int = 0  # room kept for a weight push's arriving copy
 
 
+def _incoming_push_bytes(cfg: ModelConfig, shardings: Any, pbytes: int) -> int:
+    """Bytes a weight push brings per device: all parameters, or with unmerged LoRA adapters (the engine's
+    params hold them) only the adapters (``weight_sync.LoraPush``: the base stays)."""
+    if cfg.lora is None:
+        return pbytes
+    from jaxrl_async.models import lora
+
+    return param_bytes_per_device(cfg, shardings) - param_bytes_per_device(
+        cfg.replace(lora=None), lora.split(shardings)[1])
+
+
 def auto_num_pages(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardings: Any, *, max_slots: int,
                    max_prefill: int, max_seq: int, fraction: float,
                    reserve_weight_push: bool = False) -> SizingReport:
@@ -192,7 +203,7 @@ def auto_num_pages(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shar
     limit, in_use, source = device_memory(list(mesh.devices.flat))
     pbytes = param_bytes_per_device(cfg, param_shardings)
     ws = workspace_bytes(cfg, max_slots, max_prefill, max_seq, shards)
-    incoming = pbytes if reserve_weight_push else 0
+    incoming = _incoming_push_bytes(cfg, param_shardings, pbytes) if reserve_weight_push else 0
     budget = fraction * (limit - max(in_use, pbytes) - incoming) - ws
     n = int(budget // page_b) if budget > 0 else 0
     need_one = probe.max_pages_per_seq

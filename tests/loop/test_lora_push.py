@@ -136,3 +136,20 @@ def test_adapter_only_push_and_generator_trainer_parity_after_updates(decode):
                                                                    jnp.asarray(seg))
         assert np.abs(np.asarray(base_ref)[0, len(p):len(p) + len(t)] - np.asarray(lp)).max() > 1e-3
     assert worst <= 1e-5, worst
+
+
+def test_engine_sizing_reserves_room_for_the_adapters_only(monkeypatch):
+    """An RL engine keeps KV room for an incoming push: with unmerged LoRA a push brings the adapters."""
+    from jaxrl_async.rollout import kv_cache
+
+    mesh = make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
+    monkeypatch.setattr(kv_cache, "device_memory", lambda devices: (64 << 20, 1 << 20, "memory_stats"))
+    sizes = {}
+    for name, cfg in (("full", BASE), ("lora", CFG)):
+        eng = PagedEngine(cfg, mesh, max_concurrent_decodes=8, max_sequence_length=64, prefill_buckets=(16,),
+                          page_size=8, cache_memory_fraction=0.5, reserve_weight_push=True)
+        sizes[name] = eng.sizing
+    adapters = sum(x.size * 4 for x in jax.tree.leaves(lora.split(init_params(CFG, jax.random.key(0)))[0]))
+    assert sizes["full"].incoming_weight_bytes == sizes["full"].param_bytes
+    assert sizes["lora"].param_bytes == sizes["full"].param_bytes + adapters
+    assert sizes["lora"].incoming_weight_bytes == adapters
