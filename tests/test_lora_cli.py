@@ -36,4 +36,4 @@ def test_valid_lora_config_validates(tmp_path):
     proc = _main(["model.lora.rank=4", "model.lora.targets=('q','v')", "model.lora.decode=merged"], str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout + proc.stderr
-    assert "model.lora.rank = 4" in out and "model.lora.decode = merged" in out and "config OK" in out
+    assert "model.lora.rank = 4" in out and "model.lora.decode = 'merged'" in out and "config OK" in out
