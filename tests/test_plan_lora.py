@@ -31,3 +31,11 @@ def test_plan_of_the_qwen3_8b_lora_recipe_on_one_h100():
     assert g["incoming_weights_bytes"] < 0.02 * g["params_bytes"]
     text = format_plan(r)
     assert "LoRA: rank 32" in text and "AdamW, adapters only" in text
+
+
+def test_lora_tpu_recipe_validates_on_its_slice():
+    from jaxrl_async.config import validate
+
+    cfg = load_config_file(os.path.join(ROOT, "configs", "qwen3_8b_lora_v5p.py"))
+    validate(cfg, 4)
+    assert cfg.model.lora.rank == 32 and cfg.model.lora.base_dtype == "bfloat16" and cfg.mesh.trainer.shape == (2,)

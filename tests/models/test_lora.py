@@ -104,3 +104,17 @@ def test_adapters_without_lora_config_and_bad_specs_name_the_field():
             lora.LoraSpec(**kw)
     assert ModelConfig(**{**BASE.__dict__, "lora": {"rank": 2, "alpha": 4, "targets": ["q"]}}).lora == \
         lora.LoraSpec(rank=2, alpha=4, targets=("q",))
+
+
+def test_nnx_module_carries_the_adapters_with_their_logical_axes():
+    from flax import nnx
+
+    from jaxrl_async.models.transformer import Transformer
+
+    m = Transformer(CFG, rngs=nnx.Rngs(0))
+    params = m.params()
+    assert sorted(k for k in params["layers"] if lora.is_adapter_key(k)) == sorted(
+        f"{t}_lora_{x}" for t in lora.TARGETS for x in "ab")
+    assert m.layers["q_lora_b"].get_metadata()["out_sharding"] == ("layers", None, "heads", "head_dim")
+    tok = _tokens()
+    np.testing.assert_array_equal(np.asarray(m(tok)), np.asarray(apply(params, CFG, tok)))
