@@ -104,6 +104,10 @@ def lora_param_table(cfg: ModelConfig, layers: dict[str, ParamSpec]) -> dict[str
     A [L, in..., r] (axes of the inputs, rank unnamed) initialised like PEFT and B [L, r, out...] zeros."""
     from jaxrl_async.models.lora import TARGETS, adapter_keys
 
+    missing = [t for t in cfg.lora.targets if t not in layers]
+    if missing:  # e.g. gate/up/down of a mixture-of-experts model (no dense MLP weights)
+        raise ValueError(f"ModelConfig.lora.targets: {', '.join(missing)} has no weight in this model "
+                         f"(layer weights: {', '.join(t for t in TARGETS if t in layers)})")
     r = cfg.lora.rank
     rows = {}
     for t in cfg.lora.targets:

@@ -118,3 +118,16 @@ def test_nnx_module_carries_the_adapters_with_their_logical_axes():
     assert m.layers["q_lora_b"].get_metadata()["out_sharding"] == ("layers", None, "heads", "head_dim")
     tok = _tokens()
     np.testing.assert_array_equal(np.asarray(m(tok)), np.asarray(apply(params, CFG, tok)))
+
+
+def test_a_target_without_its_weight_is_named():
+    """A model without dense MLP weights (mixture of experts) cannot take gate/up/down adapters: the error
+    names the field and the targets it has."""
+    from jaxrl_async.models.transformer import lora_param_table, param_table
+
+    layers = {k: v for k, v in param_table(BASE)["layers"].items() if k not in ("gate", "up", "down")}
+    with pytest.raises(ValueError, match=r"^ModelConfig\.lora\.targets: gate, up, down has no weight in this model "
+                                         r"\(layer weights: q, k, v, o\)"):
+        lora_param_table(CFG, layers)
+    rows = lora_param_table(BASE.replace(lora=lora.LoraSpec(rank=2, targets=("q", "o"))), layers)
+    assert sorted(rows) == ["o_lora_a", "o_lora_b", "q_lora_a", "q_lora_b"]
