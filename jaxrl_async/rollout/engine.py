@@ -1,7 +1,8 @@
 """`PagedEngine`: the device side of the generator (JetStream-style continuous batching).
 
 Implements `engine_api.Engine` on the model's pure `forward` with custom `attend` functions (no
-forked layer code): `kv_cache.prefill_attend` (one padded prompt, keeps every layer's k/v) and a
+forked layer code): `kv_cache.prefill_attend` (prompts packed into one padded row, keeps every
+layer's k/v), `kv_cache.chunk_prefill_attend` (a sequence past the largest bucket, in chunks) and a
 decode attention over the paged pool (`paged_attention.decode_attend`: the portable live-length
 loop `blocked`, the reference `gather`, the TPU/GPU Pallas kernels; `attention="auto"` picks by
 platform, and the choice fixes the pool's layout, `self.layout`).
@@ -9,11 +10,13 @@ platform, and the choice fixes the pool's layout, `self.layout`).
 Compiled functions (params are arguments, so a weight swap never retraces; after `warmup`
 nothing recompiles, whatever the prompts, slots or sampling parameters):
 
-  prefill      once per prompt-length bucket  (tokens padded to [1, bucket])
-  sample_first once per power-of-two number of samples of one prefill
-  insert       once per bucket                 (writes the prompt k/v into the slot's pages)
-  generate     once                            (static decode batch S = max_concurrent_decodes)
-  release      once
+  prefill       once per bucket of a row's total tokens (prompts packed into [1, bucket])
+  prefill_chunk once per chunked buffer length (sequences longer than the largest bucket)
+  sample_first  once per power-of-two number of samples of one row, at least `max_prefill_pack`
+  insert        once per bucket                 (writes a prompt's k/v into the slot's pages)
+  generate      once                            (static decode batch S; the decode attention's
+                                                 live-length loop has a traced trip count)
+  release       once
 
 Decode state (`DecodeState`) = device arrays (`arrays`, a dict pytree) + host bookkeeping
 (`host`: page allocator and a mirror of each slot's position/count, used to allocate pages
@@ -512,7 +515,7 @@ class PagedEngine(Engine):
                                       ("idx", r.sample_offset + j), ("pos", lens[row])):
                         cols[name].append(val)
             n = len(rows)
-            nb = 1 << (n - 1).bit_length()
+            nb = max(1 << (n - 1).bit_length(), self.max_prefill_pack)  # one compilation for up to a pack's worth
             pad = lambda xs, dt: np.asarray(xs + [xs[-1]] * (nb - n), dt)  # noqa: E731
             firsts, lps = self._sample_first(logits, pad(rows, np.int32), pad(cols["t"], np.float32),
                                              pad(cols["k"], np.int32), pad(cols["p"], np.float32),

@@ -1,0 +1,163 @@
+"""Whole-process useful tokens/s: `python -m jaxrl_async.generate` vs transformers `generate` with every
+prompt in ONE static batch (its best case on a CPU), on a long-tail EOS workload (issue 16, acceptance).
+
+    python benchmarks/bench_generate_static.py [--max-new 256] [--repeats 1] [--json out.json]
+
+Model: a random Qwen3-shaped checkpoint written with `save_pretrained` (default hidden 512, 6 layers, 8 q /
+4 kv heads of 64, MLP 1536, vocab 16384, tied: 27.3M parameters), fp32. The EOS row of the (tied) embedding
+is scaled by `--eos-scale` so that the EOS logit varies a lot between contexts: per-sequence lengths are
+long-tailed (many stop early, some run to the budget), as with a real model's sampling.
+
+Workload: `--num-prompts` (64) random-token prompts of 8..63 tokens, temperature 1, EOS stop, at most
+`--max-new` new tokens. Useful tokens = the tokens up to and including EOS (what a user keeps).
+
+ours: a subprocess `python -m jaxrl_async.generate --model M --input prompts.jsonl --max-concurrent 64
+--temperature 1 --max-new-tokens N`, wall time from start to exit (imports, model load, compilation,
+generation, writing the output), and its printed decode tok/s.
+transformers: a subprocess of this file (`--hf-worker`): imports, `from_pretrained`, one `generate` call
+with all prompts left-padded in one batch (do_sample, T=1, eos), wall time from start to exit; the
+decode-only figure is the `generate` call alone. Run with each of `--hf-threads` (torch's default and 1):
+the faster is the baseline.
+
+The two run alternately in one invocation (`--repeats` pairs), so machine load hits both alike; the ratio
+is ours / transformers of useful tokens per whole-process second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def make_model(out_dir: str, args) -> None:
+    import torch
+
+    from jaxrl_async.testing import make_tiny_hf_model
+
+    make_tiny_hf_model(out_dir, "qwen3", std=0.05, vocab_size=args.vocab, hidden_size=args.hidden,
+                       intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
+                       num_attention_heads=args.hidden // 64, num_key_value_heads=max(args.hidden // 128, 1),
+                       head_dim=64, max_position_embeddings=4096)
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[2] = emb[2] * args.eos_scale  # EOS (id 2): a widely varying logit -> long-tail lengths
+    model.save_pretrained(out_dir)
+
+
+def hf_worker(argv) -> None:
+    """transformers side, timed from process start by the parent; prints one JSON line."""
+    t_gen = None
+    model_dir, prompts_path, max_new, seed, threads = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4])
+    import torch
+    import transformers
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [json.loads(line)["prompt_ids"] for line in open(prompts_path)]
+    L = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), L), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p):] = torch.tensor(p)
+        mask[r, L - len(p):] = 1
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=max_new, eos_token_id=2, pad_token_id=0)
+    t_gen = time.perf_counter() - t0
+    useful = 0
+    for row in out[:, L:].tolist():
+        useful += (row.index(2) + 1) if 2 in row else len(row)
+    print(json.dumps({"useful_tokens": useful, "generate_s": t_gen, "steps": out.shape[1] - L,
+                      "threads": torch.get_num_threads()}))
+
+
+def run_ours(model_dir, prompts_path, out_path, args) -> dict:
+    cmd = [sys.executable, "-m", "jaxrl_async.generate", "--model", model_dir, "--input", prompts_path,
+           "--output", out_path, "--max-concurrent", str(args.num_prompts), "--temperature", "1",
+           "--max-new-tokens", str(args.max_new), "--seed", str(args.seed)] + args.ours_args.split()
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    wall = time.perf_counter() - t0
+    if p.returncode:
+        raise RuntimeError(p.stderr[-3000:])
+    useful = sum(len(json.loads(line)["completion_ids"]) for line in open(out_path))
+    line = [x for x in p.stderr.splitlines() if x.startswith("generated")][-1]
+    decode = float(line.split("decode ")[1].split(" tok/s")[0])
+    return {"wall_s": wall, "useful_tokens": useful, "tok_s": useful / wall, "decode_tok_s": decode, "line": line}
+
+
+def run_hf(model_dir, prompts_path, args, threads: int) -> dict:
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, __file__, "--hf-worker", model_dir, prompts_path, str(args.max_new),
+                        str(args.seed), str(threads)], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode:
+        raise RuntimeError(p.stderr[-3000:])
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    return {"wall_s": wall, "tok_s": r["useful_tokens"] / wall, "decode_tok_s": r["useful_tokens"] / r["generate_s"],
+            **r}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--hf-worker":
+        return hf_worker(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--eos-scale", type=float, default=4.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--ours-args", default="", help="extra flags for jaxrl_async.generate")
+    ap.add_argument("--hf-threads", default="0,1", help="torch thread counts to run (0 = torch's default); the "
+                    "best is the baseline (on a loaded machine one thread can beat two)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rng = np.random.default_rng(args.seed)
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = os.path.join(d, "model")
+        make_model(model_dir, args)
+        prompts_path = os.path.join(d, "prompts.jsonl")
+        with open(prompts_path, "w") as f:
+            for _ in range(args.num_prompts):
+                f.write(json.dumps({"prompt_ids": rng.integers(3, args.vocab, int(rng.integers(8, 64))).tolist()}) + "\n")
+        runs = []
+        for _ in range(args.repeats):
+            ours = run_ours(model_dir, prompts_path, os.path.join(d, "out.jsonl"), args)
+            hfs = [run_hf(model_dir, prompts_path, args, int(t)) for t in args.hf_threads.split(",")]
+            hf = max(hfs, key=lambda r: r["tok_s"])
+            runs.append({"ours": ours, "hf": hf, "hf_all": hfs, "ratio": ours["tok_s"] / hf["tok_s"],
+                         "decode_ratio": ours["decode_tok_s"] / max(r["decode_tok_s"] for r in hfs),
+                         "load_avg": os.getloadavg()})
+            print(f"ours: {ours['useful_tokens']} useful tokens, {ours['wall_s']:.1f} s whole process "
+                  f"({ours['tok_s']:.0f} tok/s), decode {ours['decode_tok_s']:.0f} tok/s | transformers one batch: "
+                  f"{hf['useful_tokens']} tokens, {hf['threads']} threads, {hf['wall_s']:.1f} s "
+                  f"({hf['tok_s']:.0f} tok/s), generate() "
+                  f"{hf['generate_s']:.1f} s ({hf['decode_tok_s']:.0f} tok/s), {hf['steps']} steps | "
+                  f"whole-process ratio {runs[-1]['ratio']:.2f}x, decode ratio {runs[-1]['decode_ratio']:.2f}x, "
+                  f"load {os.getloadavg()[0]:.1f}",
+                  flush=True)
+    res = {"args": vars(args), "runs": runs, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "load_avg": os.getloadavg()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
