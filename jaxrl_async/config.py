@@ -79,7 +79,8 @@ class LoraSection:
     down), A initialised as PEFT (Kaiming-uniform), B = 0. ``base_dtype``: storage of the frozen base in
     the trainer (adapters and their Adam state are float32). ``decode``: the generator applies the
     adapters ``unmerged`` (low-rank matmuls next to the base weights, loaded once) or ``merged`` into a
-    generator-side copy of the weights at every push. ``dropout``: only 0 (not implemented)."""
+    generator-side copy of the weights at every push. ``dropout``: on the adapters' input in training steps
+    (PEFT's lora_dropout; 0 = off)."""
 
     rank: int = 0
     alpha: float = 32.0
@@ -122,7 +123,7 @@ class ModelConfigSection:
 
     path: str | None = None
     tokenizer_path: str | None = None
-    model_type: Literal["qwen3", "qwen2", "llama"] = "qwen3"
+    model_type: Literal["qwen3", "qwen2", "llama", "qwen3_moe"] = "qwen3"
     vocab_size: int | None = None
     hidden_size: int = 64
     intermediate_size: int = 192
@@ -144,6 +145,11 @@ class ModelConfigSection:
     attention_block: int = 512
     init_seed: int = 0
     lora: LoraSection = LoraSection()
+    # mixture of experts (model_type qwen3_moe, random init; a checkpoint's config.json carries its own)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def numerics(self) -> dict[str, Any]:
         return dict(dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, scan_layers=self.scan_layers,
@@ -162,8 +168,10 @@ class ModelConfigSection:
             intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
             tie_word_embeddings=self.tie_word_embeddings, max_position_embeddings=self.max_position_embeddings,
-            qkv_bias=self.model_type == "qwen2", qk_norm=self.model_type == "qwen3", bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id, pad_token_id=pad_token_id, **self.numerics())
+            qkv_bias=self.model_type == "qwen2", qk_norm=self.model_type in ("qwen3", "qwen3_moe"),
+            bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob, **self.numerics())
 
 
 @dataclasses.dataclass(frozen=True)

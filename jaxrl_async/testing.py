@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 TINY_FAMILIES = ("qwen3", "qwen3_untied", "qwen2", "llama")
+MOE_FAMILIES = ("qwen3_moe",)
 
 
 def tiny_hf_config(family: str, vocab_size: int = 256, **overrides) -> Any:
@@ -36,7 +37,13 @@ def tiny_hf_config(family: str, vocab_size: int = 256, **overrides) -> Any:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         common.update(overrides)
         return transformers.LlamaConfig(**common)
-    raise ValueError(f"unknown tiny family {family!r}; known: {TINY_FAMILIES}")
+    if family == "qwen3_moe":  # 4 experts, top-2, every layer sparse
+        common.update(tie_word_embeddings=False, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)
+        common.update(overrides)
+        return transformers.Qwen3MoeConfig(**common)
+    raise ValueError(f"unknown tiny family {family!r}; known: {TINY_FAMILIES + MOE_FAMILIES}")
 
 
 def make_tiny_hf_model(out_dir: str, family: str = "qwen3", seed: int = 0, std: float = 0.15, **overrides) -> str:

@@ -11,6 +11,9 @@ Supported architectures (selected by `model_type`):
 | qwen3      | Qwen3ForCausalLM    | RMSNorm on q and k per head (q_norm, k_norm)  |
 | qwen2      | Qwen2ForCausalLM    | bias on q, k, v projections                   |
 | llama      | LlamaForCausalLM    | optional "llama3" RoPE scaling, attention_bias|
+| qwen3_moe  | Qwen3MoeForCausalLM | qwen3 attention; every MLP a mixture of       |
+|            |                     | experts (`models/moe.py`: top-k routing,      |
+|            |                     | dropless grouped matmuls)                     |
 
 Qwen2.5 checkpoints use `model_type: qwen2`.
 """
@@ -23,8 +26,9 @@ import math
 import os
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
-_ARCH_BY_TYPE = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
+_ARCH_BY_TYPE = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -57,6 +61,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # mixture of experts (qwen3_moe; 0 experts = a dense MLP): every layer's MLP is `num_experts` SwiGLU experts
+    # of width `moe_intermediate_size`, `num_experts_per_tok` per token (top-k of the float32 router softmax,
+    # renormalised when `norm_topk_prob`); `router_aux_loss_coef` as in the HF config (the load-balancing loss)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
     # numerical policy
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of the parameters (master weights in training)
@@ -91,6 +103,15 @@ class ModelConfig:
                 bad(f, f"must be a positive int, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             bad("num_kv_heads", f"{self.num_kv_heads} must divide num_heads={self.num_heads}")
+        if (self.model_type == "qwen3_moe") != (self.num_experts > 0):
+            bad("num_experts", f"qwen3_moe needs num_experts > 0 and other types 0, got {self.num_experts} for "
+                f"{self.model_type}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                bad("num_experts_per_tok", f"must be in [1, num_experts={self.num_experts}], got "
+                    f"{self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0:
+                bad("moe_intermediate_size", f"must be a positive int, got {self.moe_intermediate_size}")
         if self.head_dim % 2:
             bad("head_dim", f"must be even for RoPE, got {self.head_dim}")
         if self.dtype not in _DTYPES:
@@ -116,6 +137,10 @@ class ModelConfig:
 
             if not isinstance(self.lora, LoraSpec):
                 bad("lora", f"must be a LoraSpec, a dict of its fields or None, got {self.lora!r}")
+            on_mlp = sorted(set(self.lora.targets) & {"gate", "up", "down"})
+            if self.num_experts and on_mlp:
+                bad("lora", f"targets {on_mlp}: adapters on the experts of a mixture-of-experts MLP are not "
+                    "implemented; use the attention projections (q, k, v, o)")
         if self.rope_type == "llama3":
             keys = dict(self.rope_scaling or ())
             for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
@@ -144,9 +169,18 @@ class ModelConfig:
         attn += d if self.o_bias else 0
         attn += 2 * hd if self.qk_norm else 0
         mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
+        if self.num_experts:
+            mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
         per_layer = attn + mlp + 2 * d
         emb = v * d * (1 if self.tie_word_embeddings else 2)
         return L * per_layer + emb + d
+
+    def num_active_params(self) -> int:
+        """Parameters a token uses (MoE: the router and its top-k experts; dense: all)."""
+        if not self.num_experts:
+            return self.num_params()
+        idle = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * self.moe_intermediate_size
+        return self.num_params() - self.num_layers * idle
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -182,6 +216,20 @@ class ModelConfig:
             )
         if hf.get("use_sliding_window"):
             raise UnsupportedModelError(f"{source}: use_sliding_window=true is not supported")
+        moe = {}
+        if mt == "qwen3_moe":
+            step, dense_layers = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
+            if step != 1 or dense_layers:
+                raise UnsupportedModelError(
+                    f"{source}: dense MLP layers among the sparse ones (decoder_sparse_step={step}, mlp_only_layers="
+                    f"{dense_layers}) are not supported: every layer must be a mixture of experts")
+            n_exp = hf.get("num_experts", hf.get("num_local_experts"))
+            if n_exp is None:
+                raise ValueError(f"{source}: missing required field 'num_experts'")
+            moe = dict(num_experts=int(n_exp), num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+                       moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (silu only)")
@@ -217,12 +265,13 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             qkv_bias=True if mt == "qwen2" else attention_bias,
-            o_bias=attention_bias if mt in ("qwen3", "llama") else False,
+            o_bias=attention_bias if mt in ("qwen3", "llama", "qwen3_moe") else False,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=mt == "qwen3",
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            **moe,
         )
         kw.update(policy)
         return cls(**kw)
@@ -252,8 +301,13 @@ class ModelConfig:
             "dtype": self.param_dtype,
             "use_cache": True,
         }
-        if self.model_type in ("qwen3", "llama"):
+        if self.model_type in ("qwen3", "llama", "qwen3_moe"):
             out["attention_bias"] = self.o_bias
+        if self.model_type == "qwen3_moe":
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       router_aux_loss_coef=self.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[],
+                       use_sliding_window=False, output_router_logits=False)
         if self.model_type == "qwen2":
             out["use_sliding_window"] = False
         if self.model_type == "llama":
@@ -280,6 +334,19 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, False),
     "qwen3-32b": _qwen3(5120, 25600, 64, 64, 8, False),
 }
+
+
+def _qwen3_moe(hidden, inter, moe_inter, layers, heads, kv, experts, top_k) -> ModelConfig:
+    return _qwen3(hidden, inter, layers, heads, kv, False).replace(
+        model_type="qwen3_moe", num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_inter,
+        norm_topk_prob=True, router_aux_loss_coef=0.001)
+
+
+# Published Qwen3 mixture-of-experts dimensions (config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B)
+PRESETS.update({
+    "qwen3-30b-a3b": _qwen3_moe(2048, 6144, 768, 48, 32, 4, 128, 8),
+    "qwen3-235b-a22b": _qwen3_moe(4096, 12288, 1536, 94, 64, 4, 128, 8),
+})
 
 
 def preset(name: str, **overrides) -> ModelConfig:

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import Sharding, SingleDeviceSharding
 
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.hf_mapping import IGNORED_HF, Row, mapping
@@ -50,8 +50,17 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
+def _hf_names(row: Row, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF tensor name, index into our array) of every tensor of ``row``."""
+    if row.per_expert:
+        return [(row.hf.format(i=i, j=j), (i, j)) for i in range(cfg.num_layers) for j in range(cfg.num_experts)]
+    if row.per_layer:
+        return [(row.hf.format(i=i), (i,)) for i in range(cfg.num_layers)]
+    return [(row.hf, ())]
+
+
 def _expected_hf_shape(row: Row, cfg: ModelConfig, our_shape: tuple[int, ...]) -> tuple[int, ...]:
-    shape = our_shape[1:] if row.per_layer else our_shape
+    shape = our_shape[2:] if row.per_expert else our_shape[1:] if row.per_layer else our_shape
     out = jax.eval_shape(lambda x: row.to_hf(x, cfg), jax.ShapeDtypeStruct(shape, jnp.float32))
     return tuple(out.shape)
 
@@ -63,8 +72,7 @@ def check_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, source: str) -
     for row in mapping(cfg):
         our = tuple(_get(shapes, row.ours).shape)
         hf_shape = _expected_hf_shape(row, cfg, our)
-        names = [row.hf.format(i=i) for i in range(cfg.num_layers)] if row.per_layer else [row.hf]
-        for n in names:
+        for n, _ in _hf_names(row, cfg):
             expected[n] = hf_shape
     present = set(reader.keys())
     missing = sorted(set(expected) - present)
@@ -112,7 +120,13 @@ def load_hf(model_dir: str, shardings: Any = None, cfg: ModelConfig | None = Non
 
 
 def _load_leaf(reader: SafetensorsReader, row: Row, cfg: ModelConfig, shape, sharding: Sharding, dtype):
-    if row.per_layer:
+    if row.per_expert:
+        def cb(index):
+            layers, experts = range(*index[0].indices(shape[0])), range(*index[1].indices(shape[1]))
+            return np.stack([np.stack([
+                np.asarray(row.to_ours(reader.get(row.hf.format(i=i, j=j)), cfg)[index[2:]]).astype(dtype)
+                for j in experts]) for i in layers])
+    elif row.per_layer:
         def cb(index):
             layers = range(*index[0].indices(shape[0]))
             parts = [np.asarray(row.to_ours(reader.get(row.hf.format(i=i)), cfg)[index[1:]]).astype(dtype)
@@ -139,10 +153,10 @@ def save_hf(params: Params, cfg: ModelConfig, out_dir: str, *, tokenizer_dir: st
     plan = []
     for row in mapping(cfg):
         shape = tuple(_get(params, row.ours).shape)
-        per = shape[1:] if row.per_layer else shape
+        per = shape[2:] if row.per_expert else shape[1:] if row.per_layer else shape
         nbytes = int(np.prod(per, dtype=np.int64)) * np_dtype.itemsize
-        for i in (range(cfg.num_layers) if row.per_layer else [None]):
-            plan.append((row.hf.format(i=i) if i is not None else row.hf, row, i, nbytes))
+        for name, idx in _hf_names(row, cfg):
+            plan.append((name, row, idx, nbytes))
     shards: list[list] = [[]]
     size = 0
     for item in plan:
@@ -162,7 +176,7 @@ def save_hf(params: Params, cfg: ModelConfig, out_dir: str, *, tokenizer_dir: st
                 cache.clear()
                 cache[row.ours] = np.asarray(jax.device_get(_get(params, row.ours)))
             host = cache[row.ours]
-            t = host[i] if i is not None else host
+            t = host[i] if i else host
             tensors[hf_name] = np.ascontiguousarray(row.to_hf(t, cfg)).astype(np_dtype)
             weight_map[hf_name] = fname
         write_safetensors(os.path.join(out_dir, fname), tensors)

@@ -19,6 +19,10 @@ D hidden, H heads, K kv heads, E head_dim, F intermediate, V vocab:
 | gate, up [D, F]       | ...mlp.{gate,up}_proj.weight [F, D]         | T                               |
 | down [F, D]           | ...mlp.down_proj.weight [D, F]              | T                               |
 | *_bias (mlp_bias)     | ...mlp.*_proj.bias                          | identity                        |
+| router [D, X]         | ...mlp.gate.weight [X, D] (qwen3_moe)       | T                               |
+| moe_gate, moe_up      | ...mlp.experts.{j}.{gate,up}_proj.weight    | T per expert j -> [X, D, Fm]    |
+|   [X, D, Fm]          |   [Fm, D]                                   |                                 |
+| moe_down [X, Fm, D]   | ...mlp.experts.{j}.down_proj.weight [D, Fm] | T per expert j                  |
 | final_norm [D]        | model.norm.weight                           | identity                        |
 | lm_head [D, V]        | lm_head.weight [V, D] (absent when tied)    | T                               |
 """
@@ -43,6 +47,11 @@ class Row:
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        """One HF tensor per (layer i, expert j): our array is [L, X, ...] and to_ours/to_hf map one expert."""
+        return "{j}" in self.hf
 
 
 def _ident(x, cfg):
@@ -94,10 +103,20 @@ def mapping(cfg: ModelConfig) -> list[Row]:
         Row(("layers", "k"), L + "self_attn.k_proj.weight", _proj_in("num_kv_heads"), _proj_in_hf),
         Row(("layers", "v"), L + "self_attn.v_proj.weight", _proj_in("num_kv_heads"), _proj_in_hf),
         Row(("layers", "o"), L + "self_attn.o_proj.weight", _o_in, _o_hf),
-        Row(("layers", "gate"), L + "mlp.gate_proj.weight", _t, _t),
-        Row(("layers", "up"), L + "mlp.up_proj.weight", _t, _t),
-        Row(("layers", "down"), L + "mlp.down_proj.weight", _t, _t),
     ]
+    if cfg.num_experts:
+        rows += [
+            Row(("layers", "router"), L + "mlp.gate.weight", _t, _t),
+            Row(("layers", "moe_gate"), L + "mlp.experts.{j}.gate_proj.weight", _t, _t),
+            Row(("layers", "moe_up"), L + "mlp.experts.{j}.up_proj.weight", _t, _t),
+            Row(("layers", "moe_down"), L + "mlp.experts.{j}.down_proj.weight", _t, _t),
+        ]
+    else:
+        rows += [
+            Row(("layers", "gate"), L + "mlp.gate_proj.weight", _t, _t),
+            Row(("layers", "up"), L + "mlp.up_proj.weight", _t, _t),
+            Row(("layers", "down"), L + "mlp.down_proj.weight", _t, _t),
+        ]
     if cfg.qkv_bias:
         rows += [
             Row(("layers", "q_bias"), L + "self_attn.q_proj.bias", _bias_in("num_heads"), _bias_hf),

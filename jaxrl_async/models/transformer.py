@@ -42,6 +42,7 @@ from jaxrl_async.models.attention import (  # noqa: F401  (grouped_attention, se
     AttendFn, grouped_attention, segment_attention, segment_mask,
 )
 from jaxrl_async.models.config import ModelConfig, llama3_inv_freq_scale
+from jaxrl_async.models.lora import dropout_layer as lora_dropout_layer
 from jaxrl_async.models.remat import remat
 from jaxrl_async.sharding.activations import constrain
 
@@ -83,6 +84,14 @@ def param_table(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.qk_norm:
         layers["q_norm"] = ParamSpec((L, E), ("layers", "head_dim"), "ones")
         layers["k_norm"] = ParamSpec((L, E), ("layers", "head_dim"), "ones")
+    if cfg.num_experts:  # mixture of experts (`models/moe.py`) instead of the dense SwiGLU
+        X, Fm = cfg.num_experts, cfg.moe_intermediate_size
+        for name in ("gate", "up", "down"):
+            del layers[name]
+        layers["router"] = ParamSpec((L, D, X), ("layers", "embed", "expert_router"), "normal")
+        layers["moe_gate"] = ParamSpec((L, X, D, Fm), ("layers", "expert", "embed", "mlp"), "normal")
+        layers["moe_up"] = ParamSpec((L, X, D, Fm), ("layers", "expert", "embed", "mlp"), "normal")
+        layers["moe_down"] = ParamSpec((L, X, Fm, D), ("layers", "expert", "mlp", "embed"), "normal")
     if cfg.mlp_bias:
         layers["gate_bias"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
         layers["up_bias"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
@@ -254,6 +263,11 @@ def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: A
         out = out + p["o_bias"].astype(dt)
     x = constrain(x + out, *RESIDUAL_AXES)
     h = rms_norm(x, p["mlp_norm"], eps)
+    if cfg.num_experts:
+        from jaxrl_async.models.moe import moe_mlp
+
+        y, _, _ = moe_mlp(p, h, cfg)
+        return constrain(x + checkpoint_name(y, "mlpwo"), *RESIDUAL_AXES), state
     g = checkpoint_name(_proj(p, "gate", h, "btd", "btf", cfg), "mlpwi")
     u = checkpoint_name(_proj(p, "up", h, "btd", "btf", cfg), "mlpwi")
     if cfg.mlp_bias:
@@ -282,7 +296,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         # is used and its gradient reduce-scattered per layer (without this, GSPMD accumulated full-size
         # float32 gradients of every layer in the scan's backward: 7 GiB for one MLP matrix of 8B)
         p = {k: constrain(w, *layer_axes[k][1:]) if k in layer_axes else w for k, w in p.items()}
-        x, state = decoder_layer(p, x, cos, sin, cfg, attend, state, i)
+        with lora_dropout_layer(i):  # LoRA dropout masks per layer (training steps only; else a no-op)
+            x, state = decoder_layer(p, x, cos, sin, cfg, attend, state, i)
         return (x, state), None
 
     body = remat(body, cfg.remat)

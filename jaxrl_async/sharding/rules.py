@@ -40,6 +40,9 @@ TRAINER_RULES: Rules = (
     ("mlp", ("tensor",)),
     ("layers", ()),
     ("norm", ()),
+    # mixture of experts: experts over `expert` (expert parallelism), the router replicated over experts
+    ("expert", ("expert",)),
+    ("expert_router", ()),
     # activations (`sharding/activations.py`): batch over the data-parallel axes, the hidden
     # dimension of the residual stream replicated (never over fsdp: FSDP shards weights, not
     # activations), heads and the MLP width over `tensor` (Megatron)
@@ -66,6 +69,8 @@ GENERATOR_RULES: Rules = (
     ("mlp", ("tensor",)),
     ("layers", ()),
     ("norm", ()),
+    ("expert", ("expert",)),
+    ("expert_router", ()),
     # activations: decode slots over `data` (one replica each), heads and MLP width over `tensor`
     ("activation_embed", ()),
     ("activation_heads", ("tensor",)),

@@ -3,6 +3,7 @@
 For B rows of S tokens (D hidden, F mlp, H query heads, K kv heads, E head dim, V vocab, L layers):
 
     ffn        = 2 B S D F * 2 (gate, up) + 2 B S F D (down)           = 6 B S D F
+                 (MoE: 6 B S D F_moe k + 2 B S D X: k routed experts and the router)
     qkv        = 2 B S D (H + 2K) E
     projection = 2 B S H E D                                             (attention output)
     embedding  = 2 B S D V                                               (output projection; the input
@@ -28,6 +29,8 @@ def _per_token_terms(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     D, F, H, K, E, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                         cfg.vocab_size)
     ffn = 6.0 * D * F
+    if cfg.num_experts:  # mixture of experts: the k routed experts' SwiGLUs and the router (active FLOPs)
+        ffn = 6.0 * D * cfg.moe_intermediate_size * cfg.num_experts_per_tok + 2.0 * D * cfg.num_experts
     qkv = 2.0 * D * (H + 2 * K) * E
     proj = 2.0 * H * E * D
     emb = 2.0 * D * V

@@ -1,0 +1,91 @@
+"""Mixture-of-experts MLP (Qwen3-MoE): float32 router, top-k routing, dropless grouped matmuls.
+
+Per token x [D]: router logits ``x W_r`` in float32 (W_r [D, X], X experts), probabilities = softmax over
+the X experts, the top ``k`` kept (renormalised to sum 1 when ``norm_topk_prob``; HF's order of
+operations), cast to the compute dtype; the output is ``sum_j w_j SwiGLU_{e_j}(x)`` over the k chosen
+experts e_j. Same function as transformers' ``Qwen3MoeSparseMoeBlock``.
+
+Dropless: no capacity factor, no token is ever dropped or truncated. The N·k (token, expert) pairs are
+sorted by expert and every expert's SwiGLU runs as one grouped matmul over its contiguous run of rows
+(``jax.lax.ragged_dot`` with the per-expert group sizes: one kernel per projection instead of X), then
+the rows are weighted and scatter-added back to their tokens. Compute follows the routed rows, not
+X x capacity.
+
+Parameters (``transformer.param_table``, stacked over layers): ``router`` [L, D, X] (logical axes
+layers, embed, expert_router), ``moe_gate``/``moe_up`` [L, X, D, F] and ``moe_down`` [L, X, F, D] (the
+``expert`` logical axis: sharded over the ``expert`` mesh axis when a rule set has one).
+
+``routing(...)`` exposes the choices (top-k expert ids and weights per token) so that callers can record
+them (the generator) or impose them (routing replay: ``expert_ids`` given, weights recomputed from this
+router's logits over those experts).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_async.sharding.activations import constrain
+
+
+def routing(h: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool,
+            expert_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [..., D] -> (expert ids [..., k] int32, weights [..., k] float32, router logits [..., X] float32).
+
+    ``expert_ids`` given (routing replay): those experts, weighted by this router's probabilities of them
+    (renormalised as the top-k would be)."""
+    logits = jnp.einsum("...d,dx->...x", h.astype(jnp.float32), router.astype(jnp.float32),
+                        preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if expert_ids is None:
+        weights, expert_ids = jax.lax.top_k(probs, k)
+    else:
+        expert_ids = expert_ids.astype(jnp.int32)
+        weights = jnp.take_along_axis(probs, expert_ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return expert_ids.astype(jnp.int32), weights, logits
+
+
+def grouped_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array) -> jax.Array:
+    """Dropless expert computation. x [N, D], expert_ids/weights [N, k], w_gate/w_up [X, D, F], w_down [X, F, D]
+    -> [N, D]: sum over j of weights[:, j] * SwiGLU_{expert_ids[:, j]}(x), in x's dtype (float32 accumulation)."""
+    N, D = x.shape
+    k = expert_ids.shape[-1]
+    X = w_gate.shape[0]
+    flat = expert_ids.reshape(-1)  # [N k]: pair p = token p // k, its (p % k)-th choice
+    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
+    token = order // k
+    group_sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
+    rows = jnp.take(x, token, axis=0)  # [N k, D]
+    dt = x.dtype
+    g = jax.lax.ragged_dot(rows, w_gate.astype(dt), group_sizes, preferred_element_type=jnp.float32).astype(dt)
+    u = jax.lax.ragged_dot(rows, w_up.astype(dt), group_sizes, preferred_element_type=jnp.float32).astype(dt)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down.astype(dt), group_sizes, preferred_element_type=jnp.float32)
+    w = jnp.take(weights.reshape(-1), order).astype(dt)  # HF casts the routing weights to the compute dtype
+    y = y.astype(dt) * w[:, None]
+    return jnp.zeros((N, D), jnp.float32).at[token].add(y.astype(jnp.float32)).astype(dt)
+
+
+def moe_mlp(p, h: jax.Array, cfg, expert_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The MoE MLP of one layer: h [B, T, D] -> (out [B, T, D], expert ids [B, T, k], router logits [B, T, X])."""
+    B, T, D = h.shape
+    ids, weights, logits = routing(h, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob, expert_ids)
+    out = grouped_swiglu(h.reshape(B * T, D), ids.reshape(B * T, -1), weights.reshape(B * T, -1),
+                         p["moe_gate"], p["moe_up"], p["moe_down"])
+    return constrain(out.reshape(B, T, D), "batch", "length", "activation_embed"), ids, logits
+
+
+def load_balancing_loss(logits: jax.Array, expert_ids: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Switch-Transformer auxiliary loss as transformers computes it for Qwen3-MoE: X * sum_x f_x P_x, with
+    f_x the fraction of routed (token, choice) pairs sent to expert x and P_x the mean router probability of
+    x, over the tokens where ``mask`` (default: all). logits [..., X], expert_ids [..., k]."""
+    X = logits.shape[-1]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).reshape(-1, X)
+    onehot = jax.nn.one_hot(expert_ids.reshape(-1, expert_ids.shape[-1]), X, dtype=jnp.float32)  # [N, k, X]
+    m = jnp.ones(probs.shape[:1], jnp.float32) if mask is None else mask.reshape(-1).astype(jnp.float32)
+    n = jnp.maximum(m.sum(), 1.0)
+    frac = (onehot * m[:, None, None]).sum(axis=0) / n  # [k, X]
+    prob = (probs * m[:, None]).sum(axis=0) / n  # [X]
+    return X * jnp.sum(frac * prob[None, :])
