@@ -10,7 +10,7 @@ CASES = [
     ("model.lora.rank=-1", "model.lora.rank"),
     ("model.lora.rank=8 model.lora.alpha=0", "model.lora.alpha"),
     ("model.lora.rank=8 model.lora.targets=('q','qkv')", "model.lora.targets"),
-    ("model.lora.rank=8 model.lora.dropout=0.1", "model.lora.dropout"),
+    ("model.lora.rank=8 model.lora.dropout=1.5", "model.lora.dropout"),
     ("model.lora.rank=8 model.lora.base_dtype=int8", "model.lora.base_dtype"),
     ("model.lora.rank=8 model.lora.decode=fused", "model.lora.decode"),
     ("model.lora.rnak=8", "model.lora.rnak"),

@@ -20,6 +20,8 @@ generator-side copy of the base (``merge``); see NOTES.md (LoRA).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Any, Mapping
@@ -47,7 +49,8 @@ DECODE = ("unmerged", "merged")
 
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
-    """rank r, alpha (scale = alpha / r), target projections by name, dropout (must be 0: see NOTES),
+    """rank r, alpha (scale = alpha / r), target projections by name, dropout (on the adapters' input during
+    training steps, as PEFT's lora_dropout; off in every other forward),
     base_dtype (storage dtype of the frozen base weights in the trainer; adapters are float32), decode
     (the generator's strategy: "unmerged" low-rank matmuls, or "merged" weights at each push)."""
 
@@ -77,8 +80,8 @@ class LoraSpec:
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or len(set(self.targets)) != len(self.targets):
             bad("targets", f"{list(self.targets)}: each one of {', '.join(TARGETS)}, no repeats")
-        if self.dropout != 0.0:
-            bad("dropout", f"only 0.0 is supported (got {self.dropout!r}): LoRA dropout is not implemented")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            bad("dropout", f"must be in [0, 1), got {self.dropout!r}")
         if self.base_dtype not in BASE_DTYPES:
             bad("base_dtype", f"must be one of {BASE_DTYPES}, got {self.base_dtype!r}")
         if self.decode not in DECODE:
@@ -123,10 +126,51 @@ def init_adapter(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype: Any
     return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
 
 
+# LoRA dropout (PEFT's lora_dropout on the adapters' input): active only inside `dropout_key(key, rate)`,
+# which the train step enters around its loss (a contextvar read at trace time, like the activation rules);
+# `forward` folds the layer index in per layer, `delta` the target. Every other forward (proximal log-probs,
+# generator, score) runs without it.
+_DROPOUT: contextvars.ContextVar = contextvars.ContextVar("jaxrl_async_lora_dropout", default=None)
+
+
+@contextlib.contextmanager
+def dropout_key(key: jax.Array | None, rate: float):
+    """Trace the enclosed forward with LoRA dropout of ``rate`` drawn from ``key`` (None or 0: none)."""
+    token = _DROPOUT.set(None if key is None or rate <= 0 else (key, float(rate)))
+    try:
+        yield
+    finally:
+        _DROPOUT.reset(token)
+
+
+@contextlib.contextmanager
+def dropout_layer(layer_idx):
+    """Within ``dropout_key``: the masks of layer ``layer_idx`` (a no-op without dropout)."""
+    cur = _DROPOUT.get()
+    if cur is None:
+        yield
+        return
+    token = _DROPOUT.set((jax.random.fold_in(cur[0], layer_idx), cur[1]))
+    try:
+        yield
+    finally:
+        _DROPOUT.reset(token)
+
+
+def _dropout(x: jax.Array, target: str) -> jax.Array:
+    cur = _DROPOUT.get()
+    if cur is None:
+        return x
+    key, rate = cur
+    keep = jax.random.bernoulli(jax.random.fold_in(key, list(TARGETS).index(target)), 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype)).astype(x.dtype)
+
+
 def delta(x: jax.Array, a: jax.Array, b: jax.Array, target: str, scale: float, x_sub: str, out_sub: str
           ) -> jax.Array:
-    """scale * (x A) B in x's dtype: x [..., in], A [in..., r], B [r, out...]."""
+    """scale * (dropout(x) A) B in x's dtype: x [..., in], A [in..., r], B [r, out...]."""
     w_sub, n_in = TARGETS[target]
+    x = _dropout(x, target)
     dt = x.dtype
     xa = jnp.einsum(f"{x_sub},{w_sub[:n_in]}r->{x_sub[:-n_in]}r", x, a.astype(dt))
     return scale * jnp.einsum(f"{x_sub[:-n_in]}r,r{w_sub[n_in:]}->{out_sub}", xa, b.astype(dt))

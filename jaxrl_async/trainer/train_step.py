@@ -173,6 +173,7 @@ def _combine_stats(stats: Mapping[str, jax.Array], weights: jax.Array) -> dict[s
 
 def accumulate_gradients(params: Params, batch: PackedBatch, normaliser: jax.Array, policy_version: jax.Array,
                          *, grad_shardings: Any = None, frozen: Params | None = None,
+                         dropout: tuple[jax.Array, float] | None = None,
                          **loss_kw) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
     """(sum_k grad L_k, sum_k L_k, combined stats) over the leading micro-batch axis (lax.scan).
 
@@ -183,7 +184,8 @@ def accumulate_gradients(params: Params, batch: PackedBatch, normaliser: jax.Arr
     `loss_kw` are the keyword arguments of `micro_batch_loss`. The accumulator is fp32 and, when
     `grad_shardings` is given, constrained to the parameter shardings at every micro-batch.
     `frozen`: parameters the loss also reads but that get no gradient (LoRA: `params` are the adapters,
-    `frozen` the base; `lora.join` puts them together inside the loss).
+    `frozen` the base; `lora.join` puts them together inside the loss). `dropout`: (key, rate) of LoRA
+    dropout; micro-batch k draws its masks from fold_in(key, k).
     """
     loss = functools.partial(micro_batch_loss, **loss_kw)
     if frozen is not None:
@@ -193,23 +195,28 @@ def accumulate_gradients(params: Params, batch: PackedBatch, normaliser: jax.Arr
     def constrain(g):
         return g if grad_shardings is None else jax.lax.with_sharding_constraint(g, grad_shardings)
 
-    def run(mb):
-        (loss, stats), g = grad_fn(params, mb, normaliser, policy_version)
+    def run(mb, k):
+        key = None if dropout is None else jax.random.fold_in(dropout[0], k)
+        with lora.dropout_key(key, 0.0 if dropout is None else dropout[1]):
+            (loss, stats), g = grad_fn(params, mb, normaliser, policy_version)
         return loss, stats, g
 
-    def skip(mb):  # an empty (bucket padding) micro-batch: no forward/backward at all
-        shapes = jax.eval_shape(run, mb)
+    def skip(mb, k):  # an empty (bucket padding) micro-batch: no forward/backward at all
+        shapes = jax.eval_shape(run, mb, k)
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-    def body(carry, mb):
+    def body(carry, xs):
+        mb, k = xs
         g_acc, loss_acc = carry
         weight = mb.loss_mask.sum()
-        loss, stats, g = jax.lax.cond(weight > 0, run, skip, mb)
+        loss, stats, g = jax.lax.cond(weight > 0, run, skip, mb, k)
         g_acc = constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g))
         return (g_acc, loss_acc + loss), (stats, weight)
 
     zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-    (grads, loss), (stats, weights) = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), batch)
+    n_micro = jax.tree.leaves(batch)[0].shape[0]
+    (grads, loss), (stats, weights) = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
+                                                   (batch, jnp.arange(n_micro, dtype=jnp.int32)))
     return grads, loss, _combine_stats(stats, weights)
 
 
@@ -359,8 +366,12 @@ class Trainer:
     def _step_impl(self, state: TrainState, batch: PackedBatch, normaliser, policy_version, *, num_seqs):
         self._traces["step"] += 1
         train, frozen = self._split(state.params)
+        dropout = None
+        if self.lora is not None and self.lora.dropout > 0:  # masks from the update count: resume-exact
+            dropout = (jax.random.fold_in(jax.random.key(0), state.step), self.lora.dropout)
         grads, loss, stats = accumulate_gradients(train, batch, normaliser, policy_version, frozen=frozen,
-                                                  grad_shardings=self.trainable_shardings, **self._loss_kw(num_seqs))
+                                                  grad_shardings=self.trainable_shardings, dropout=dropout,
+                                                  **self._loss_kw(num_seqs))
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = self.tx.update(grads, state.opt_state, train)

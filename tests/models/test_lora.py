@@ -98,7 +98,7 @@ def test_adapters_without_lora_config_and_bad_specs_name_the_field():
     with pytest.raises(ValueError, match="ModelConfig.lora is None"):
         apply(params, BASE, _tokens())
     for kw, field in ((dict(rank=0), "rank"), (dict(alpha=-1.0), "alpha"), (dict(targets=("qkv",)), "targets"),
-                      (dict(dropout=0.1), "dropout"), (dict(base_dtype="int8"), "base_dtype"),
+                      (dict(dropout=1.0), "dropout"), (dict(base_dtype="int8"), "base_dtype"),
                       (dict(targets=()), "targets")):
         with pytest.raises(ValueError, match=rf"^ModelConfig\.lora\.{field}:"):
             lora.LoraSpec(**kw)
@@ -131,3 +131,31 @@ def test_a_target_without_its_weight_is_named():
         lora_param_table(CFG, layers)
     rows = lora_param_table(BASE.replace(lora=lora.LoraSpec(rank=2, targets=("q", "o"))), layers)
     assert sorted(rows) == ["o_lora_a", "o_lora_b", "q_lora_a", "q_lora_b"]
+
+
+def test_dropout_only_inside_a_training_key_and_inverted_scaling():
+    params = _random_adapters(init_params(CFG, jax.random.key(0)))
+    tok = _tokens(5)
+    f = jax.jit(apply, static_argnums=1)
+    plain = np.asarray(f(params, CFG, tok))
+    key = jax.random.key(3)
+
+    def with_key(k, rate):
+        def g(p, t):
+            with lora.dropout_key(k, rate):
+                return apply(p, CFG, t)
+        return np.asarray(jax.jit(g)(params, tok))
+
+    np.testing.assert_array_equal(with_key(None, 0.5), plain)  # no key: eval mode
+    np.testing.assert_array_equal(with_key(key, 0.0), plain)
+    a, b = with_key(key, 0.5), with_key(key, 0.5)
+    np.testing.assert_array_equal(a, b)  # deterministic in the key
+    assert np.abs(a - plain).max() > 1e-3 and np.abs(with_key(jax.random.key(4), 0.5) - a).max() > 1e-3
+    # the mask: a fraction `rate` of the inputs zeroed, the rest scaled by 1 / (1 - rate)
+    x = jnp.ones((1, 64, 512), jnp.float32)
+    eye = jnp.eye(512, dtype=jnp.float32)[:, :8]  # A picks 8 input features; B sums them
+    with lora.dropout_key(key, 0.25):
+        y = np.asarray(lora.delta(x, eye, jnp.ones((8, 1), jnp.float32), "gate", 1.0, "btd", "btf"))
+    assert set(np.unique(np.round(y * 0.75, 4))) <= set(float(k) for k in range(9))  # sums of 1/(1-p) terms
+    kept = y.sum() * 0.75 / (64 * 8)
+    assert abs(kept - 0.75) < 0.08, kept

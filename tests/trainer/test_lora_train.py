@@ -93,3 +93,22 @@ def test_steps_update_only_adapters_with_adapter_only_adam_state(params, base_dt
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert all(np.abs(np.asarray(a) - np.asarray(b)).max() > 0
                for a, b in zip(jax.tree.leaves(adapters0), jax.tree.leaves(adapters1)))
+
+
+def test_lora_dropout_in_training_steps_only(params):
+    cfg = BASE.replace(lora=lora.LoraSpec(rank=4, alpha=8.0, dropout=0.3))
+    packed = pack(make_trajs(3), FULL)
+    results = []
+    for spec_cfg in (cfg, CFG, cfg):
+        tr = Trainer(spec_cfg, TrainerConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
+        state, m = tr.step(tr.init_state(params), packed)
+        lp, _ = tr.compute_logprobs(state.params, tr.put_batch(packed))
+        results.append((float(m["loss"]), jax.device_get(lora.split(state.params)[0]), np.asarray(lp)))
+    (l_do, a_do, _), (l_plain, a_plain, _), (l_do2, a_do2, lp_do2) = results
+    assert l_do != l_plain  # the step's forward dropped adapter inputs
+    assert l_do == l_do2 and all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a_do), jax.tree.leaves(a_do2)))
+    # log-probs outside the step (proximal pass, generator parity) never drop: same as without dropout
+    tr_plain = Trainer(CFG, TrainerConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
+    st = tr_plain.init_state(lora.join(a_do2, lora.split(params)[1]))
+    lp_plain, _ = tr_plain.compute_logprobs(st.params, tr_plain.put_batch(packed))
+    np.testing.assert_array_equal(np.asarray(lp_plain), lp_do2)
