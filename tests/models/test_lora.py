@@ -159,3 +159,20 @@ def test_dropout_only_inside_a_training_key_and_inverted_scaling():
     assert set(np.unique(np.round(y * 0.75, 4))) <= set(float(k) for k in range(9))  # sums of 1/(1-p) terms
     kept = y.sum() * 0.75 / (64 * 8)
     assert abs(kept - 0.75) < 0.08, kept
+
+
+def test_mixture_of_experts_takes_attention_adapters():
+    moe = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16)
+    spec = lora.LoraSpec(rank=4, alpha=8.0, targets=("q", "k", "v", "o"))
+    cfg = moe.replace(lora=spec)
+    params = init_params(cfg, jax.random.key(0))
+    tok = _tokens(7)
+    _, base = lora.split(params)
+    np.testing.assert_array_equal(np.asarray(apply(params, cfg, tok)), np.asarray(apply(base, moe, tok)))
+    params = _random_adapters(params)
+    got = np.asarray(apply(params, cfg, tok))
+    want = np.asarray(apply(lora.merge(params, spec), moe, tok))
+    assert np.abs(got - np.asarray(apply(base, moe, tok))).max() > 1e-2
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
