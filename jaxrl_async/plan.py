@@ -406,9 +406,10 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     batch = _abstract_batch((n_micro, rows, row_len), trainer_c.batch_sharding)
     scalar = lambda dt: _sds((), dt, trainer_c.replicated)  # noqa: E731
     step_args = (state, batch, scalar(jnp.float32), scalar(jnp.int32))
-    step_c, step_mem = _compile("train_step", trainer_c._step_fn(num_seqs), step_args, t_dtype)
+    t_options = aot.compiler_options(tdevs) if trainer_c is not trainer else None
+    step_c, step_mem = _compile("train_step", trainer_c._step_fn(num_seqs), step_args, t_dtype, t_options)
     lp_args = (state.params, batch)
-    _, lp_mem = _compile("proximal_logprobs", trainer_c._jit_logprobs, lp_args, t_dtype)
+    _, lp_mem = _compile("proximal_logprobs", trainer_c._jit_logprobs, lp_args, t_dtype, t_options)
     st_sh = _input_shardings(step_c, len(step_args), step_args)
     # the trainer's arrays do not depend on the compute dtype (fp32 master weights, fp32/int32 batch)
     n_param_leaves = len(jax.tree.leaves(state.params))

@@ -75,11 +75,14 @@ def qwen3_model_section(size: str, **overrides) -> ModelConfigSection:
     from jaxrl_async.models.config import preset
 
     p = preset(size)
-    kw = dict(model_type="qwen3", vocab_size=p.vocab_size, hidden_size=p.hidden_size,
+    kw = dict(model_type=p.model_type, vocab_size=p.vocab_size, hidden_size=p.hidden_size,
               intermediate_size=p.intermediate_size, num_layers=p.num_layers, num_heads=p.num_heads,
               num_kv_heads=p.num_kv_heads, head_dim=p.head_dim, max_position_embeddings=p.max_position_embeddings,
               tie_word_embeddings=p.tie_word_embeddings, rope_theta=p.rope_theta, dtype="bfloat16",
               param_dtype="float32", remat="full", scan_layers=True)
+    if p.num_experts:
+        kw.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
+                  moe_intermediate_size=p.moe_intermediate_size, norm_topk_prob=p.norm_topk_prob)
     kw.update(overrides)
     return ModelConfigSection(**kw)
 
