@@ -1,0 +1,359 @@
+"""The run configuration's sections: typed, nested, frozen dataclasses (see ``jaxrl_async.config``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Literal, Sequence
+
+from jaxrl_async.data.arithmetic import ArithmeticConfig
+from jaxrl_async.rl.advantages import AdvantageConfig
+from jaxrl_async.rl.losses import PolicyLossConfig
+from jaxrl_async.trainer.packing import PackingConfig
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; ``field`` is the dotted path of the offending field."""
+
+    def __init__(self, field: str, message: str):
+        self.field, self.reason = field, message
+        super().__init__(f"config error: {field}: {message}" if field else f"config error: {message}")
+
+
+# =============================================================================================
+# Sections
+# =============================================================================================
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters (``models/lora.py``): ``rank`` 0 trains all weights; ``rank`` > 0 freezes the base
+    and trains adapters ``W + (alpha / rank) A B`` on the ``targets`` projections (q, k, v, o, gate, up,
+    down), A initialised as PEFT (Kaiming-uniform), B = 0. ``base_dtype``: storage of the frozen base in
+    the trainer (adapters and their Adam state are float32). ``decode``: the generator applies the
+    adapters ``unmerged`` (low-rank matmuls next to the base weights, loaded once) or ``merged`` into a
+    generator-side copy of the weights at every push. ``dropout``: on the adapters' input in training steps
+    (PEFT's lora_dropout; 0 = off)."""
+
+    rank: int = 0
+    alpha: float = 32.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    dropout: float = 0.0
+    base_dtype: Literal["float32", "bfloat16"] = "float32"
+    decode: Literal["unmerged", "merged"] = "unmerged"
+    init_seed: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            raise ValueError(f"rank: must be an int >= 0 (0: no LoRA), got {self.rank!r}")
+        if self.rank > 0:
+            self.spec()
+
+    def spec(self):
+        """``models.lora.LoraSpec`` (None when rank is 0); its ValueError names the field."""
+        if self.rank == 0:
+            return None
+        from jaxrl_async.models.lora import LoraSpec
+
+        try:
+            return LoraSpec(rank=self.rank, alpha=float(self.alpha), targets=tuple(self.targets),
+                            dropout=float(self.dropout), base_dtype=self.base_dtype, decode=self.decode)
+        except ValueError as e:  # "ModelConfig.lora.field: ..." -> "field: ..."
+            raise ValueError(str(e).removeprefix("ModelConfig.lora.")) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfigSection:
+    """The policy. ``path``: a Hugging Face checkpoint directory (config.json + safetensors); None
+    initialises the architecture below at random (vocabulary size taken from the tokenizer).
+
+    ``tokenizer_path``: HF tokenizer directory (default: ``path``; with neither, the run builds a
+    local tokenizer of kind ``data.tokenizer_kind`` in the run directory).
+
+    ``vocab_size``: embedding rows of the random-init architecture (None: the tokenizer's size); set
+    it to plan a published architecture without its checkpoint (``python -m jaxrl_async.plan``).
+    """
+
+    path: str | None = None
+    tokenizer_path: str | None = None
+    model_type: Literal["qwen3", "qwen2", "llama", "qwen3_moe"] = "qwen3"
+    vocab_size: int | None = None
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+    rope_theta: float = 10000.0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    remat: Literal["none", "full", "minimal", "dots", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj",
+                   "save_out_proj", "minimal_offloaded", "qkv_proj_offloaded"] = "none"  # models/remat.py
+    scan_layers: bool = True
+    # training/scoring/prefill attention (models/attention.py): auto = splash on TPU, gpu_flash on GPU,
+    # elsewhere blockwise from 512 tokens per row (xla below)
+    attention: Literal["auto", "xla", "blockwise", "splash", "gpu_flash"] = "auto"
+    attention_block: int = 512
+    init_seed: int = 0
+    lora: LoraSection = LoraSection()
+    # mixture of experts (model_type qwen3_moe, random init; a checkpoint's config.json carries its own)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    def numerics(self) -> dict[str, Any]:
+        return dict(dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, scan_layers=self.scan_layers,
+                    attention=self.attention, attention_block=self.attention_block)
+
+    def model_config(self, vocab_size: int, *, bos_token_id: int | None = None, eos_token_id: Any = None,
+                     pad_token_id: int | None = None):
+        """``models.ModelConfig`` of the architecture (``path`` unset) or of the checkpoint."""
+        from jaxrl_async.models.config import ModelConfig
+
+        if self.path is not None:
+            return ModelConfig.from_hf(self.path, **self.numerics()).replace(lora=self.lora.spec())
+        return ModelConfig(lora=self.lora.spec(),
+            model_type=self.model_type, vocab_size=self.vocab_size if self.vocab_size is not None else vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+            tie_word_embeddings=self.tie_word_embeddings, max_position_embeddings=self.max_position_embeddings,
+            qkv_bias=self.model_type == "qwen2", qk_norm=self.model_type in ("qwen3", "qwen3_moe"),
+            bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob, **self.numerics())
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Prompts. ``task="arithmetic"`` generates the synthetic task (``arithmetic``) into the run
+    directory; ``task="dataset"`` reads ``train_path``/``eval_path`` (JSONL/Parquet) in ``format``."""
+
+    task: Literal["arithmetic", "dataset"] = "arithmetic"
+    arithmetic: ArithmeticConfig = ArithmeticConfig()
+    train_path: str | None = None
+    eval_path: str | None = None
+    format: Literal["gsm8k", "math", "generic", "code"] = "gsm8k"
+    max_prompt_len: int | None = 256
+    apply_chat_template: bool = True
+    system_prompt: str | None = None
+    prompt_suffix: str = ""
+    skip_bad_rows: bool = False
+    shuffle: bool = True
+    tokenizer_kind: Literal["arithmetic", "bpe"] = "arithmetic"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Generation sampling (``n`` and ``seed`` are set per group from ``rollout.n_samples`` and ``seed``)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_strings: tuple[str, ...] = ()
+
+    def params(self, *, n: int = 1, seed: int = 0, stop_token_ids: Sequence[int] = (), **overrides):
+        from jaxrl_async.rollout.engine_api import SamplingParams
+
+        kw = dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                  max_new_tokens=self.max_new_tokens, stop_token_ids=tuple(int(t) for t in stop_token_ids),
+                  stop_strings=self.stop_strings, seed=seed, n=n)
+        kw.update(overrides)
+        return SamplingParams(**kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The paged generation engine (``rollout.engine.PagedEngine``)."""
+
+    max_concurrent_decodes: int = 32
+    max_sequence_length: int = 512
+    max_prefill_length: int | None = None
+    page_size: int = 16
+    num_pages: int | None = None
+    cache_memory_fraction: float = 0.9
+    max_prefills_per_step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Asynchronous rollout.
+
+    * ``mode``: ``"async"`` (AReaL: generation and training overlap, bounded by η) or ``"sync"`` (the
+      classic synchronous system: generate a batch, wait for the longest sequence, train; effective η = 0).
+    * ``max_head_offpolicyness`` η ≥ 0: a trained group's first token is at most η versions old.
+    * ``max_concurrent_rollouts``: prompt groups in flight at most (None: (η + 1) · trainer.batch_size).
+    * ``n_samples``: samples per prompt (GRPO group size).
+    * ``kv_update_policy``: what in-flight sequences do on a weight update (``recompute_kv`` = AReaL's
+      re-prefill under the new weights; ``keep_kv`` = PipelineRL, continue on the old cache).
+    * ``workflow``: ``"rlvr"`` or ``"package.module:Class"`` (a ``RolloutWorkflow`` subclass).
+    * ``reward``: built-in (``math``, ``gsm8k``, ``code``) or ``"package.module:function"``.
+    * ``filter_zero_signal_groups``: DAPO dynamic sampling (reject groups whose rewards are all equal).
+    * ``group_timeout_s``: wall-clock cap per group (aborted and rejected, reason ``timeout``).
+    """
+
+    mode: Literal["async", "sync"] = "async"
+    max_head_offpolicyness: int = 2
+    max_concurrent_rollouts: int | None = None
+    n_samples: int = 4
+    kv_update_policy: Literal["keep_kv", "recompute_kv"] = "recompute_kv"
+    sampling: SamplingConfig = SamplingConfig()
+    engine: EngineConfig = EngineConfig()
+    workflow: str = "rlvr"
+    reward: str = "math"
+    reward_workers: int = 2
+    filter_zero_signal_groups: bool = False
+    allow_partial_groups: bool = False
+    group_timeout_s: float | None = 600.0
+    max_consecutive_failures: int = 50
+
+    @property
+    def effective_max_head_offpolicyness(self) -> int:
+        return 0 if self.mode == "sync" else self.max_head_offpolicyness
+
+    def effective_max_concurrent(self, batch_size: int) -> int:
+        """Sync: exactly one batch in flight. Async: the configured cap or (η + 1)·B."""
+        if self.mode == "sync":
+            return batch_size
+        if self.max_concurrent_rollouts is not None:
+            return self.max_concurrent_rollouts
+        return (self.max_head_offpolicyness + 1) * batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Optional supervised warm start before RL (on the task's gold completions); steps=0: off."""
+
+    steps: int = 0
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """The policy update. ``batch_size`` = B prompt groups per step (B · n_samples sequences);
+    ``ppo_n_minibatches`` optimizer steps per batch; optimizer fields as ``trainer.optimizer.OptimizerConfig``;
+    ``proximal``: ``recompute`` (AReaL default: forward with θ_k before the update), ``loglinear``."""
+
+    batch_size: int = 8
+    total_steps: int = 100
+    ppo_n_minibatches: int = 1
+    proximal: Literal["recompute", "loglinear"] = "recompute"
+    lr: float = 1e-6
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+    logprob_chunk: int = 2048
+    loss: PolicyLossConfig = PolicyLossConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    packing: PackingConfig = PackingConfig(tokens_per_micro=4096)
+    sft: SFTConfig = SFTConfig()
+
+    def optimizer_config(self):
+        from jaxrl_async.trainer.optimizer import OptimizerConfig
+
+        return OptimizerConfig(lr=self.lr, schedule=self.schedule, warmup_steps=self.warmup_steps,
+                               total_steps=self.total_steps, min_lr_ratio=self.min_lr_ratio, b1=self.b1, b2=self.b2,
+                               eps=self.eps, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxesConfig:
+    """One mesh: ``shape`` (one entry may be -1), ``axis_names``, optional explicit ``devices`` (indices
+    into ``jax.devices()``; None = the share given by the split)."""
+
+    shape: tuple[int, ...] = (-1,)
+    axis_names: tuple[str, ...] = ("fsdp",)
+    devices: tuple[int, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Generator and trainer meshes (see the module docstring for the split). ``cpu_devices``: on a
+    CPU-only machine, the number of simulated CPU devices (``jax_num_cpu_devices``, set by
+    ``jaxrl_async.main`` before JAX starts; None: JAX's default of one). Ignored on accelerators.
+    ``layout``: the named hardware layout (``jaxrl_async.layouts``: target device kind, device count)
+    these fields were taken from; the run must then have exactly its device count, and
+    ``jaxrl_async.plan`` budgets memory against its device kind."""
+
+    generator: MeshAxesConfig = MeshAxesConfig(shape=(1, -1), axis_names=("data", "tensor"))
+    trainer: MeshAxesConfig = MeshAxesConfig(shape=(-1,), axis_names=("fsdp",))
+    generator_fraction: float = 0.75
+    num_generator_devices: int | None = None
+    colocate: bool = False
+    cpu_devices: int | None = None
+    layout: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: every ``every_steps`` steps (0: never) and at the start/end; greedy by default."""
+
+    every_steps: int = 10
+    at_start: bool = True
+    at_end: bool = True
+    max_items: int | None = None
+    temperature: float = 0.0
+    max_new_tokens: int | None = None  # None: rollout.sampling.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    """Checkpoint hooks (``checkpoint.manager``): Orbax saves of model + optimizer + loop state.
+
+    ``every_steps`` / ``every_seconds``: periodic saves of the RL state (asynchronous: the step blocks
+    only for the device-to-host copy); ``every_seconds`` also paces the saves of an SFT warm start
+    (``RUN/warm_start``). A stop signal always saves. ``resume``: ``"auto"`` (resume from the run
+    directory's latest checkpoint if any), ``"never"``, ``"must"`` (fail if there is none).
+    ``export_hf``: write a Hugging Face export at the end.
+    """
+
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    keep_last: int = 3
+    async_save: bool = True
+    save_at_end: bool = True
+    resume: Literal["auto", "never", "must"] = "auto"
+    export_hf: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Console and files. ``print_config``: print the resolved config at the start (it is always
+    written to ``RUN/config.json``; ``main --print-config`` prints it once)."""
+
+    tensorboard: bool = True
+    progress: bool = True
+    log_every: int = 1
+    print_config: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A whole run. ``run_dir`` None: ``runs/<name>``. ``max_wall_time_s``: stop (and save) after it."""
+
+    name: str = "run"
+    run_dir: str | None = None
+    seed: int = 0
+    max_wall_time_s: float | None = None
+    model: ModelConfigSection = ModelConfigSection()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    mesh: MeshConfig = MeshConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointSection = CheckpointSection()
+    logging: LoggingConfig = LoggingConfig()
+
+    @property
+    def resolved_run_dir(self) -> str:
+        return self.run_dir if self.run_dir is not None else os.path.join("runs", self.name)

@@ -1,0 +1,242 @@
+"""Semantic validation of a ``RunConfig`` (combinations, the device split, meshes): ``validate``."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from jaxrl_async.config.overrides import _component_error, check_types
+from jaxrl_async.config.sections import (
+    ConfigError,
+    MeshAxesConfig,
+    MeshConfig,
+    RunConfig,
+)
+
+
+# =============================================================================================
+# Semantic validation
+# =============================================================================================
+def resolve_device_split(mesh: MeshConfig, num_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(generator device indices, trainer device indices) for ``num_devices`` devices.
+
+    One device or ``colocate``: both get all devices (time-sharing). Explicit ``devices`` win;
+    otherwise the generator takes the first ``num_generator_devices`` (default
+    ``round(N · generator_fraction)`` clamped to [1, N − 1]) and the trainer the rest.
+    """
+    all_ids = tuple(range(num_devices))
+    g, t = mesh.generator.devices, mesh.trainer.devices
+    if num_devices == 1 or mesh.colocate:
+        return (g or all_ids), (t or all_ids)
+    if g is not None and t is not None:
+        return g, t
+    if mesh.num_generator_devices is not None:
+        n_gen = mesh.num_generator_devices
+    else:
+        n_gen = max(1, min(num_devices - 1, round(num_devices * mesh.generator_fraction)))
+    if g is not None:
+        return g, tuple(i for i in all_ids if i not in g)
+    if t is not None:
+        rest = tuple(i for i in all_ids if i not in t)
+        return rest, t
+    return all_ids[:n_gen], all_ids[n_gen:]
+
+
+def _resolve_shape(shape: tuple[int, ...], n: int, field: str) -> tuple[int, ...]:
+    if shape.count(-1) > 1:
+        raise ConfigError(field, f"at most one -1 allowed, got {shape}")
+    if any(s == 0 or s < -1 for s in shape):
+        raise ConfigError(field, f"sizes must be positive or -1, got {shape}")
+    fixed = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if n % fixed:
+            raise ConfigError(field, f"{shape} does not fit its {n} devices ({n} is not divisible by {fixed})")
+        return tuple(n // fixed if s == -1 else s for s in shape)
+    if fixed != n:
+        raise ConfigError(field, f"{shape} needs {fixed} devices but its share has {n}")
+    return shape
+
+
+def trainer_data_parallel_size(cfg: RunConfig, num_devices: int) -> int:
+    """Product of the trainer mesh axes that shard the batch (``data``, ``fsdp``)."""
+    _, tr = resolve_device_split(cfg.mesh, num_devices)
+    shape = _resolve_shape(cfg.mesh.trainer.shape, len(tr), "mesh.trainer.shape")
+    return math.prod(s for s, a in zip(shape, cfg.mesh.trainer.axis_names) if a in ("data", "fsdp"))
+
+
+def _require(cond: bool, field: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(field, message)
+
+
+def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
+    """Types, then every cross-field rule; raises ConfigError naming the field. Returns ``cfg``.
+
+    ``num_devices`` None: ``jax.device_count()`` (initialises the backend; compiles nothing).
+    """
+    if not isinstance(cfg, RunConfig):
+        raise ConfigError("", f"expected a RunConfig, got {type(cfg).__name__}")
+    check_types(cfg)
+    ro, tr, sa, en, ev = cfg.rollout, cfg.trainer, cfg.rollout.sampling, cfg.rollout.engine, cfg.eval
+    _require(bool(cfg.name) and "/" not in cfg.name, "name", f"must be a non-empty name without '/', got {cfg.name!r}")
+    _require(cfg.max_wall_time_s is None or cfg.max_wall_time_s > 0, "max_wall_time_s",
+             f"must be > 0 or None, got {cfg.max_wall_time_s}")
+    # rollout
+    _require(ro.max_head_offpolicyness >= 0, "rollout.max_head_offpolicyness",
+             f"must be >= 0, got {ro.max_head_offpolicyness}")
+    _require(ro.n_samples >= 1, "rollout.n_samples", f"must be >= 1, got {ro.n_samples}")
+    _require(ro.max_concurrent_rollouts is None or ro.max_concurrent_rollouts >= 1, "rollout.max_concurrent_rollouts",
+             f"must be >= 1 or None, got {ro.max_concurrent_rollouts}")
+    _require(ro.reward_workers >= 1, "rollout.reward_workers", f"must be >= 1, got {ro.reward_workers}")
+    _require(ro.group_timeout_s is None or ro.group_timeout_s > 0, "rollout.group_timeout_s",
+             f"must be > 0 or None, got {ro.group_timeout_s}")
+    _require(ro.max_consecutive_failures >= 1, "rollout.max_consecutive_failures",
+             f"must be >= 1, got {ro.max_consecutive_failures}")
+    _require(ro.workflow == "rlvr" or ":" in ro.workflow, "rollout.workflow",
+             f"must be 'rlvr' or 'package.module:Class', got {ro.workflow!r}")
+    from jaxrl_async.rewards.registry import BUILTIN_REWARDS
+
+    _require(ro.reward in BUILTIN_REWARDS or ":" in ro.reward, "rollout.reward",
+             f"must be one of {sorted(BUILTIN_REWARDS)} or 'package.module:function', got {ro.reward!r}")
+    _require(sa.temperature >= 0, "rollout.sampling.temperature", f"must be >= 0, got {sa.temperature}")
+    _require(sa.top_k >= 0, "rollout.sampling.top_k", f"must be >= 0, got {sa.top_k}")
+    _require(0 < sa.top_p <= 1, "rollout.sampling.top_p", f"must be in (0, 1], got {sa.top_p}")
+    _require(sa.max_new_tokens >= 1, "rollout.sampling.max_new_tokens", f"must be >= 1, got {sa.max_new_tokens}")
+    _require(en.max_concurrent_decodes >= ro.n_samples, "rollout.engine.max_concurrent_decodes",
+             f"must be >= rollout.n_samples={ro.n_samples} (a group's samples decode together), "
+             f"got {en.max_concurrent_decodes}")
+    _require(en.page_size >= 1, "rollout.engine.page_size", f"must be >= 1, got {en.page_size}")
+    _require(en.num_pages is None or en.num_pages >= 1, "rollout.engine.num_pages", f"must be >= 1 or None, got {en.num_pages}")
+    _require(0 < en.cache_memory_fraction <= 1, "rollout.engine.cache_memory_fraction",
+             f"must be in (0, 1], got {en.cache_memory_fraction}")
+    prefill = en.max_prefill_length if en.max_prefill_length is not None else en.max_sequence_length - 1
+    _require(en.max_sequence_length >= 2, "rollout.engine.max_sequence_length", f"must be >= 2, got {en.max_sequence_length}")
+    _require(1 <= prefill < en.max_sequence_length, "rollout.engine.max_prefill_length",
+             f"must be in [1, max_sequence_length) = [1, {en.max_sequence_length}), got {prefill}")
+    if cfg.data.max_prompt_len is not None:
+        _require(cfg.data.max_prompt_len <= prefill, "data.max_prompt_len",
+                 f"{cfg.data.max_prompt_len} exceeds the engine's max prefill length {prefill}")
+    if cfg.model.path is None:
+        _require(en.max_sequence_length <= cfg.model.max_position_embeddings, "rollout.engine.max_sequence_length",
+                 f"{en.max_sequence_length} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    # trainer
+    _require(tr.batch_size >= 1, "trainer.batch_size", f"must be >= 1, got {tr.batch_size}")
+    _require(tr.total_steps >= 1, "trainer.total_steps", f"must be >= 1, got {tr.total_steps}")
+    _require(tr.ppo_n_minibatches >= 1, "trainer.ppo_n_minibatches", f"must be >= 1, got {tr.ppo_n_minibatches}")
+    n_seq = tr.batch_size * ro.n_samples
+    _require(n_seq % tr.ppo_n_minibatches == 0, "trainer.ppo_n_minibatches",
+             f"trainer.batch_size * rollout.n_samples = {n_seq} sequences do not split into {tr.ppo_n_minibatches} minibatches")
+    _require(tr.logprob_chunk >= 1, "trainer.logprob_chunk", f"must be >= 1, got {tr.logprob_chunk}")
+    _require(tr.max_grad_norm is None or tr.max_grad_norm > 0, "trainer.max_grad_norm",
+             f"must be > 0 or None, got {tr.max_grad_norm}")
+    _require(tr.sft.steps >= 0, "trainer.sft.steps", f"must be >= 0, got {tr.sft.steps}")
+    _require(tr.sft.batch_size >= 1, "trainer.sft.batch_size", f"must be >= 1, got {tr.sft.batch_size}")
+    try:
+        tr.optimizer_config()
+    except ValueError as e:  # OptimizerConfig.<field>: ... — the same field names as the trainer section
+        msg = str(e).replace("OptimizerConfig.", "", 1)
+        raise _component_error("trainer", tr, msg) from None
+    for name, sub in (("trainer.loss", tr.loss), ("trainer.advantage", tr.advantage)):
+        try:
+            sub.validate()
+        except ValueError as e:
+            raise _component_error(name, sub, str(e)) from None
+    if tr.advantage.overlong_penalty and tr.advantage.max_new_tokens is not None:
+        _require(tr.advantage.max_new_tokens == sa.max_new_tokens, "trainer.advantage.max_new_tokens",
+                 f"{tr.advantage.max_new_tokens} != rollout.sampling.max_new_tokens={sa.max_new_tokens}")
+    # model
+    _require(cfg.model.vocab_size is None or cfg.model.vocab_size >= 1, "model.vocab_size",
+             f"must be >= 1 or None, got {cfg.model.vocab_size}")
+    if cfg.model.path is not None:
+        _require(os.path.isfile(os.path.join(cfg.model.path, "config.json")), "model.path",
+                 f"{cfg.model.path!r} has no config.json")
+    else:
+        try:
+            cfg.model.model_config(vocab_size=8)
+        except ValueError as e:  # ModelConfig.<field>: ...
+            msg = str(e).replace("ModelConfig.", "", 1)
+            raise _component_error("model", cfg.model, msg) from None
+    if cfg.model.tokenizer_path is not None:
+        _require(os.path.isdir(cfg.model.tokenizer_path), "model.tokenizer_path",
+                 f"{cfg.model.tokenizer_path!r} is not a directory")
+    # data
+    if cfg.data.task == "dataset":
+        _require(cfg.data.train_path is not None, "data.train_path", "must be set when data.task='dataset'")
+        for name in ("train_path", "eval_path"):
+            p = getattr(cfg.data, name)
+            _require(p is None or os.path.isfile(p), f"data.{name}", f"file {p!r} does not exist")
+    _require(cfg.data.max_prompt_len is None or cfg.data.max_prompt_len >= 1, "data.max_prompt_len",
+             f"must be >= 1 or None, got {cfg.data.max_prompt_len}")
+    # eval / checkpoint / logging
+    _require(ev.every_steps >= 0, "eval.every_steps", f"must be >= 0 (0 = never), got {ev.every_steps}")
+    _require(ev.temperature >= 0, "eval.temperature", f"must be >= 0, got {ev.temperature}")
+    _require(ev.max_items is None or ev.max_items >= 1, "eval.max_items", f"must be >= 1 or None, got {ev.max_items}")
+    _require(ev.max_new_tokens is None or ev.max_new_tokens >= 1, "eval.max_new_tokens",
+             f"must be >= 1 or None, got {ev.max_new_tokens}")
+    ck = cfg.checkpoint
+    _require(ck.every_steps is None or ck.every_steps >= 1, "checkpoint.every_steps",
+             f"must be >= 1 or None, got {ck.every_steps}")
+    _require(ck.every_seconds is None or ck.every_seconds > 0, "checkpoint.every_seconds",
+             f"must be > 0 or None, got {ck.every_seconds}")
+    _require(ck.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1, got {ck.keep_last}")
+    _require(cfg.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {cfg.logging.log_every}")
+    _validate_mesh(cfg, num_devices)
+    return cfg
+
+
+def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
+    m = cfg.mesh
+    if num_devices is None:
+        import jax
+
+        num_devices = jax.device_count()
+    _require(0 < m.generator_fraction < 1, "mesh.generator_fraction", f"must be in (0, 1), got {m.generator_fraction}")
+    _require(m.cpu_devices is None or m.cpu_devices >= 1, "mesh.cpu_devices", f"must be >= 1 or None, got {m.cpu_devices}")
+    if m.layout is not None:
+        from jaxrl_async.layouts import LAYOUTS
+
+        _require(m.layout in LAYOUTS, "mesh.layout", f"unknown layout {m.layout!r}; known: {', '.join(LAYOUTS)}")
+        need = LAYOUTS[m.layout].num_devices
+        _require(num_devices == need, "mesh.layout",
+                 f"layout {m.layout!r} is for {need} devices, this process has {num_devices} (plan it on simulated "
+                 f"devices with `python -m jaxrl_async.plan --config FILE`, or set mesh.layout=None and mesh shapes "
+                 f"for {num_devices} devices)")
+    if m.num_generator_devices is not None and num_devices > 1 and not m.colocate:
+        _require(1 <= m.num_generator_devices < num_devices, "mesh.num_generator_devices",
+                 f"must be in [1, {num_devices - 1}] with {num_devices} devices, got {m.num_generator_devices}")
+    for role in ("generator", "trainer"):
+        ax: MeshAxesConfig = getattr(m, role)
+        _require(len(ax.shape) == len(ax.axis_names) >= 1, f"mesh.{role}.shape",
+                 f"{ax.shape} and axis_names {ax.axis_names} must be non-empty and of equal length")
+        _require(len(set(ax.axis_names)) == len(ax.axis_names), f"mesh.{role}.axis_names",
+                 f"duplicate axis names in {ax.axis_names}")
+        if ax.devices is not None:
+            bad = [d for d in ax.devices if not 0 <= d < num_devices]
+            _require(not bad and len(set(ax.devices)) == len(ax.devices) and ax.devices, f"mesh.{role}.devices",
+                     f"must be distinct indices in [0, {num_devices}), got {ax.devices}")
+    allowed = {"generator": {"data", "tensor"}, "trainer": {"data", "fsdp", "tensor", "context"}}
+    for role, names in allowed.items():
+        extra = set(getattr(m, role).axis_names) - names
+        _require(not extra, f"mesh.{role}.axis_names", f"unknown axes {sorted(extra)}; the {role} uses {sorted(names)}")
+    gen, trn = resolve_device_split(m, num_devices)
+    shared = num_devices == 1 or m.colocate
+    if not shared:
+        overlap = set(gen) & set(trn)
+        _require(not overlap, "mesh.trainer.devices", f"devices {sorted(overlap)} are also generator devices "
+                 "(set mesh.colocate=true to time-share)")
+        _require(len(gen) >= 1, "mesh.generator.devices", "the generator has no device")
+        _require(len(trn) >= 1, "mesh.trainer.devices", "the trainer has no device")
+    _resolve_shape(m.generator.shape, len(gen), "mesh.generator.shape")
+    tshape = _resolve_shape(m.trainer.shape, len(trn), "mesh.trainer.shape")
+    if "context" in m.trainer.axis_names:
+        cp = tshape[m.trainer.axis_names.index("context")]
+        bad = [b for b in cfg.trainer.packing.row_len_buckets if b % cp]
+        _require(not bad, "trainer.packing.row_len_buckets",
+                 f"rows are split over the trainer's context axis ({cp} shards): every row length must be a "
+                 f"multiple of {cp}, got {bad}")
+    dp = trainer_data_parallel_size(cfg, num_devices)
+    per_mb = cfg.trainer.batch_size * cfg.rollout.n_samples // cfg.trainer.ppo_n_minibatches
+    _require(per_mb % dp == 0, "trainer.batch_size",
+             f"a minibatch of {per_mb} sequences (batch_size {cfg.trainer.batch_size} x n_samples "
+             f"{cfg.rollout.n_samples} / ppo_n_minibatches {cfg.trainer.ppo_n_minibatches}) does not split over "
+             f"the trainer's {dp} data-parallel shards")
