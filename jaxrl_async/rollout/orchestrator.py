@@ -32,11 +32,13 @@ Threads and queues
      `keep_kv` swaps the params and continues on the existing cache; `recompute_kv` first
      reads the in-flight step's tokens, then re-prefills every live sequence (prompt +
      tokens so far) under the new weights and re-inserts it into its slot;
-  3. admit queued work into free slots (continuous batching): one `prefill` per request
-     (or per continuation) and a `bulk_insert` of its n samples into n free slots. Admission
-     is FIFO; a request waits until n slots (at most `max_concurrent_decodes`) are free and
-     the page pool can hold at least one copy of its prompt (`free_pages`/`pages_needed`;
-     the engine may share prompt pages between samples); an insert that raises
+  3. admit queued work into free slots (continuous batching): the queue items that fit now are
+     prefilled by one `prefill_many` (one prefill per request or continuation, packed by the
+     engine), then the n samples of each are inserted (`bulk_insert`) into free slots. Admission
+     is FIFO and by slots: when fewer than n slots are free, the first samples of the group start
+     now and the rest wait at the head of the queue, keeping the prefill (and sharing its prompt
+     pages) until slots free up; an item needs the page pool to hold at least one copy of its
+     prompt (`free_pages`/`pages_needed`); an insert that raises
      `OutOfPagesError` leaves the request queued with its prefill kept for the retry (dropped
      if the weights change). A request that does not fit the *empty* cache fails alone;
   4. dispatch decode step k+1 (`engine.generate`, asynchronous under JAX), start its
@@ -189,6 +191,7 @@ class GeneratorStats:
     device_wait_s_per_step: float
     host_overhead_fraction: float  # sum(host_s) / sum(step_s)
     recompute_fallbacks: int = 0  # recompute_kv: live sequences that could not be re-prefilled (kept their KV)
+    partial_admissions: int = 0  # groups whose first samples started before slots for all of them were free
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,6 +480,7 @@ class Generator:
         self._n_steps = self._n_tokens = self._n_prefills = self._n_prefill_tokens = 0
         self._n_updates = self._n_preempt = self._n_recompute = self._n_finished = 0
         self._n_recompute_fallback = 0
+        self._n_partial_admissions = 0
         self._live_sum = 0
         self._t_busy = self._t_host = self._t_wait = 0.0
         self._t_prefill_iter = self._t_wait_iter = 0.0
@@ -602,7 +606,7 @@ class Generator:
             slot_utilisation=self._live_sum / (steps * self.num_slots),
             step_s=busy / steps, host_s_per_step=self._t_host / steps, device_wait_s_per_step=self._t_wait / steps,
             host_overhead_fraction=self._t_host / busy if busy > 0 else 0.0,
-            recompute_fallbacks=self._n_recompute_fallback)
+            recompute_fallbacks=self._n_recompute_fallback, partial_admissions=self._n_partial_admissions)
 
     # -- failure --------------------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:
@@ -750,13 +754,17 @@ class Generator:
             busy = self._live or self._inflight is not None
             for item in self._queue:
                 need = len(item.samples)
-                if need > n_free or len(batch) >= budget:
+                if n_free < 1 or len(batch) >= budget:
                     break  # FIFO: wait for slots to free up
+                # admission by slots: a group's samples start as slots free up (the rest wait at the head,
+                # keeping the prefill whose prompt pages they share)
                 if (busy or batch) and pages < eng.pages_needed(len(item.tokens) + 1):
                     break  # not even one sequence fits now: wait for finishing sequences to free pages
                 batch.append(item)
                 n_free -= need
                 pages -= eng.pages_needed(len(item.tokens) + 1)
+                if n_free < 0:
+                    break
             if not batch:
                 return
             t0 = time.perf_counter()
@@ -771,8 +779,12 @@ class Generator:
                         self._n_prefill_tokens += len(it.tokens)
                 for item in batch:
                     idle = not self._live and self._inflight is None
+                    free = self._free_slots()
+                    part = item if len(free) >= len(item.samples) else _WorkItem(
+                        item.request, item.tokens, item.samples[:len(free)], item.sampling, item.prefix,
+                        item.prefix_version)
                     try:
-                        self._admit_item(item, self._free_slots()[:len(item.samples)])
+                        self._admit_item(part, free[:len(part.samples)])
                     except OutOfPagesError as e:
                         if idle:  # cannot fit even into the empty cache
                             self._queue.popleft()
@@ -782,8 +794,12 @@ class Generator:
                             budget -= 1
                             continue
                         return  # stays queued with the ones behind it (their prefills are kept)
-                    self._queue.popleft()
                     budget -= 1
+                    if part is not item:  # the rest of the group waits at the head for slots
+                        item.samples = item.samples[len(part.samples):]
+                        self._n_partial_admissions += 1
+                        return
+                    self._queue.popleft()
             finally:
                 self._t_prefill_iter += time.perf_counter() - t0
 
@@ -799,17 +815,19 @@ class Generator:
             self._n_prefills += 1
             self._n_prefill_tokens += len(item.tokens)
         item.prefix, item.prefix_version = None, -1
-        toks = [int(t) for t in prefix.first_tokens]
-        lps = [float(x) for x in prefix.first_logprobs]
+        # sample s is row s.index - first index of the prefill (a group admitted by parts shares one prefill)
+        rows = [s.index - prefix.sample_indices[0] for s in item.samples]
+        toks = [int(prefix.first_tokens[r]) for r in rows]
+        lps = [float(prefix.first_logprobs[r]) for r in rows]
         reasons = []
         for k, s in enumerate(item.samples):
             s.tokens.append(toks[k])  # tentatively, for the finish check; rolled back on failure
             reasons.append(finish_reason_for(toks[k], len(s.tokens), s.request.max_new,
                                              s.request.sampling.stop_token_ids, False))
-        to_insert = [(k, s) for k, (s, r) in enumerate(zip(item.samples, reasons)) if r is None]
+        to_insert = [(rows[k], s) for k, (s, r) in enumerate(zip(item.samples, reasons)) if r is None]
         inserted: list[int] = []
         try:
-            if len(to_insert) == len(item.samples):  # bulk_insert is all-or-nothing (PagedEngine, MockEngine)
+            if len(to_insert) == len(prefix.first_tokens):  # the whole prefill: bulk_insert is all-or-nothing
                 self._state = eng.bulk_insert(prefix, self._state, slots[:len(to_insert)])
                 inserted = slots[:len(to_insert)]
             else:

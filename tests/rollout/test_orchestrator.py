@@ -273,6 +273,28 @@ def test_admission_and_recompute_prefill_in_batches():
         assert o.completion_ids == reference_tokens(p, o.versions, SALTS, "recompute_kv", sp)
 
 
+def test_admission_by_slots_starts_a_group_as_slots_free_up():
+    """A group of 4 samples with 2 free slots starts 2 samples now and the other 2 when slots free up
+    (one prefill shared by all 4), instead of waiting for 4 free slots: it completes long before the
+    40-token request holding the other slots."""
+    eng = MockEngine(num_slots=4, step_latency_s=0.002)
+    long_sp = SamplingParams(temperature=0.9, seed=1, max_new_tokens=40, n=2)
+    grp_sp = SamplingParams(temperature=0.9, seed=2, max_new_tokens=5, n=4)
+    gen = Generator(eng, MockParams(SALTS[0]))
+    h_long = gen.submit([1, 2, 3], long_sp)
+    h_grp = gen.submit([4, 5], grp_sp)
+    with gen:
+        grp, long_ = h_grp.result(T), h_long.result(T)
+        stats = gen.stats()
+    assert stats.partial_admissions == 1
+    assert [c for c in eng.prefill_calls if c[0] == 2] == [(2, 4, 0)]  # one prefill of the group's 4 samples
+    assert max(s.finish_time for s in grp.samples) < min(s.finish_time for s in long_.samples)
+    for smp in grp.samples:
+        assert smp.completion_ids == ref([4, 5], 5, grp_sp, sample_index=smp.sample_index)
+    for smp in long_.samples:
+        assert smp.completion_ids == ref([1, 2, 3], 40, long_sp, sample_index=smp.sample_index)
+
+
 def test_update_params_before_start_and_superseded_update():
     eng = MockEngine(num_slots=2)
     gen = Generator(eng, MockParams(SALTS[0]))
