@@ -47,8 +47,59 @@ def routing(h: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool,
     return expert_ids.astype(jnp.int32), weights, logits
 
 
+#: rows per tile of the tiled grouped matmul (GPU)
+GROUP_TILE = 256
+
+
+def grouped_matmul_impl() -> str:
+    """``ragged`` (``jax.lax.ragged_dot``: native on TPU, where it compiles to a grouped matmul with no
+    temporaries) or ``tiled`` on GPUs: XLA:GPU lowers ``ragged_dot`` densely (a deviceless H100 compile of one
+    [65536 x 2048] x [128 x 2048 x 768] ragged_dot needs 32 GiB of temporaries: every row against every
+    expert), so GPUs run ``tiled_grouped_matmul``. The platform is the active mesh's, else the default."""
+    from jaxrl_async.models.attention_kernels import kernel_platform
+
+    return "tiled" if kernel_platform() in ("gpu", "cuda") else "ragged"
+
+
+def tiled_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype,
+                         tile: int = GROUP_TILE) -> jax.Array:
+    """``ragged_dot(rows, w, group_sizes)`` as a loop over tiles of ``tile`` rows that each belong to ONE group:
+    every group is padded to a multiple of the tile in a buffer of at most M + X (tile - 1) rows (a static
+    bound), each tile multiplies its rows by its group's weight (one [tile, K] x [K, F] matmul, the weight cast
+    per tile from its stored dtype, so its gradient accumulates there), and the rows are gathered back.
+    rows [M, K] sorted by group, w [X, K, F], group_sizes [X] (sum M) -> [M, F] in ``out_dtype``."""
+    M, K = rows.shape
+    X, _, F = w.shape
+    tile = max(1, min(tile, M))
+    padded = (group_sizes + tile - 1) // tile * tile
+    pad_end = jnp.cumsum(padded)
+    pad_start = pad_end - padded
+    row_start = jnp.cumsum(group_sizes) - group_sizes
+    group_of_row = jnp.repeat(jnp.arange(X, dtype=jnp.int32), group_sizes, total_repeat_length=M)
+    dest = pad_start[group_of_row] + jnp.arange(M, dtype=jnp.int32) - row_start[group_of_row]
+    n_tiles = -(-(M + X * (tile - 1)) // tile)
+    buf = jnp.zeros((n_tiles * tile, K), rows.dtype).at[dest].set(rows)
+    tile_group = jnp.minimum(jnp.searchsorted(pad_end, jnp.arange(n_tiles) * tile, side="right"), X - 1)
+
+    def one(t):
+        xt = jax.lax.dynamic_slice_in_dim(buf, t * tile, tile, axis=0)
+        wt = jax.lax.dynamic_index_in_dim(w, tile_group[t], axis=0, keepdims=False).astype(rows.dtype)
+        return jnp.dot(xt, wt, preferred_element_type=jnp.float32).astype(out_dtype)
+
+    out = jax.lax.map(one, jnp.arange(n_tiles, dtype=jnp.int32)).reshape(n_tiles * tile, F)
+    return jnp.take(out, dest, axis=0)
+
+
+def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str | None = None) -> jax.Array:
+    """[M, K] rows sorted by group x w [X, K, F] -> float32 [M, F] (see ``grouped_matmul_impl``)."""
+    impl = impl or grouped_matmul_impl()
+    if impl == "tiled":
+        return tiled_grouped_matmul(rows, w, group_sizes, jnp.float32)
+    return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
+
+
 def grouped_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array) -> jax.Array:
+                   w_down: jax.Array, impl: str | None = None) -> jax.Array:
     """Dropless expert computation. x [N, D], expert_ids/weights [N, k], w_gate/w_up [X, D, F], w_down [X, F, D]
     -> [N, D]: sum over j of weights[:, j] * SwiGLU_{expert_ids[:, j]}(x), in x's dtype (float32 accumulation)."""
     N, D = x.shape
@@ -60,9 +111,9 @@ def grouped_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_ga
     group_sizes = jnp.bincount(flat, length=X).astype(jnp.int32)
     rows = jnp.take(x, token, axis=0)  # [N k, D]
     dt = x.dtype
-    g = jax.lax.ragged_dot(rows, w_gate.astype(dt), group_sizes, preferred_element_type=jnp.float32).astype(dt)
-    u = jax.lax.ragged_dot(rows, w_up.astype(dt), group_sizes, preferred_element_type=jnp.float32).astype(dt)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down.astype(dt), group_sizes, preferred_element_type=jnp.float32)
+    g = grouped_matmul(rows, w_gate, group_sizes, impl).astype(dt)
+    u = grouped_matmul(rows, w_up, group_sizes, impl).astype(dt)
+    y = grouped_matmul(jax.nn.silu(g) * u, w_down, group_sizes, impl)
     w = jnp.take(weights.reshape(-1), order).astype(dt)  # HF casts the routing weights to the compute dtype
     y = y.astype(dt) * w[:, None]
     return jnp.zeros((N, D), jnp.float32).at[token].add(y.astype(jnp.float32)).astype(dt)
