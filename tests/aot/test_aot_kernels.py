@@ -164,3 +164,25 @@ def test_context_parallel_train_step_compiles_and_halves_the_row(kind):
         if axes[-1] == "context" and kind == "tpu":
             assert "tpu_custom_call" in c.as_text()  # the splash kernel runs on the chunks
     assert temps["context"] < 0.75 * temps["fsdp"], temps
+
+
+@needs_gpu
+def test_moe_grouped_matmul_on_h100_is_not_dense():
+    """XLA:GPU lowers ragged_dot densely (every row against every expert); the tiled path the MoE layer picks on
+    GPUs keeps the temporaries near the rows' own size. Same shapes, both compiled for H100."""
+    from jaxrl_async.models.moe import grouped_matmul, grouped_matmul_impl
+
+    mesh = make_mesh((1,), ("data",), devices=aot.h100_devices(1))
+    sh = NamedSharding(mesh, P())
+    M, K, F, X = 8192, 512, 256, 64
+    args = (jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=sh), jax.ShapeDtypeStruct((X, K, F), jnp.float32,
+            sharding=sh), jax.ShapeDtypeStruct((X,), jnp.int32, sharding=sh))
+    temps = {}
+    for impl in ("ragged", "tiled"):
+        c = jax.jit(lambda r, w, g, impl=impl: grouped_matmul(r, w, g, impl)).lower(*args).compile(
+            compiler_options=aot.compiler_options(mesh.devices.flat))
+        temps[impl] = c.memory_analysis().temp_size_in_bytes
+    dense = X * M * K * 2  # the rows broadcast to every expert, bf16
+    assert temps["ragged"] >= dense and temps["tiled"] < dense / 8, temps
+    with activation_rules(make_mesh((2,), ("fsdp",), devices=aot.h100_devices(2)), "trainer"):
+        assert grouped_matmul_impl() == "tiled"
