@@ -36,14 +36,24 @@ def _mesh(kind: str):
     return make_mesh((2, 2), ("fsdp", "tensor"), devices=devs)
 
 
-def _compiled_train_step(mesh, attention: str, row_len: int = 2048):
-    cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=128, max_position_embeddings=8192, attention=attention,
-                      dtype="bfloat16", remat="full")
+#: the 2-layer model of the FSDP checks (hidden 512, 8 heads / 4 kv heads x 64, MLP 1024, vocab 4096)
+FSDP_MODEL = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8,
+                         num_kv_heads=4, head_dim=64, max_position_embeddings=4096, dtype="bfloat16", remat="full")
+
+
+def _compile_step(mesh, cfg: ModelConfig, batch_shape: tuple[int, int, int]):
+    """The trainer's step (``Trainer._step_fn``) for ``cfg`` on ``mesh``, compiled from abstract arguments."""
     tr = Trainer(cfg, TrainerConfig(), mesh=mesh)
-    state, batch = _abstract_state(tr), _abstract_batch((1, 2, row_len), tr.batch_sharding)
+    state, batch = _abstract_state(tr), _abstract_batch(batch_shape, tr.batch_sharding)
     scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=tr.replicated)  # noqa: E731
     return tr._step_fn(5).lower(state, batch, scalar(jnp.float32), scalar(jnp.int32)).compile()
+
+
+def _compiled_train_step(mesh, attention: str, row_len: int = 2048, rows: int = 2):
+    cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=128, max_position_embeddings=max(8192, 2 * row_len),
+                      attention=attention, dtype="bfloat16", remat="full")
+    return _compile_step(mesh, cfg, (1, rows, row_len))
 
 
 def _kernel_grad(mesh, kernel, block: int, T: int):
@@ -113,14 +123,7 @@ def test_fsdp_all_gathers_move_bf16_weights(kind):
     convert before the all-gather on both targets. (On TPU the only fp32 all-gathers are the [B, T, D]
     cotangents of the embedding lookup, gathered for the scatter-add into the embedding gradient.)"""
     devs = aot.tpu_devices("v5e:2x2") if kind == "tpu" else aot.h100_devices(4)
-    mesh = make_mesh((4,), ("fsdp",), devices=devs)
-    cfg = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8,
-                      num_kv_heads=4, head_dim=64, max_position_embeddings=4096, dtype="bfloat16", remat="full")
-    tr = Trainer(cfg, TrainerConfig(), mesh=mesh)
-    state, batch = _abstract_state(tr), _abstract_batch((1, 4, 512), tr.batch_sharding)
-    scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=tr.replicated)  # noqa: E731
-    gathers = _all_gathers(tr._step_fn(5).lower(state, batch, scalar(jnp.float32), scalar(jnp.int32)).compile()
-                           .as_text())
+    gathers = _all_gathers(_compile_step(make_mesh((4,), ("fsdp",), devices=devs), FSDP_MODEL, (1, 4, 512)).as_text())
     weight_shapes = {(512, 8, 64), (512, 4, 64), (8, 64, 512), (512, 1024), (1024, 512)}  # one layer's q k/v o mlp
     assert {s for dt, s in gathers if dt == "bf16"} >= {(512, 8, 64), (512, 1024)}, gathers  # gathers exist
     assert not [s for dt, s in gathers if dt == "f32" and s in weight_shapes], gathers
@@ -132,13 +135,7 @@ def test_layer_gradients_stay_sharded_in_the_scan(kind):
     float32 stack of a layer weight exists in the compiled step (before the loop constrained its weights,
     the H100 compile accumulated f32[L, D, F] gradients of every layer: 7 GiB per MLP matrix for 8B)."""
     devs = aot.tpu_devices("v5e:2x2") if kind == "tpu" else aot.h100_devices(4)
-    mesh = make_mesh((4,), ("fsdp",), devices=devs)
-    cfg = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8,
-                      num_kv_heads=4, head_dim=64, max_position_embeddings=4096, dtype="bfloat16", remat="full")
-    tr = Trainer(cfg, TrainerConfig(), mesh=mesh)
-    state, batch = _abstract_state(tr), _abstract_batch((1, 4, 512), tr.batch_sharding)
-    scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=tr.replicated)  # noqa: E731
-    hlo = tr._step_fn(5).lower(state, batch, scalar(jnp.float32), scalar(jnp.int32)).compile().as_text()
+    hlo = _compile_step(make_mesh((4,), ("fsdp",), devices=devs), FSDP_MODEL, (1, 4, 512)).as_text()
     full = ["f32[2,512,1024]", "f32[2,1024,512]", "f32[2,512,8,64]", "f32[2,8,64,512]"]
     assert "f32[2,128,1024]" in hlo or "f32[2,256,1024]" in hlo  # the sharded stacks are there
     assert not [s for s in full if s in hlo], [s for s in full if s in hlo]
@@ -152,14 +149,7 @@ def test_context_parallel_train_step_compiles_and_halves_the_row(kind):
     devs = aot.tpu_devices("v5e:2x2") if kind == "tpu" else aot.h100_devices(4)
     temps = {}
     for shape, axes, rows in (((2, 2), ("fsdp", "context"), 2), ((4,), ("fsdp",), 4)):
-        mesh = make_mesh(shape, axes, devices=devs)
-        cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
-                          num_kv_heads=2, head_dim=128, max_position_embeddings=16384, attention="auto",
-                          dtype="bfloat16", remat="full")
-        tr = Trainer(cfg, TrainerConfig(), mesh=mesh)
-        state, batch = _abstract_state(tr), _abstract_batch((1, rows, 8192), tr.batch_sharding)
-        scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=tr.replicated)  # noqa: E731
-        c = tr._step_fn(5).lower(state, batch, scalar(jnp.float32), scalar(jnp.int32)).compile()
+        c = _compiled_train_step(make_mesh(shape, axes, devices=devs), "auto", row_len=8192, rows=rows)
         temps[axes[-1]] = c.memory_analysis().temp_size_in_bytes
         if axes[-1] == "context" and kind == "tpu":
             assert "tpu_custom_call" in c.as_text()  # the splash kernel runs on the chunks
