@@ -89,3 +89,27 @@ def make_tiny_tokenizer(out_dir: str, vocab_size: int = 256) -> str:
     os.makedirs(out_dir, exist_ok=True)
     fast.save_pretrained(out_dir)
     return out_dir
+
+
+def decode_prompts(engine, params, prompts: list[list[int]], temperature: float,
+                   max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Drive a ``PagedEngine`` directly: prompt i is prefilled into slot i (sampling seed i), then the batch
+    decodes ``max_new_tokens - 1`` steps. Returns (tokens, behaviour log-probs) per prompt, the first token
+    included (the parity tests compare them with transformers and with the trainer's log-probs)."""
+    from jaxrl_async.rollout.engine_api import SamplingParams
+
+    state = engine.init_decode_state()
+    outs = []
+    for slot, prompt in enumerate(prompts):
+        sp = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=slot)
+        pre = engine.prefill(params, prompt, sp)
+        state = engine.insert(pre, state, slot)
+        outs.append(([int(pre.first_tokens[0])], [float(pre.first_logprobs[0])]))
+    for _ in range(max_new_tokens - 1):
+        state, step = engine.generate(params, state)
+        step = step.to_host()
+        for slot, (toks, lps) in enumerate(outs):
+            if step.valid[slot]:
+                toks.append(int(step.tokens[slot]))
+                lps.append(float(step.logprobs[slot]))
+    return outs

@@ -14,8 +14,7 @@ from jaxrl_async.models.attention import (
     BLOCKWISE_MIN_LEN, blockwise_attention, resolve_attention, segment_attention, xla_attention,
 )
 from jaxrl_async.rollout.engine import PagedEngine
-from jaxrl_async.rollout.engine_api import SamplingParams
-from jaxrl_async.testing import make_tiny_hf_model
+from jaxrl_async.testing import decode_prompts, make_tiny_hf_model
 
 
 def _segments(kind: str, B: int, T: int) -> np.ndarray:
@@ -167,19 +166,7 @@ def test_generator_vs_trainer_logprob_parity_with_blockwise(tiny):
     p = engine.place_params(params)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 200, n).tolist() for n in (5, 17, 29)]
-    state = engine.init_decode_state()
-    outs = {}
-    for slot, prompt in enumerate(prompts):
-        pre = engine.prefill(p, prompt, SamplingParams(temperature=0.8, max_new_tokens=12, seed=slot))
-        state = engine.insert(pre, state, slot)
-        outs[slot] = ([int(pre.first_tokens[0])], [float(pre.first_logprobs[0])])
-    for _ in range(11):
-        state, step = engine.generate(p, state)
-        step = step.to_host()
-        for slot in outs:
-            if step.valid[slot]:
-                outs[slot][0].append(int(step.tokens[slot]))
-                outs[slot][1].append(float(step.logprobs[slot]))
+    outs = decode_prompts(engine, p, prompts, temperature=0.8, max_new_tokens=12)
     for slot, prompt in enumerate(prompts):
         gen, lps = outs[slot]
         seq = np.zeros((1, 64), np.int32)
@@ -235,22 +222,30 @@ def test_accelerator_kernels_under_the_trainer_mesh(shape):
         assert _rel(jnp.where(live, ref, 0), jnp.where(live, jax.jit(run)(q, k, v), 0)) <= 1e-5
 
 
-def test_blockwise_train_step_on_a_sharded_mesh_matches_xla():
-    """The trainer's step with `blockwise` on an fsdp x tensor mesh (GSPMD partitions its data-dependent
-    block loops) gives xla's update: loss, grad norm, parameters."""
-    from jaxrl_async.models.config import ModelConfig
-    from jaxrl_async.models.transformer import init_params
-    from jaxrl_async.sharding import make_mesh
-    from jaxrl_async.trainer.packing import PackingConfig, Trajectory
-    from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+def _trajectories(seed: int):
+    """Eight RL trajectories of 20-64 tokens (5-token prompts masked out) for the train-step comparisons."""
+    from jaxrl_async.trainer.packing import Trajectory
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     trajs = []
     for n in (60, 45, 30, 64, 20, 50, 33, 41):
         m = np.r_[np.zeros(5), np.ones(n - 5)].astype(np.int32)
         trajs.append(Trajectory(tokens=rng.integers(3, 200, n).astype(np.int32), loss_mask=m,
                                 behaviour_logprobs=(-rng.random(n) * m).astype(np.float32),
                                 advantages=(rng.standard_normal(n) * m).astype(np.float32)))
+    return trajs
+
+
+def test_blockwise_train_step_on_a_sharded_mesh_matches_xla():
+    """The trainer's step with `blockwise` on an fsdp x tensor mesh (GSPMD partitions its data-dependent
+    block loops) gives xla's update: loss, grad norm, parameters."""
+    from jaxrl_async.models.config import ModelConfig
+    from jaxrl_async.models.transformer import init_params
+    from jaxrl_async.sharding import make_mesh
+    from jaxrl_async.trainer.packing import PackingConfig
+    from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+
+    trajs = _trajectories(seed=0)
     mesh = make_mesh({"fsdp": 2, "tensor": 2}, devices=jax.devices()[:4])
     out = {}
     for impl in ("xla", "blockwise"):
@@ -342,16 +337,10 @@ def test_context_parallel_train_step_matches_one_device(monkeypatch):
     from jaxrl_async.models.config import ModelConfig
     from jaxrl_async.models.transformer import init_params
     from jaxrl_async.sharding import make_mesh
-    from jaxrl_async.trainer.packing import PackingConfig, Trajectory
+    from jaxrl_async.trainer.packing import PackingConfig
     from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
 
-    rng = np.random.default_rng(1)
-    trajs = []
-    for n in (60, 45, 30, 64, 20, 50, 33, 41):
-        m = np.r_[np.zeros(5), np.ones(n - 5)].astype(np.int32)
-        trajs.append(Trajectory(tokens=rng.integers(3, 200, n).astype(np.int32), loss_mask=m,
-                                behaviour_logprobs=(-rng.random(n) * m).astype(np.float32),
-                                advantages=(rng.standard_normal(n) * m).astype(np.float32)))
+    trajs = _trajectories(seed=1)
     cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, attention="blockwise", attention_block=16)
     init = jax.device_get(init_params(cfg, jax.random.key(0)))

@@ -20,7 +20,7 @@ from jaxrl_async.models import ModelConfig, apply, load_hf, sequence_logprobs
 from jaxrl_async.models.config import UnsupportedModelError, preset
 from jaxrl_async.models.hf_io import save_hf
 from jaxrl_async.models.moe import grouped_swiglu, load_balancing_loss, routing
-from jaxrl_async.testing import make_tiny_hf_model
+from jaxrl_async.testing import decode_prompts, make_tiny_hf_model
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "no_norm_topk"])
@@ -84,6 +84,13 @@ def test_fp32_packed_logits_match_transformers(moe):
     assert worst <= 1e-4, worst
 
 
+def _dense_swiglu(x, ids, w, wg, wu, wd):
+    """Reference MoE MLP: every expert on every token, weighted by the routing weights of the chosen ones."""
+    every = jnp.stack([(jax.nn.silu(x @ wg[e]) * (x @ wu[e])) @ wd[e] for e in range(wg.shape[0])], axis=1)
+    dense_w = jnp.zeros((x.shape[0], wg.shape[0])).at[jnp.arange(x.shape[0])[:, None], ids].set(w)
+    return jnp.einsum("nx,nxd->nd", dense_w, every)
+
+
 def test_grouped_matmul_equals_every_expert_dense_reference():
     """Dropless: every (token, choice) pair is computed, whatever the load (here one expert gets most)."""
     rng = np.random.default_rng(3)
@@ -92,14 +99,12 @@ def test_grouped_matmul_equals_every_expert_dense_reference():
     router = jnp.asarray(rng.standard_normal((D, X)), jnp.float32)
     wg, wu = (jnp.asarray(rng.standard_normal((X, D, F)), jnp.float32) for _ in range(2))
     wd = jnp.asarray(rng.standard_normal((X, F, D)), jnp.float32)
-    every = jnp.stack([(jax.nn.silu(x @ wg[e]) * (x @ wu[e])) @ wd[e] for e in range(X)], axis=1)  # [N, X, D]
     ids, w, logits = routing(x, router, k, True)
     skewed = jnp.tile(jnp.asarray([[2, 0, 1]]), (N, 1)).at[:5].set(jnp.asarray([4, 3, 2]))  # expert 2 takes all
     for case_ids in (ids, skewed):
         case_w = jnp.take_along_axis(jax.nn.softmax(logits, -1), case_ids, -1)
         out = grouped_swiglu(x, case_ids, case_w, wg, wu, wd)
-        dense_w = jnp.zeros((N, X)).at[jnp.arange(N)[:, None], case_ids].set(case_w)
-        ref = jnp.einsum("nx,nxd->nd", dense_w, every)
+        ref = _dense_swiglu(x, case_ids, case_w, wg, wu, wd)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     assert float(load_balancing_loss(logits, skewed)) > float(load_balancing_loss(logits, ids))
     # replay: imposing the same ids reproduces the weights; other ids are honoured exactly
@@ -143,7 +148,6 @@ def test_sharded_import_over_experts_equals_one_device(moe, shape, rules):
 
 def test_generator_greedy_matches_transformers_and_logprobs_match_the_trainer(moe):
     from jaxrl_async.rollout.engine import PagedEngine
-    from jaxrl_async.rollout.engine_api import SamplingParams
 
     d, hf = moe
     cfg, params = load_hf(d)
@@ -154,19 +158,7 @@ def test_generator_greedy_matches_transformers_and_logprobs_match_the_trainer(mo
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 12, 20)]
     max_new = 10
     for temp in (0.0, 0.7):
-        state = engine.init_decode_state()
-        outs = {}
-        for slot, prompt in enumerate(prompts):
-            pre = engine.prefill(p, prompt, SamplingParams(temperature=temp, max_new_tokens=max_new, seed=slot))
-            state = engine.insert(pre, state, slot)
-            outs[slot] = ([int(pre.first_tokens[0])], [float(pre.first_logprobs[0])])
-        for _ in range(max_new - 1):
-            state, step = engine.generate(p, state)
-            step = step.to_host()
-            for slot in outs:
-                if step.valid[slot]:
-                    outs[slot][0].append(int(step.tokens[slot]))
-                    outs[slot][1].append(float(step.logprobs[slot]))
+        outs = decode_prompts(engine, p, prompts, temperature=temp, max_new_tokens=max_new)
         for slot, prompt in enumerate(prompts):
             gen, lps = outs[slot]
             if temp == 0.0:
@@ -200,12 +192,7 @@ def test_parameter_gradients_equal_the_dense_reference(moe, monkeypatch):
 
     g_grouped = jax.grad(loss)(params)
 
-    def dense(x, ids, w, wg, wu, wd):
-        every = jnp.stack([(jax.nn.silu(x @ wg[e]) * (x @ wu[e])) @ wd[e] for e in range(wg.shape[0])], axis=1)
-        dense_w = jnp.zeros((x.shape[0], wg.shape[0])).at[jnp.arange(x.shape[0])[:, None], ids].set(w)
-        return jnp.einsum("nx,nxd->nd", dense_w, every)
-
-    monkeypatch.setattr(moe_lib, "grouped_swiglu", dense)
+    monkeypatch.setattr(moe_lib, "grouped_swiglu", _dense_swiglu)
     g_dense = jax.grad(loss)(params)
     for key in ("moe_gate", "moe_up", "moe_down", "router", "q"):
         a, b = np.asarray(g_grouped["layers"][key]), np.asarray(g_dense["layers"][key])
