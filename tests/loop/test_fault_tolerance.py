@@ -373,16 +373,15 @@ def _assert_bitwise_equal_runs(whole: str, resumed: str, step: int, mid_step: in
     assert draws[0] == draws[1] and all(lag == 0 for _, _, lags in draws[0] for lag in lags)
 
 
-def test_eta0_resume_after_crash_is_bitwise_identical(tmp_path, jax_cache):
-    """eta = 0, fixed seed and devices: resuming from the periodic checkpoint of step 2 (taken while the
-    generator was already producing step 3's groups) and training to 4 gives the parameters and
-    optimizer state of the uninterrupted run, bit for bit. The crash is made by copying the run
-    directory as it was after step 2 (every later checkpoint removed) and resuming the copy."""
+def run_whole_and_resumed_after_crash(tmp_path, jax_cache, extra_args=()) -> tuple[str, str]:
+    """eta = 0 run to step 4 with checkpoints at 2 and 4 ("whole"), and the same run "crashed" after step 2:
+    a copy of its directory as it was then (every later checkpoint removed) resumed to step 4 ("resumed").
+    Returns the two run directories; both processes exited 0."""
     import shutil
 
     whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
-    args = ["rollout.max_head_offpolicyness=0", "trainer.total_steps=4", "checkpoint.every_steps=2",
-            "checkpoint.keep_last=3"]
+    args = list(extra_args) + ["rollout.max_head_offpolicyness=0", "trainer.total_steps=4",
+                               "checkpoint.every_steps=2", "checkpoint.keep_last=3"]
     a = Attempt(whole, args, jax_cache, "whole")
     if a.wait(START_TIMEOUT_S + 120) != 0:
         a.fail(f"exit code {a.proc.returncode}")
@@ -391,6 +390,15 @@ def test_eta0_resume_after_crash_is_bitwise_identical(tmp_path, jax_cache):
     a = Attempt(resumed, args, jax_cache, "resumed")
     if a.wait(START_TIMEOUT_S + 120) != 0:
         a.fail(f"exit code {a.proc.returncode}")
+    return whole, resumed
+
+
+def test_eta0_resume_after_crash_is_bitwise_identical(tmp_path, jax_cache):
+    """eta = 0, fixed seed and devices: resuming from the periodic checkpoint of step 2 (taken while the
+    generator was already producing step 3's groups) and training to 4 gives the parameters and
+    optimizer state of the uninterrupted run, bit for bit. The crash is made by copying the run
+    directory as it was after step 2 (every later checkpoint removed) and resuming the copy."""
+    whole, resumed = run_whole_and_resumed_after_crash(tmp_path, jax_cache)
     assert [r["step"] for r in read_data_ledger(resumed).resumes] == [2]
     _assert_bitwise_equal_runs(whole, resumed, 4, 2)
 
