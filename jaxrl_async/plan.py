@@ -440,7 +440,10 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
         compile_gen_cfg = compile_cfg
         engine_c = build_engine(cfg, compile_cfg, gen_mesh, num_pages=num_pages)
     gen_compile_cfg = generator_model_config(compile_gen_cfg)
-    engine_r = build_engine(cfg, model_cfg, gen_mesh, num_pages=num_pages)
+    # the engine of the resident bytes and the push plan: the configured dtypes on the simulated generator mesh
+    # (the compiled engine itself when it is that one)
+    engine_r = (engine_c if engine_c.mesh is gen_mesh and compile_gen_cfg is model_cfg
+                else build_engine(cfg, model_cfg, gen_mesh, num_pages=num_pages))
     gen_params_c = _with_shardings(param_shapes(gen_compile_cfg), engine_c.param_shardings)
     arrays_c = _with_shardings(jax.eval_shape(engine_c._init_arrays), engine_c.state_shardings)
     new_pages = _sds((S,), jnp.int32, engine_c.slot_sharding)
