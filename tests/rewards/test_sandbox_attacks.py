@@ -513,8 +513,11 @@ def test_dropped_binary_and_shared_object_cannot_execute():
 
 # ------------------------------------------------------------------------------- plain (best_effort)
 PLAIN_UIDS = (299_900, 50)
-DAEMON = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
-          "    os._exit(0)\nprint('parent done')")
+# The parent waits for the middle child, so the setsid'd grandchild exists (in its own session) before the
+# parent prints and exits: without the wait, a loaded machine could tear the process group down before the
+# middle child had forked, and the control below would find no daemon to leave behind.
+DAEMON = ("import os, time\npid = os.fork()\nif pid == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+          "        time.sleep(60)\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('parent done')")
 
 
 def _uid_pids():
