@@ -9,5 +9,5 @@ from jaxrl_async.recipes import qwen3_math_rl_long
 
 
 def get_config():
-    return qwen3_math_rl_long("qwen3-14b", layout="v5p-64", max_concurrent_decodes=256, num_pages=65536,
+    return qwen3_math_rl_long("qwen3-14b", layout="v5p-64", max_concurrent_decodes=256, num_pages=4 * 65536,
                               tokens_per_micro=16 * 32768)

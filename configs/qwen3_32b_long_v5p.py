@@ -12,5 +12,5 @@ from jaxrl_async.recipes import qwen3_math_rl_long
 
 
 def get_config():
-    return qwen3_math_rl_long("qwen3-32b", layout="v5p-64-cp4", max_concurrent_decodes=256, num_pages=40960,
+    return qwen3_math_rl_long("qwen3-32b", layout="v5p-64-cp4", max_concurrent_decodes=256, num_pages=4 * 40960,
                               tokens_per_micro=4 * 32768)

@@ -15,5 +15,5 @@ from jaxrl_async.recipes import qwen3_math_rl_long
 
 
 def get_config():
-    return qwen3_math_rl_long("qwen3-8b", layout="h200x8", max_concurrent_decodes=96, num_pages=65536,
+    return qwen3_math_rl_long("qwen3-8b", layout="h200x8", max_concurrent_decodes=96, num_pages=3 * 65536,
                               tokens_per_micro=2 * 32768)

@@ -11,5 +11,5 @@ from jaxrl_async.recipes import qwen3_math_rl_long
 
 
 def get_config():
-    return qwen3_math_rl_long("qwen3-8b", layout="h100x8-tp2-cp2", max_concurrent_decodes=64, num_pages=32768,
+    return qwen3_math_rl_long("qwen3-8b", layout="h100x8-tp2-cp2", max_concurrent_decodes=64, num_pages=2 * 32768,
                               tokens_per_micro=2 * 32768)

@@ -469,7 +469,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
         model_cfg.dtype)
     if S % gen_mesh.shape.get("data", 1):
         notes.append(f"rollout.engine.max_concurrent_decodes={S} is not a multiple of the generator's data axis "
-                     f"({gen_mesh.shape.get('data', 1)}): the decode batch is replicated, not split")
+                     f"({gen_mesh.shape.get('data', 1)}): the decode batch and the KV pool are replicated, not split")
 
     # -- weight push ----------------------------------------------------------------------------------
     shapes = jax.tree.map(lambda s: s.shape, param_shapes(gen_cfg))
@@ -550,6 +550,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
             "mesh": dict(gen_mesh.shape), "decode_slots": S, "max_sequence_length": e.max_sequence_length,
             "page_size": e.page_size, "num_pages": num_pages, "max_pages_per_seq": max_pages,
             "full_length_slots": num_pages // max_pages, "kv_bytes_per_token": kv_per_token,
+            "kv_replicas": engine_res.kv_replicas,
             "prefill_bucket": bucket, "param_dtype": gen_cfg.param_dtype,
             "params_bytes": gen_params, "kv_cache_bytes": kv_bytes, "slot_state_bytes": slot_bytes,
             "incoming_weights_bytes": gen_incoming, "decode_transient_bytes": dec_mem.transient_bytes,
@@ -640,9 +641,10 @@ def suggestions(cfg, r: dict[str, Any]) -> list[str]:
             t_need = tensor * (1 << max(1, math.ceil(math.log2(weights / (0.5 * budget)))))
             out.append(f"tensor parallelism for the generator: weights take {gib(weights)} per device while a push "
                        f"lands; mesh.generator.shape with tensor={t_need} (now {tensor}) divides them and the KV cache")
-        page_b = g["kv_cache_bytes"] // max(1, g["num_pages"])
+        replicas = g.get("kv_replicas", 1)  # the pool's pages split over data: a device holds 1/replicas of them
+        page_b = g["kv_cache_bytes"] * replicas // max(1, g["num_pages"])
         if page_b and budget > fixed:
-            pages_fit = int((budget - fixed) // page_b)
+            pages_fit = int((budget - fixed) // page_b) * replicas
             data = g["mesh"].get("data", 1)
             slots_fit = pages_fit // g["max_pages_per_seq"]
             slots_fit -= slots_fit % data
@@ -652,8 +654,8 @@ def suggestions(cfg, r: dict[str, Any]) -> list[str]:
                        f"rollout.engine.num_pages={pages_fit} (the engine preempts and re-prefills when pages run "
                        f"out), or shorten rollout.sampling.max_new_tokens")
         if tensor < r["model"]["kv_heads"] and g["kv_cache_bytes"] > 0.25 * budget:
-            out.append(f"the KV cache splits over kv heads only: tensor up to {r['model']['kv_heads']} divides it; "
-                       f"the data axis replicates it (one pool per engine, not per replica)")
+            out.append(f"the KV cache splits over kv heads: tensor up to {r['model']['kv_heads']} divides it (its "
+                       f"pages split over data already, {replicas} replica(s))")
     return out
 
 
@@ -692,7 +694,8 @@ def format_plan(r: dict[str, Any]) -> str:
     row(f"parameters ({g['param_dtype']})", g["params_bytes"])
     row("incoming weights (one push)", g["incoming_weights_bytes"])
     row("KV cache", g["kv_cache_bytes"], f"{g['kv_bytes_per_token'] / 1024:.0f} KiB/token/device, "
-        f"{g['full_length_slots']} full-length slots")
+        f"{g['full_length_slots']} full-length slots"
+        + (f", pages split over {g['kv_replicas']} data replicas" if g.get("kv_replicas", 1) > 1 else ""))
     row("slot state", g["slot_state_bytes"])
     row("decode step temporaries", g["decode_transient_bytes"])
     row(f"prefill ({g['prefill_bucket']} tokens) temporaries", g["prefill_transient_bytes"])

@@ -136,7 +136,8 @@ def qwen3_math_rl_long(size: str, *, layout: str, max_concurrent_decodes: int, n
     32,768 tokens (one row per trainer data shard per micro-batch at ``tokens_per_micro`` = 32,768 x shards).
 
     The generator's KV pool is sized by ``num_pages`` (pages of 16 tokens, allocated on demand: decode slots do
-    not reserve full-length sequences; the orchestrator preempts when the pool runs out) instead of slots x
+    not reserve full-length sequences; the orchestrator preempts when the pool runs out; the pages split over
+    the generator's data replicas, so each replica holds num_pages / data of them) instead of slots x
     full length, which at 32k tokens would be 8-16x the memory. Attention is ``auto`` (splash on TPU, the
     Pallas-Triton kernel on GPU): at these lengths the T x T scores of ``xla`` alone exceed a device.
     """

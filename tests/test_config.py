@@ -1,7 +1,6 @@
 """Run config: typed overrides, field-named errors, device split, config files, JSON round trip."""
 import dataclasses
 import json
-import os
 from typing import Literal, Optional
 
 import pytest
@@ -88,6 +87,8 @@ def test_overrides_from_the_issue_and_nested_components():
     (["mesh.num_generator_devices=8"], "mesh.num_generator_devices: must be in [1, 7] with 8 devices, got 8"),
     (["mesh.generator.devices=0,1", "mesh.trainer.devices=1,2"], "mesh.trainer.devices: devices [1] are also generator"),
     (["rollout.engine.max_sequence_length=1024"], "rollout.engine.max_sequence_length: 1024 exceeds model.max_position_embeddings=512"),
+    (["mesh.generator.shape=2,-1", "rollout.engine.num_pages=99"],
+     "rollout.engine.num_pages: 99 pages do not split over the generator's 2 data replicas"),
 ])
 def test_errors_name_the_field(overrides, message):
     assert message in err(lambda: validate(apply_overrides(RunConfig(), overrides), num_devices=8))

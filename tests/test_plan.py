@@ -87,14 +87,16 @@ def test_plan_qwen3_0_6b_on_8_devices_matches_hand_calculation():
     layout = LAYOUTS["h100x8"]
     fsdp = dict(zip(layout.trainer_axes, layout.trainer_shape))["fsdp"]
     tensor = dict(zip(layout.generator_axes, layout.generator_shape))["tensor"]
+    data = dict(zip(layout.generator_axes, layout.generator_shape)).get("data", 1)
     t, g = r["trainer"], r["generator"]
     assert close(t["params_bytes"], 4 * P / fsdp)  # fp32 master weights, FSDP-sharded
     assert close(t["optimizer_state_bytes"], 2 * 4 * P / fsdp)  # Adam mu + nu in fp32
     assert close(g["params_bytes"], 2 * P / tensor)  # bf16 generator weights
     e = cfg.rollout.engine
     pages = e.max_concurrent_decodes * math.ceil(e.max_sequence_length / e.page_size)
-    kv = 2 * m.num_layers * (m.num_kv_heads // tensor) * m.head_dim * 2 * pages * e.page_size
-    assert close(g["kv_cache_bytes"], kv)
+    # bf16 pool, kv heads over tensor, pages over data (each decode replica holds its own)
+    kv = 2 * m.num_layers * (m.num_kv_heads // tensor) * m.head_dim * 2 * pages * e.page_size / data
+    assert close(g["kv_cache_bytes"], kv) and g["kv_replicas"] == data
     assert close(r["weight_push"]["new_weights_total_bytes"], 2 * P * layout.num_generator_devices)
     # executables were compiled and their arguments account for what memory_analysis reports
     for name in ("train_step", "proximal_logprobs", "decode_step", "prefill"):

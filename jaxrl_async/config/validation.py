@@ -226,7 +226,13 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
                  "(set mesh.colocate=true to time-share)")
         _require(len(gen) >= 1, "mesh.generator.devices", "the generator has no device")
         _require(len(trn) >= 1, "mesh.trainer.devices", "the trainer has no device")
-    _resolve_shape(m.generator.shape, len(gen), "mesh.generator.shape")
+    gshape = _resolve_shape(m.generator.shape, len(gen), "mesh.generator.shape")
+    en = cfg.rollout.engine
+    gdata = gshape[m.generator.axis_names.index("data")] if "data" in m.generator.axis_names else 1
+    if gdata > 1 and en.max_concurrent_decodes % gdata == 0 and en.num_pages is not None:
+        _require(en.num_pages % gdata == 0, "rollout.engine.num_pages",
+                 f"{en.num_pages} pages do not split over the generator's {gdata} data replicas (each owns an "
+                 f"equal range of the KV pool): use a multiple of {gdata}")
     tshape = _resolve_shape(m.trainer.shape, len(trn), "mesh.trainer.shape")
     if "context" in m.trainer.axis_names:
         cp = tshape[m.trainer.axis_names.index("context")]

@@ -41,10 +41,13 @@ the orchestrator preempts (releases and later re-prefills) a slot and retries. T
 of one prefill share its full prompt pages (reference counted, see `kv_cache`).
 
 Sharding: params on `model_shardings(cfg, mesh, "generator")` (`place_params`), the pool
-kv-heads over `tensor` where divisible, the decode batch over `data` where divisible. The
-pool's pages are replicated over `data` (GENERATOR_RULES maps `cache_pages` to no axis), so
-`data` splits the decode compute, not the cache memory; per-replica page ranges (a
-shard_map over `data`) are the step that would split it.
+kv-heads over `tensor` where divisible, the decode batch over `data` where divisible. When the
+slots split over `data` (D decode replicas, S/D slots each), so does the pool: replica r owns
+pages [r P/D, (r+1) P/D) of it (per-device KV bytes = pool / D), allocated by its own host
+allocator (`kv_cache.ReplicaAllocators`); page tables hold replica-local ids, and the decode
+attention and prompt writes run per shard (`shard_map`), so no page crosses devices. The
+samples of one prefill share prompt pages within a replica (`order_free_slots` keeps a group
+together); an `OutOfPagesError` names the short replica's slots (`pool_of`).
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class PagedPrefix(Prefix):
 class HostSlots:
     """Host mirror of the slots (what page allocation needs) and the page allocator."""
 
-    alloc: kv_cache.PageAllocator
+    alloc: kv_cache.ReplicaAllocators  # one page allocator per decode replica
     live: np.ndarray  # [S] bool: inserted, not released
     done: np.ndarray  # [S] bool: known finished (max_new / length on host, stop ids after a refresh)
     pos: np.ndarray  # [S] int: position of the last sampled token
@@ -108,10 +111,10 @@ class HostSlots:
     num_pages: np.ndarray  # [S] int: pages held
 
     @classmethod
-    def empty(cls, num_pages: int, num_slots: int) -> "HostSlots":
+    def empty(cls, num_pages: int, num_slots: int, replicas: int = 1) -> "HostSlots":
         z = lambda dt: np.zeros(num_slots, dt)  # noqa: E731
-        return cls(kv_cache.PageAllocator(num_pages, num_slots), z(bool), z(bool), z(np.int64), z(np.int64),
-                   z(np.int64), z(np.int64))
+        return cls(kv_cache.ReplicaAllocators(num_pages, num_slots, replicas), z(bool), z(bool), z(np.int64),
+                   z(np.int64), z(np.int64), z(np.int64))
 
 
 @dataclasses.dataclass
@@ -168,11 +171,15 @@ def sample_first_fn(logits: jax.Array, rows, temperature, top_k, top_p, seed, sa
     return sampling.sample(jnp.take(logits, rows, axis=0), temperature, top_k, top_p, seed, sample_index, position)
 
 
-def insert_fn(arrays, k, v, dest_pages, dest_offsets, page_row, slot, ints, floats, seed, stop_row, *,
-              layout: paged_attention.PoolLayout):
-    """Write the prompt k/v to (`dest_pages`, `dest_offsets`) and set slot `slot`'s row (ints in _SLOT_INTS order)."""
+def insert_fn(arrays, k, v, dest_pages, dest_offsets, page_row, slot, ints, floats, seed, stop_row, replica, *,
+              layout: paged_attention.PoolLayout, mesh: Mesh | None = None, pages_axis: str | None = None,
+              kv_axis=None):
+    """Write the prompt k/v to (`dest_pages`, `dest_offsets`: local page ids of decode replica `replica`) and set
+    slot `slot`'s row (ints in _SLOT_INTS order)."""
     out = dict(arrays)
-    out.update(layout.write_prefix({key: arrays[key] for key in layout.keys}, k, v, dest_pages, dest_offsets))
+    out.update(paged_attention.write_prefix_on_replica(
+        layout, {key: arrays[key] for key in layout.keys}, k, v, dest_pages, dest_offsets, replica, mesh=mesh,
+        pages_axis=pages_axis, kv_axis=kv_axis))
     out["page_table"] = arrays["page_table"].at[slot].set(page_row)
     for i, name in enumerate(_SLOT_INTS):
         val = ints[i] if name != "done" else ints[i] != 0
@@ -194,11 +201,13 @@ def release_fn(arrays, slot, *, null_page: int):
 
 
 def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int,
-                   null_page: int, attention: str = "blocked", block_pages: int = 8, kernel_options=None):
+                   null_page: int, attention: str = "blocked", block_pages: int = 8, kernel_options=None,
+                   pages_axis: str | None = None):
     """One token for every slot. new_pages [S]: page to map at index pos // page_size (-1: none).
 
     attention: the decode attention (`paged_attention.DECODE_ATTENTION`; its pool layout names the pool
-    arrays); "blocked" reads blocks of `block_pages` pages up to the longest active slot.
+    arrays); "blocked" reads blocks of `block_pages` pages up to the longest active slot. Page ids are local
+    to the slot's decode replica (`pages_axis`: the pool's pages split over it; `null_page` = pages per replica).
 
     Returns (arrays, (tokens, logprobs, valid, done)); see the module doc for the bookkeeping.
     """
@@ -212,7 +221,8 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     pt = pt.at[rows, j].set(jnp.where(new_pages >= 0, new_pages, pt[rows, j]))
     write_pages = jnp.where(active, pt[rows, j], null)
     attend = paged_attention.decode_attend(attention, pt, pos, active, write_pages, page_size, cfg.head_dim ** -0.5,
-                                           block_pages=block_pages, kernel_options=kernel_options)
+                                           block_pages=block_pages, kernel_options=kernel_options,
+                                           pages_axis=pages_axis)
     keys = paged_attention.layout_for(attention).keys
     hidden, pools = forward(params, cfg, arrays["last_token"][:, None], pos[:, None], attend,
                             tuple(arrays[k] for k in keys))
@@ -319,17 +329,30 @@ class PagedEngine(Engine):
         logger.info("PagedEngine: decode attention %r (requested %r, platform %s), block of %d pages",
                     self.attention, attention, self.mesh.devices.flat[0].platform, self.decode_block_pages)
         self.param_shardings = model_shardings(cfg, self.mesh, "generator")
+        # decode replicas: when the slots split over `data`, so do the pool's pages (one range per replica)
+        slot_ax = logical_to_spec(("batch",), (self._S,), "generator", self.mesh)[0]
+        self.pages_axis = slot_ax if isinstance(slot_ax, str) and self.mesh.shape[slot_ax] > 1 else None
+        self.kv_replicas = self.mesh.shape[self.pages_axis] if self.pages_axis else 1
         spec_kw = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                        page_size=self.page_size, max_pages_per_seq=self.max_pages_per_seq, dtype=cfg.dtype)
         if num_pages is None:
             self.sizing = kv_cache.auto_num_pages(spec_kw, cfg, self.mesh, self.param_shardings, max_slots=self._S,
                                                   max_prefill=buckets[-1], max_seq=self._max_seq,
                                                   fraction=cache_memory_fraction,
-                                                  reserve_weight_push=reserve_weight_push)
+                                                  reserve_weight_push=reserve_weight_push,
+                                                  replicas=self.kv_replicas)
             num_pages = self.sizing.num_pages
         else:
+            if int(num_pages) % self.kv_replicas:
+                raise ValueError(f"num_pages={num_pages} must be a multiple of the {self.kv_replicas} decode replicas "
+                                 f"(the generator mesh's {self.pages_axis!r} axis: each owns an equal range of pages)")
             self.sizing = kv_cache.SizingReport(int(num_pages), "explicit", 0, 0, 0, 0, 0)
         self.cache_spec = kv_cache.KVCacheSpec(num_pages=int(num_pages), **spec_kw)
+        self.pages_per_replica = self.cache_spec.num_pages // self.kv_replicas
+        self.null_page = self.pages_per_replica  # page tables hold replica-local ids; one past the end = null
+        if self.kv_replicas > 1:
+            logger.info("PagedEngine: KV pool split over %r: %d replicas x %d pages (%d slots each)", self.pages_axis,
+                        self.kv_replicas, self.pages_per_replica, self._S // self.kv_replicas)
         self._prefix_ids = itertools.count()
         self._build_shardings()
         self._build_functions()
@@ -340,7 +363,7 @@ class PagedEngine(Engine):
 
     def _build_shardings(self) -> None:
         S, ms = self._S, self.max_stop_tokens
-        pool_sh = self.layout.shardings(self.cache_spec, self.mesh)
+        pool_sh = self.layout.shardings(self.cache_spec, self.mesh, pages_axis=self.pages_axis)
         self.pool_sharding = pool_sh[self.layout.keys[0]]
         self.slot_sharding = self._named(("batch",), (S,))
         row2 = self._named(("batch", None), (S, ms))
@@ -365,15 +388,18 @@ class PagedEngine(Engine):
         kv_zeros = lambda T: (jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), cfg.dtype),) * 2  # noqa: E731
         self._kv_zeros = jax.jit(kv_zeros, static_argnums=0, out_shardings=(kv_sh, kv_sh))
         self._sample_first = jax.jit(sample_first_fn)
-        null = self.cache_spec.null_page
-        self._insert = jax.jit(functools.partial(insert_fn, layout=self.layout),
+        null = self.null_page
+        kv_axis = self.pool_sharding.spec[self.layout.head_axis]
+        self._insert = jax.jit(functools.partial(insert_fn, layout=self.layout, mesh=self.mesh,
+                                                 pages_axis=self.pages_axis, kv_axis=kv_axis),
                                donate_argnums=0, out_shardings=ss)
         self._release = jax.jit(functools.partial(release_fn, null_page=null), donate_argnums=0, out_shardings=ss)
         step_out = (ss, (self.slot_sharding,) * 4)
         self._step = jax.jit(traced(functools.partial(decode_step_fn, cfg=cfg, page_size=self.page_size,
                                                       max_seq=self._max_seq, null_page=null, attention=self.attention,
                                                       block_pages=self.decode_block_pages,
-                                                      kernel_options=self.kernel_options)),
+                                                      kernel_options=self.kernel_options,
+                                                      pages_axis=self.pages_axis)),
                              donate_argnums=1, out_shardings=step_out)
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
         self._no_new_pages = None  # put on the devices at the first step (the engine builds on compile-only meshes)
@@ -412,14 +438,28 @@ class PagedEngine(Engine):
         return self.cache_spec.num_pages
 
     def free_pages(self, state: DecodeState) -> int:
+        """Free pages of all decode replicas (one sequence takes its pages from its slot's replica: an insert
+        that its replica cannot hold raises `OutOfPagesError`; `order_free_slots` puts the emptiest first)."""
         return state.host.alloc.num_free
+
+    def pool_of(self, slot: int) -> int:
+        """The decode replica (page pool) of `slot`."""
+        return int(slot) // (self._S // self.kv_replicas)
+
+    def order_free_slots(self, state: DecodeState, slots: Sequence[int]) -> list[int]:
+        """`slots` with those of the replicas with the most free pages first (a group's samples then land on one
+        replica and share its prompt pages); the order within a replica is kept."""
+        if self.kv_replicas == 1:
+            return list(slots)
+        free = [a.num_free for a in state.host.alloc.allocs]
+        return sorted(slots, key=lambda s: (-free[self.pool_of(s)], self.pool_of(s)))
 
     def pages_needed(self, num_tokens: int) -> int:
         return kv_cache.pages_for(num_tokens, self.page_size)
 
     # -- state ----------------------------------------------------------------------------
     def _init_arrays(self) -> dict[str, jax.Array]:
-        S, ms, maxp, null = self._S, self.max_stop_tokens, self.max_pages_per_seq, self.cache_spec.null_page
+        S, ms, maxp, null = self._S, self.max_stop_tokens, self.max_pages_per_seq, self.null_page
         z = lambda dt: jnp.zeros((S,), dt)  # noqa: E731
         return {**self.layout.zeros(self.cache_spec), "page_table": jnp.full((S, maxp), null, jnp.int32),
                 "stop_ids": jnp.full((S, ms), -1, jnp.int32), "pos": z(jnp.int32), "last_token": z(jnp.int32),
@@ -428,7 +468,7 @@ class PagedEngine(Engine):
                 "top_p": jnp.ones((S,), jnp.float32), "seed": z(jnp.uint32)}
 
     def init_decode_state(self) -> DecodeState:
-        return DecodeState(self._init(), HostSlots.empty(self.cache_spec.num_pages, self._S))
+        return DecodeState(self._init(), HostSlots.empty(self.cache_spec.num_pages, self._S, self.kv_replicas))
 
     # -- prefill --------------------------------------------------------------------------
     def _validate_sampling(self, sp: SamplingParams) -> None:
@@ -548,7 +588,7 @@ class PagedEngine(Engine):
 
     def _insert_samples(self, prefix: Prefix, state: DecodeState, items: list[tuple[int, int]]) -> DecodeState:
         kv: PrefixKV = prefix.kv
-        host, alloc = state.host, state.host.alloc
+        host, allocs = state.host, state.host.alloc
         n = len(prefix.first_tokens)
         slots = [s for s, _ in items]
         if len(set(slots)) != len(slots):
@@ -562,14 +602,22 @@ class PagedEngine(Engine):
                 raise ValueError(f"insert: sample {k} out of range, the prefix has {n} samples")
         P_len, ps = prefix.length, self.page_size
         full, has_tail = P_len // ps, P_len % ps > 0
-        shared = alloc.prefix_pages.get(kv.prefix_id) if full > 0 else ()
-        need = (full if shared is None else 0) + len(items) * int(has_tail)
-        if need > alloc.num_free:
-            alloc.allocate(need, slots)  # raises OutOfPagesError, nothing changed
-        write_full = shared is None
-        if write_full:
-            shared = tuple(alloc.allocate(full, slots))
-            alloc.register_prefix(kv.prefix_id, shared)
+        by_replica: dict[int, list[int]] = {}
+        for s in slots:
+            by_replica.setdefault(allocs.replica(s), []).append(s)
+        shared_of: dict[int, tuple[int, ...] | None] = {}
+        for r, rs in by_replica.items():  # all-or-nothing: check every replica before allocating anything
+            alloc = allocs.allocs[r]
+            shared_of[r] = alloc.prefix_pages.get(kv.prefix_id) if full > 0 else ()
+            need = (full if shared_of[r] is None else 0) + len(rs) * int(has_tail)
+            if need > alloc.num_free:
+                alloc.allocate(need, rs)  # raises OutOfPagesError, nothing changed
+        written = set()  # replicas whose full prompt pages this call writes
+        for r, shared in shared_of.items():
+            if shared is None:
+                shared_of[r] = tuple(allocs.allocs[r].allocate(full, by_replica[r]))
+                allocs.allocs[r].register_prefix(kv.prefix_id, shared_of[r])
+                written.add(r)
         sp = prefix.sampling
         stop_row = np.full(self.max_stop_tokens, -1, np.int32)
         stop_row[:len(sp.stop_token_ids)] = sp.stop_token_ids
@@ -579,15 +627,20 @@ class PagedEngine(Engine):
         t = np.arange(kv.bucket) - kv.offset  # position of buffer token in this prompt (< 0: another prompt's)
         t_page = np.maximum(t, 0)
         dest_offsets = (t_page % ps).astype(np.int32)
-        for i, (s, k) in enumerate(items):
-            if i > 0 or not write_full:
+        null = self.null_page
+        for s, k in items:
+            r = allocs.replica(s)
+            alloc, shared = allocs.allocs[r], shared_of[r]
+            first_here = r in written
+            if not first_here:
                 alloc.share(shared)
+            written.discard(r)  # the replica's later samples share the pages this one writes
             pages = list(shared) + (alloc.allocate(1, [s]) if has_tail else [])
             alloc.slot_pages[s] = pages
-            page_of_t = np.asarray(pages + [self.cache_spec.null_page], np.int32)[np.minimum(t_page // ps, len(pages))]
-            lo = 0 if (i == 0 and write_full) else full * ps
-            dest = np.where((t >= lo) & (t < P_len), page_of_t, self.cache_spec.null_page).astype(np.int32)
-            page_row = np.full(self.max_pages_per_seq, self.cache_spec.null_page, np.int32)
+            page_of_t = np.asarray(pages + [null], np.int32)[np.minimum(t_page // ps, len(pages))]
+            lo = 0 if first_here else full * ps
+            dest = np.where((t >= lo) & (t < P_len), page_of_t, null).astype(np.int32)
+            page_row = np.full(self.max_pages_per_seq, null, np.int32)
             page_row[:len(pages)] = pages
             tok = int(prefix.first_tokens[k])
             done = bool(first_done[k]) if first_done is not None else (
@@ -595,28 +648,35 @@ class PagedEngine(Engine):
             ints = np.asarray([P_len, tok, 1, sp.max_new_tokens, sp.top_k, prefix.sample_indices[k], int(done)],
                               np.int32)
             arrays = self._insert(arrays, kv.k, kv.v, dest, dest_offsets, page_row, np.int32(s), ints, floats,
-                                  np.uint32(sp.seed), stop_row)
+                                  np.uint32(sp.seed), stop_row, np.int32(r))
             host.live[s], host.done[s], host.pos[s] = True, done, P_len
             host.num_generated[s], host.max_new[s], host.num_pages[s] = 1, sp.max_new_tokens, len(pages)
         return DecodeState(arrays, host)
 
     # -- generate -------------------------------------------------------------------------
     def _grow(self, state: DecodeState) -> jax.Array:
-        """Map a new page for every active slot whose next write starts one; raise before changing anything."""
+        """Map a new page for every active slot whose next write starts one (from its replica's pages); raise
+        before changing anything if a replica is short."""
         h = state.host
         need = h.live & ~h.done & (h.pos // self.page_size >= h.num_pages)
         if not need.any():
             if self._no_new_pages is None:
                 self._no_new_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
             return self._no_new_pages
-        if need.sum() > h.alloc.num_free:
+        per = self._S // self.kv_replicas
+        counts = need.reshape(self.kv_replicas, per).sum(axis=1)
+        if any(c > a.num_free for c, a in zip(counts, h.alloc.allocs)):
             h.done |= np.asarray(state.arrays["done"]) & h.live  # stop ids are only known on the device
             need &= ~h.done
         slots = np.flatnonzero(need)
-        pages = h.alloc.allocate(len(slots), slots.tolist())
+        for r, a in enumerate(h.alloc.allocs):
+            rs = slots[slots // per == r].tolist()
+            if len(rs) > a.num_free:
+                a.allocate(len(rs), rs)  # raises OutOfPagesError (.slots: that replica's), nothing changed
         new_pages = np.full(self._S, -1, np.int32)
-        for s, p in zip(slots, pages):
-            h.alloc.slot_pages[s].append(p)
+        for s in slots:
+            (p,) = h.alloc.of(s).allocate(1, [int(s)])
+            h.alloc.of(s).slot_pages[s].append(p)
             new_pages[s] = p
         h.num_pages[slots] += 1
         return jax.device_put(new_pages, self.slot_sharding)

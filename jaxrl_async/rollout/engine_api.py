@@ -190,3 +190,12 @@ class Engine(abc.ABC):
 
     def pages_needed(self, num_tokens: int) -> int:
         return 0
+
+    def pool_of(self, slot: int) -> int:
+        """The page pool (decode replica) `slot` takes its pages from; engines with one pool: 0."""
+        return 0
+
+    def order_free_slots(self, state: Any, slots: Sequence[int]) -> list[int]:
+        """Free `slots` in the order new sequences should take them (e.g. the pool with the most free pages
+        first); default: as given."""
+        return list(slots)

@@ -193,8 +193,10 @@ def _incoming_push_bytes(cfg: ModelConfig, shardings: Any, pbytes: int) -> int:
 
 def auto_num_pages(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardings: Any, *, max_slots: int,
                    max_prefill: int, max_seq: int, fraction: float,
-                   reserve_weight_push: bool = False) -> SizingReport:
-    """Number of pages that fit the generator mesh (formula in the module doc)."""
+                   reserve_weight_push: bool = False, replicas: int = 1) -> SizingReport:
+    """Number of pages that fit the generator mesh (formula in the module doc). With `replicas` > 1 (the pool's
+    pages split over the generator's `data` axis, one range per replica) each device holds 1/replicas of the
+    pool: the page count is `replicas` x what fits one device, a multiple of `replicas`."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"cache_memory_fraction must be in (0, 1], got {fraction}")
     probe = KVCacheSpec(num_pages=1, **spec_wo_pages)
@@ -202,7 +204,7 @@ def auto_num_pages(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shar
     page_b = probe.page_bytes(shards)
     limit, in_use, source = device_memory(list(mesh.devices.flat))
     pbytes = param_bytes_per_device(cfg, param_shardings)
-    ws = workspace_bytes(cfg, max_slots, max_prefill, max_seq, shards)
+    ws = workspace_bytes(cfg, max_slots // replicas, max_prefill, max_seq, shards)
     incoming = _incoming_push_bytes(cfg, param_shardings, pbytes) if reserve_weight_push else 0
     budget = fraction * (limit - max(in_use, pbytes) - incoming) - ws
     n = int(budget // page_b) if budget > 0 else 0
@@ -213,7 +215,7 @@ def auto_num_pages(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shar
             f"params {pbytes / 2**20:.1f} MiB, incoming weights {incoming / 2**20:.1f} MiB, workspace "
             f"{ws / 2**20:.1f} MiB, fraction {fraction}) hold {n} pages of "
             f"{page_b} B, fewer than the {need_one} pages of one max_sequence_length={max_seq} sequence")
-    n = min(n, max_slots * probe.max_pages_per_seq)
+    n = min(n, (max_slots // replicas) * probe.max_pages_per_seq) * replicas
     return SizingReport(n, source, limit, in_use, pbytes, ws, page_b, incoming)
 
 
@@ -290,6 +292,65 @@ class PageAllocator:
         free = sorted(self._free)
         if free != sorted(np.flatnonzero(counts == 0).tolist()) or len(set(free)) != len(free):
             raise AssertionError("PageAllocator: free list does not match unreferenced pages")
+
+
+class ReplicaAllocators:
+    """One `PageAllocator` per decode replica (the pool's pages split over the generator's `data` axis).
+
+    Slot s belongs to replica ``s // (num_slots / replicas)`` (the decode batch is split over `data` in
+    contiguous blocks) and takes its pages from that replica's allocator, whose ids are *local* to the
+    replica's shard of the pool (``[0, pages_per_replica)``; the page table holds local ids and the null page is
+    ``pages_per_replica``). Shared prompt pages are per replica: the samples of a prefill on two replicas each
+    get their own copy. With one replica this is a plain `PageAllocator`.
+    """
+
+    def __init__(self, num_pages: int, num_slots: int, replicas: int = 1):
+        if replicas < 1 or num_pages % replicas or num_slots % replicas:
+            raise ValueError(f"ReplicaAllocators: {num_pages} pages and {num_slots} slots must split over "
+                             f"{replicas} replicas")
+        self.replicas = int(replicas)
+        self.pages_per_replica = num_pages // replicas
+        self.slots_per_replica = num_slots // replicas
+        self.allocs = [PageAllocator(self.pages_per_replica, num_slots) for _ in range(replicas)]
+
+    def replica(self, slot: int) -> int:
+        return int(slot) // self.slots_per_replica
+
+    def of(self, slot: int) -> PageAllocator:
+        return self.allocs[self.replica(slot)]
+
+    @property
+    def slot_pages(self) -> list[list[int]]:
+        """Every slot's page list (local ids of its replica), in slot order; the lists are the allocators' own."""
+        return [self.of(s).slot_pages[s] for s in range(self.slots_per_replica * self.replicas)]
+
+    @property
+    def prefix_pages(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """(replica, prefix id) -> shared prompt pages, over all replicas."""
+        return {(r, pid): pages for r, a in enumerate(self.allocs) for pid, pages in a.prefix_pages.items()}
+
+    @property
+    def num_free(self) -> int:
+        """Free pages of all replicas together."""
+        return sum(a.num_free for a in self.allocs)
+
+    @property
+    def max_free(self) -> int:
+        """Free pages of the emptiest replica: the most one new sequence can get."""
+        return max(a.num_free for a in self.allocs)
+
+    def free_of(self, slot: int) -> int:
+        return self.of(slot).num_free
+
+    def release_slot(self, slot: int) -> None:
+        self.of(slot).release_slot(slot)
+
+    def check(self) -> None:
+        for r, a in enumerate(self.allocs):
+            foreign = [s for s, pages in enumerate(a.slot_pages) if pages and self.replica(s) != r]
+            if foreign:
+                raise AssertionError(f"ReplicaAllocators: replica {r} holds pages of other replicas' slots {foreign}")
+            a.check()
 
 
 # ---------------------------------------------------------------------------------------

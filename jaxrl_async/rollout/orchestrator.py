@@ -443,7 +443,9 @@ class Generator:
         self._live -= 1
 
     def _free_slots(self) -> list[int]:
-        return [i for i, o in enumerate(self._slot_owner) if o is None]
+        """Free slots in the engine's preferred order (`Engine.order_free_slots`: e.g. the decode replica with
+        the most free pages first)."""
+        return self.engine.order_free_slots(self._state, [i for i, o in enumerate(self._slot_owner) if o is None])
 
     def _append(self, s: _Sample, token: int, logprob: float, version: int, engine_done: bool) -> str | None:
         s.tokens.append(token)
@@ -679,7 +681,10 @@ class Generator:
         self._admission_paused = True
         if self._live < live_before or not self._live:
             return  # finished sequences freed pages: retry first
-        victims = sorted((s for s in self._slot_owner if s is not None), key=lambda s: -s.admit_seq)
+        # the newest sequence, preferably one of the page pool(s) that ran short (`Engine.pool_of`)
+        short = {self.engine.pool_of(slot) for slot in (getattr(err, "slots", None) or ())}
+        victims = sorted((s for s in self._slot_owner if s is not None),
+                         key=lambda s: (bool(short) and self.engine.pool_of(s.slot) not in short, -s.admit_seq))
         fits = [s for s in victims if len(s.request.prompt) + len(s.tokens) <= self.engine.max_reprefill_length]
         if self._live == 1 or not fits:
             s = victims[0]

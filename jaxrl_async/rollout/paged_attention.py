@@ -18,8 +18,10 @@ attention         pool arrays (layout)                            reads per deco
 The kernels see the pool of all layers as one page array (a free reshape to ``[L*P, ...]``) and layer
 l's pages as ``page_table + l * P``, so no per-layer slice of the pool is ever copied; per-slot
 lengths are ``pos + 1`` for active slots and 1 for free or finished ones (their output is discarded).
-On a mesh the kernels run per shard (``jax.shard_map``): slots over ``data`` where the decode batch is
-split, kv heads over ``tensor`` where the pool's are. The portable paths run anywhere; a kernel path
+On a mesh every path runs per shard (``jax.shard_map``): slots over ``data`` where the decode batch is
+split, kv heads over ``tensor`` where the pool's are, and, when the slots split over ``data``, the pool's
+pages too: each decode replica owns a range of pages (local page ids, its own allocator in
+`kv_cache.ReplicaAllocators`), so per-device KV bytes = pool / data and no page crosses devices. The portable paths run anywhere; a kernel path
 traced for another platform runs in Pallas interpret mode (``gpu_paged``, for tests) or is refused.
 """
 
@@ -66,6 +68,8 @@ class PoolLayout:
             raise ValueError(f"unknown pool layout {name!r}")
         self.name = name
         self.keys = ("kv_pool",) if name == "combined" else ("k_pool", "v_pool")
+        self.head_axis = 0 if name == "heads_first" else 3
+        self.pages_dim = 2 if name == "heads_first" else 1
 
     def shapes(self, spec: kv_cache.KVCacheSpec) -> dict[str, tuple[int, ...]]:
         L, Pn, page, K, E = spec.pool_shape
@@ -73,13 +77,19 @@ class PoolLayout:
                  "heads_first": (K, L, Pn, page, E)}[self.name]
         return dict.fromkeys(self.keys, shape)
 
-    def shardings(self, spec: kv_cache.KVCacheSpec, mesh: Mesh, rules: Any = "generator") -> dict[str, NamedSharding]:
-        split = logical_to_spec(_SPLIT_AXES, spec.pool_shape, rules, mesh)  # kv heads split iff K divides
-        if self.name == "heads_first":
-            ps = P(split[3], split[0], split[1], split[2], split[4])
-        else:
-            ps = split  # combined: the 2K axis split like K keeps each (k, v) pair on one shard
-        return dict.fromkeys(self.keys, NamedSharding(mesh, ps))
+    def spec(self, pages_axis: str | None, kv_axis: Any) -> P:
+        """PartitionSpec of the pool arrays: pages over `pages_axis` (one range per decode replica), kv heads over
+        `kv_axis` (combined: the 2K axis split like K keeps each (k, v) pair on one shard)."""
+        dims: list[Any] = [None] * 5
+        dims[self.pages_dim], dims[self.head_axis] = pages_axis, kv_axis
+        return P(*dims)
+
+    def shardings(self, spec: kv_cache.KVCacheSpec, mesh: Mesh, rules: Any = "generator",
+                  pages_axis: str | None = None) -> dict[str, NamedSharding]:
+        """The pool's shardings: kv heads by the rules (split iff K divides), pages over `pages_axis` (the engine
+        passes its decode replicas' axis when the slots split over it, see `PagedEngine`)."""
+        kv_ax = logical_to_spec(_SPLIT_AXES, spec.pool_shape, rules, mesh)[3]
+        return dict.fromkeys(self.keys, NamedSharding(mesh, self.spec(pages_axis, kv_ax)))
 
     def zeros(self, spec: kv_cache.KVCacheSpec) -> dict[str, jax.Array]:
         return {k: jnp.zeros(s, spec.dtype) for k, s in self.shapes(spec).items()}
@@ -132,35 +142,92 @@ def layout_for(attention: str) -> PoolLayout:
 # ---------------------------------------------------------------------------------------
 def decode_attend(attention: str, page_table: jax.Array, positions: jax.Array, active: jax.Array,
                   write_pages: jax.Array, page_size: int, scale: float, *, block_pages: int = 8,
-                  kernel_options: dict | None = None):
-    """`attend(q [S,1,H,E], k/v [S,1,K,E], layer_idx, pools)` of `attention` (state = the layout's pool tuple)."""
-    if attention == "gather":
-        return kv_cache.paged_decode_attend(page_table, positions, write_pages, page_size, scale)
-    if attention == "blocked":
-        nblk = kv_cache.live_blocks(positions, active, block_pages * page_size)
-        return kv_cache.blocked_decode_attend(page_table, positions, write_pages, page_size, scale, nblk, block_pages)
+                  kernel_options: dict | None = None, pages_axis: str | None = None):
+    """`attend(q [S,1,H,E], k/v [S,1,K,E], layer_idx, pools)` of `attention` (state = the layout's pool tuple).
+
+    Page ids (`page_table`, `write_pages`) index the pool shard of the slot's replica: with `pages_axis`
+    (the pool's pages split over that mesh axis, one range per decode replica, as the slots are) every shard
+    writes and reads only its own pages inside one `shard_map`, so no page crosses devices; the blocked loop's
+    trip count is then each replica's own longest active slot. Without an active mesh the local function runs
+    directly (one device, or a caller outside the engine)."""
     opts = dict(kernel_options or {})
     layout = layout_for(attention)
-    offsets = positions % page_size
-    kv_lens = jnp.where(active, positions + 1, 1).astype(jnp.int32)
 
-    def attend(q, k, v, layer_idx, state):
-        state = layout.write_token(state, layer_idx, write_pages, offsets, k[:, 0], v[:, 0])
+    def local(q, k, v, layer_idx, pools, pt, pos, act, wp):
+        if attention == "gather":
+            return kv_cache.paged_decode_attend(pt, pos, wp, page_size, scale)(q, k, v, layer_idx, pools)
+        if attention == "blocked":
+            nblk = kv_cache.live_blocks(pos, act, block_pages * page_size)
+            return kv_cache.blocked_decode_attend(pt, pos, wp, page_size, scale, nblk, block_pages)(
+                q, k, v, layer_idx, pools)
+        pools = layout.write_token(pools, layer_idx, wp, pos % page_size, k[:, 0], v[:, 0])
+        kv_lens = jnp.where(act, pos + 1, 1).astype(jnp.int32)
         if attention == "tpu_ragged":
-            (pool,) = state
+            (pool,) = pools
             L, Pn = pool.shape[:2]
             flat = (pool.reshape(L * Pn, *pool.shape[2:]),)
-            head_axis = 2
+            fn = _tpu_local
         else:
-            kp, vp = state
+            kp, _ = pools
             L, Pn = kp.shape[1:3]
-            flat = tuple(a.reshape(a.shape[0], L * Pn, *a.shape[3:]) for a in state)
-            head_axis = 0
-        pages = jnp.minimum(page_table, Pn - 1) + layer_idx * Pn  # null entries past a slot's length: unread
-        out = _on_mesh(attention, q[:, 0], flat, head_axis, kv_lens, pages, scale=float(scale), **opts)
-        return out[:, None], state
+            flat = tuple(a.reshape(a.shape[0], L * Pn, *a.shape[3:]) for a in pools)
+            fn = _gpu_local
+        pages = jnp.minimum(pt, Pn - 1) + layer_idx * Pn  # null entries past a slot's length: unread
+        out = fn(q[:, 0], kv_lens, pages, *flat, scale=float(scale), **opts)
+        return out[:, None], pools
+
+    def attend(q, k, v, layer_idx, state):
+        from jaxrl_async.sharding.activations import active_activation_rules
+
+        args = (page_table, positions, active, write_pages)
+        mesh_rules = active_activation_rules()
+        if mesh_rules is None:
+            if pages_axis is not None:
+                raise ValueError("decode attention with the pool split over pages needs the engine's mesh active")
+            return local(q, k, v, layer_idx, state, *args)
+        mesh, rules = mesh_rules
+        S = q.shape[0]
+        slot_ax = logical_to_spec(("batch",), (S,), rules, mesh)[0]
+        if pages_axis is not None and slot_ax != pages_axis:
+            raise ValueError(f"the pool's pages split over {pages_axis!r} but the decode slots over {slot_ax!r}")
+        heads = state[0].shape[layout.head_axis] // (2 if layout.name == "combined" else 1)
+        kv_ax = logical_to_spec(("cache_kv_heads",), (heads,), rules, mesh)[0]
+        pool_spec = layout.spec(pages_axis, kv_ax)
+        x_spec = P(slot_ax, None, kv_ax, None)  # q (query heads grouped by kv head) and k/v
+        fn = jax.shard_map(
+            lambda q_, k_, v_, l_, pools_, *a: local(q_, k_, v_, l_, pools_, *a), mesh=mesh,
+            in_specs=(x_spec, x_spec, x_spec, P(), (pool_spec,) * len(state), P(slot_ax, None), P(slot_ax),
+                      P(slot_ax), P(slot_ax)),
+            out_specs=(x_spec, (pool_spec,) * len(state)), check_vma=False)
+        out, pools = fn(q, k, v, jnp.asarray(layer_idx, jnp.int32), tuple(state), *args)
+        return out, pools
 
     return attend
+
+
+def write_prefix_on_replica(layout: PoolLayout, pools: dict[str, jax.Array], k: jax.Array, v: jax.Array,
+                            dest_pages: jax.Array, offsets: jax.Array, replica: jax.Array, *, mesh: Mesh | None,
+                            pages_axis: str | None, kv_axis: str | None) -> dict[str, jax.Array]:
+    """`layout.write_prefix` of a prompt's k/v [L, T, K, E] into the pool shard of decode replica `replica`.
+
+    `dest_pages` are that replica's local page ids. With `pages_axis` the write runs inside a `shard_map`:
+    every shard of the pool sees the prompt (replicated over the pages axis), and the shards of other
+    replicas write nothing (their destinations become the null page); without it, a plain write."""
+    if pages_axis is None or mesh is None:
+        return layout.write_prefix(pools, k, v, dest_pages, offsets)
+    keys = layout.keys
+    pool_spec = layout.spec(pages_axis, kv_axis)
+    kv_spec = P(None, None, kv_axis, None)
+
+    def local(pools_, k_, v_, dest, off, rep):
+        null = layout.num_pages(dict(zip(keys, pools_)))
+        mine = jax.lax.axis_index(pages_axis) == rep
+        out = layout.write_prefix(dict(zip(keys, pools_)), k_, v_, jnp.where(mine, dest, null), off)
+        return tuple(out[key] for key in keys)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=((pool_spec,) * len(keys), kv_spec, kv_spec, P(), P(), P()),
+                       out_specs=(pool_spec,) * len(keys), check_vma=False)
+    return dict(zip(keys, fn(tuple(pools[key] for key in keys), k, v, dest_pages, offsets, replica)))
 
 
 def _kernel_platform() -> str:
@@ -168,30 +235,6 @@ def _kernel_platform() -> str:
 
     active = active_activation_rules()
     return active[0].devices.flat[0].platform if active is not None else jax.devices()[0].platform
-
-
-def _on_mesh(attention: str, q, pools: tuple, head_axis: int, kv_lens, pages, **opts):
-    """Run the kernel on every shard of the active mesh: slots over the decode batch's axis, kv heads
-    (and their query heads) over the pool's head axis; directly without a mesh."""
-    from jaxrl_async.sharding.activations import active_activation_rules
-
-    local = functools.partial(_tpu_local if attention == "tpu_ragged" else _gpu_local, **opts)
-    active = active_activation_rules()
-    if active is None:
-        return local(q, kv_lens, pages, *pools)
-    mesh, rules = active
-    S, H = q.shape[0], q.shape[1]
-    slot_ax = logical_to_spec(("batch",), (S,), rules, mesh)[0]
-    heads = pools[0].shape[head_axis] // (2 if attention == "tpu_ragged" else 1)
-    kv_ax = logical_to_spec(("cache_kv_heads",), (heads,), rules, mesh)[0]
-    pool_spec = [None] * pools[0].ndim
-    pool_spec[head_axis] = kv_ax
-    q_spec = P(slot_ax, kv_ax, None)
-    fn = jax.shard_map(lambda q_, l_, p_, *ps: local(q_, l_, p_, *ps), mesh=mesh,
-                       in_specs=(q_spec, P(slot_ax), P(slot_ax, None)) + (P(*pool_spec),) * len(pools),
-                       out_specs=q_spec, check_vma=False)
-    del H
-    return fn(q, kv_lens, pages, *pools)
 
 
 def _tpu_local(q, kv_lens, pages, kv_pages, *, scale: float, pages_per_block: int | None = None,

@@ -382,7 +382,7 @@ def test_sharded_engine_matches_single_device(fam):
         pytest.skip("sharding property; one family suffices")
     mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
     sharded = make_engine(cfg, mesh=mesh)
-    assert sharded.pool_sharding.spec[3] == "tensor"
+    assert sharded.pool_sharding.spec[3] == "tensor" and sharded.pool_sharding.spec[1] == "data"
     assert sharded.slot_sharding.spec[0] == "data"
     sp_params = sharded.place_params(params)
     ps = prompts(8, seed=9)
@@ -390,6 +390,59 @@ def test_sharded_engine_matches_single_device(fam):
     ref, _, _ = run(engine, params, [(p, greedy) for p in ps])
     got, _, _ = run(sharded, sp_params, [(p, greedy) for p in ps])
     assert got == ref
+
+
+def test_kv_pool_split_per_data_replica(fam):
+    """On a data=2 mesh each decode replica owns half of the pool's pages (per-device KV bytes = pool / 2) and
+    allocates them itself (local page ids): a group split over both replicas writes its prompt pages once per
+    replica, and its tokens and log-probs equal a one-device engine's; a short replica raises OutOfPagesError
+    naming its own slots while the other still admits; slots are offered emptiest replica first."""
+    family, cfg, params, engine, hf = fam
+    if family != "qwen3":
+        pytest.skip("engine-level property; one family suffices")
+    mesh = make_mesh({"data": 2, "tensor": 1}, devices=jax.devices()[:2])
+    split = make_engine(cfg, mesh=mesh, num_pages=20)
+    assert split.kv_replicas == 2 and split.pages_per_replica == 10 and split.pool_sharding.spec[1] == "data"
+    sp_params = split.place_params(params)
+    state = split.init_decode_state()
+    pool = state.arrays["k_pool"]
+    assert {sh.data.shape[1] for sh in pool.addressable_shards} == {10}  # each device holds its replica's pages
+    prompt = prompts(1, seed=3, lo=20, hi=21)[0]  # 2 full pages + a tail
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=42, n=3)
+    pre = split.prefill(sp_params, prompt, sp, num_samples=3)
+    state = split.bulk_insert(pre, state, [0, 2, 1])  # samples 0, 2 on replica 0; sample 1 on replica 1
+    allocs = state.host.alloc.allocs
+    assert [a.num_free for a in allocs] == [10 - 2 - 2, 10 - 2 - 1]  # prompt pages once per replica, tails each
+    pages = state.host.alloc.slot_pages
+    assert pages[0][:2] == pages[1][:2] and all(p < 10 for p in pages[2])  # local ids of replica 1
+    state.host.alloc.check()
+    ref_state = engine.init_decode_state()
+    ref_pre = engine.prefill(params, prompt, sp, num_samples=3)
+    ref_state = engine.bulk_insert(ref_pre, ref_state, [0, 2, 1])
+    np.testing.assert_array_equal(pre.first_tokens, ref_pre.first_tokens)
+    for _ in range(6):
+        state, step = split.generate(sp_params, state)
+        ref_state, ref = engine.generate(params, ref_state)
+        step, ref = step.to_host(), ref.to_host()
+        np.testing.assert_array_equal(step.tokens, ref.tokens)
+        np.testing.assert_allclose(step.logprobs, ref.logprobs, atol=1e-5)
+    for s in (0, 1, 2):
+        state = split.release(state, s)
+    assert split.free_pages(state) == 20 and not state.host.alloc.prefix_pages
+    # a short replica: 4 pages each, 20-token prompts take 3
+    small = make_engine(cfg, mesh=mesh, num_pages=8)
+    state = small.init_decode_state()
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    ps = prompts(3, seed=5, lo=20, hi=21)
+    state = small.insert(small.prefill(sp_params, ps[0], greedy), state, 0)
+    with pytest.raises(OutOfPagesError) as info:
+        small.insert(small.prefill(sp_params, ps[1], greedy), state, 1)
+    assert info.value.slots == (1,) and small.pool_of(1) == 0 and small.pool_of(3) == 1
+    assert small.order_free_slots(state, [1, 2, 3]) == [2, 3, 1]  # replica 1 (4 free) before replica 0 (1 free)
+    state = small.insert(small.prefill(sp_params, ps[1], greedy), state, 2)
+    state.host.alloc.check()
+    with pytest.raises(ValueError, match="multiple of the 2 decode replicas"):
+        make_engine(cfg, mesh=mesh, num_pages=9)
 
 
 def test_chunked_prefill_equals_one_pass_prefill(fam):

@@ -152,6 +152,39 @@ def test_auto_sizing_formula(monkeypatch):
     assert r2.page_bytes == page_bytes // 2 and r2.param_bytes < r.param_bytes and r2.num_pages > r.num_pages
 
 
+def test_auto_sizing_with_the_pool_split_over_data(monkeypatch):
+    """With the pages split over a data=2 axis each device holds half of the pool: twice the pages fit, a
+    multiple of 2, and the per-replica cap is half the slots at full length."""
+    cfg = _cfg()
+    mesh = make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
+    mesh2 = make_mesh({"data": 2, "tensor": 1}, devices=jax.devices()[:2])
+    limit, in_use = 8 << 20, 1 << 20
+    one = _sizing(cfg, mesh, monkeypatch, limit, in_use, slots=4)
+    spec = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=16,
+                max_pages_per_seq=kv_cache.pages_for(256, 16), dtype=cfg.dtype)
+    two = kv_cache.auto_num_pages(spec, cfg, mesh2, model_shardings(cfg, mesh2, "generator"), max_slots=4,
+                                  max_prefill=128, max_seq=256, fraction=0.5, replicas=2)
+    budget = 0.5 * (limit - max(in_use, two.param_bytes)) - two.workspace_bytes
+    assert two.num_pages == 2 * min(int(budget // two.page_bytes), 2 * 16) and two.num_pages % 2 == 0
+    assert two.workspace_bytes <= one.workspace_bytes  # half the decode slots per device
+
+
+def test_replica_allocators_keep_each_replica_to_its_slots():
+    ra = kv_cache.ReplicaAllocators(num_pages=8, num_slots=4, replicas=2)
+    assert ra.pages_per_replica == 4 and [ra.replica(s) for s in range(4)] == [0, 0, 1, 1]
+    ra.of(3).slot_pages[3] = ra.of(3).allocate(3, [3])
+    assert ra.num_free == 5 and ra.max_free == 4 and ra.free_of(2) == 1 and ra.slot_pages[3] == [0, 1, 2]
+    with pytest.raises(OutOfPagesError) as info:
+        ra.of(2).allocate(2, [2])
+    assert info.value.slots == (2,)
+    ra.check()
+    ra.allocs[0].slot_pages[3] = ra.allocs[0].allocate(1, [3])  # a page of replica 0 given to replica 1's slot
+    with pytest.raises(AssertionError, match="other replicas"):
+        ra.check()
+    with pytest.raises(ValueError, match="split over 3 replicas"):
+        kv_cache.ReplicaAllocators(num_pages=8, num_slots=4, replicas=3)
+
+
 def test_auto_sizing_keeps_room_for_a_weight_push(monkeypatch):
     """An RL generator receives new weights while the old ones serve: the pool leaves room for that
     second copy (as the planner counts it), standalone generation does not."""
