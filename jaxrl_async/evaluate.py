@@ -403,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = build_parser()
     args = ap.parse_args(argv)
+    from jaxrl_async import compile_cache
+
+    compile_cache.enable()
     _check_args(ap, args)
     cfg = model_config("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)  # fails fast on bad files
     tokenizer, records, reward_fn = _load_inputs(args)

@@ -81,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     if flags["dry_run"]:
         print("config OK (dry run)", file=sys.stderr)
         return 0
+    from jaxrl_async import compile_cache
     from jaxrl_async.rl_loop import FatalRunError, RLLoop
 
+    compile_cache.enable()
     try:
         result = RLLoop(cfg).run()
     except FatalRunError as e:

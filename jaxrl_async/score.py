@@ -195,6 +195,9 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    from jaxrl_async import compile_cache
+
+    compile_cache.enable()
     if args.batch_tokens < 1:
         ap.error("--batch-tokens must be >= 1")
     if args.temperature <= 0:

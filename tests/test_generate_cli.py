@@ -232,3 +232,28 @@ def test_generate_and_evaluate_agree_on_an_exported_model(tmp_path, capsys):
     assert [len(g["completion_ids"]) for g in gen] == [e["completion_tokens"][0] for e in ev]
     assert [g["finish_reason"] for g in gen] == [e["finish_reasons"][0] for e in ev]
     assert {g["finish_reason"] for g in gen} == {"stop", "length"}  # both endings compared (measured: 41, 36, 79)
+
+
+def test_compile_cache_serves_a_second_process(model_dir, tmp_path):
+    """The CLIs turn JAX's persistent compilation cache on (`compile_cache`): a first run writes the compiled
+    programs (decode step, prefill, ...) under JAXRL_ASYNC_COMPILE_CACHE, a second run of the same shapes
+    loads them (no new entry) and generates the same output; 'off' turns it off."""
+    import os
+
+    from jaxrl_async import compile_cache
+
+    cache = tmp_path / "xla"
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [5, 6, 7]}, {"prompt_ids": [9]}])
+    env = {**os.environ, compile_cache.ENV: str(cache), "TQDM_DISABLE": "1"}
+    outs, entries = [], []
+    for k in range(2):
+        out = tmp_path / f"out{k}.jsonl"
+        r = subprocess.run([sys.executable, "-m", "jaxrl_async.generate", "--model", model_dir, "--input", inp,
+                            "--output", str(out), "--max-new-tokens", "6", "--temperature", "1", "--max-concurrent",
+                            "4"], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(out.read_text())
+        entries.append(sorted(p.name for p in cache.iterdir()))
+    assert len(entries[0]) >= 3 and entries[1] == entries[0]  # the second run wrote nothing new: all hits
+    assert outs[0] == outs[1]
+    assert compile_cache.enable("off") is None

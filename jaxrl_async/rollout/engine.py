@@ -704,11 +704,28 @@ class PagedEngine(Engine):
         return DecodeState(self._release(state.arrays, np.int32(slot)), h)
 
     # -- warm-up --------------------------------------------------------------------------
-    def warmup(self, params: Params, max_samples: int | None = None) -> None:
+    def warmup(self, params: Params, max_samples: int | None = None, parallel: bool = True) -> None:
         """Compile every bucket's prefill/insert, sample_first up to `max_samples` (default
-        max_concurrent_decodes) and generate/release, on a scratch state."""
+        max_concurrent_decodes) and generate/release, on scratch states.
+
+        parallel: the decode step compiles on a second thread while this one compiles the prefill path (XLA
+        compiles release the GIL: on a 2-core CPU the decode step's compile, the largest, no longer waits for
+        the prefill programs').
+        """
         max_samples = max_samples or self._S
         state = self.init_decode_state()
+
+        def decode_path(scratch: DecodeState) -> None:
+            scratch, step = self.generate(params, scratch)  # no live slot: compiles the step, changes nothing
+            jax.block_until_ready(step.tokens)
+
+        worker = None
+        if parallel:
+            import concurrent.futures
+
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-warmup")
+            worker = pool.submit(decode_path, self.init_decode_state())
+            pool.shutdown(wait=False)
         sp = SamplingParams(temperature=1.0, max_new_tokens=2)
         for b in self.buckets:
             prefix = self.prefill(params, np.ones(b, np.int32), sp)
@@ -720,9 +737,7 @@ class PagedEngine(Engine):
             if n >= max_samples:
                 break
             n *= 2
-        prefix = self.prefill(params, [1], sp)
-        state = self.insert(prefix, state, 0)
-        state, step = self.generate(params, state)
-        jax.block_until_ready(step.tokens)
-        self.release(state, 0)
-
+        if worker is not None:
+            worker.result(timeout=3600)  # a compile; re-raises its error
+        else:
+            decode_path(self.init_decode_state())
