@@ -13,7 +13,9 @@ Workload: `--num-prompts` (64) random-token prompts of 8..63 tokens, temperature
 
 ours: a subprocess `python -m jaxrl_async.generate --model M --input prompts.jsonl --max-concurrent 64
 --temperature 1 --max-new-tokens N`, wall time from start to exit (imports, model load, compilation,
-generation, writing the output), and its printed decode tok/s.
+generation, writing the output), and its printed decode tok/s. `--cache`: with an empty JAX compilation cache
+(cold: a first run) and/or with the cache an earlier run of the same shapes left (warm: what every later
+run of a user gets, `compile_cache.py`).
 transformers: a subprocess of this file (`--hf-worker`): imports, `from_pretrained`, one `generate` call
 with all prompts left-padded in one batch (do_sample, T=1, eos), wall time from start to exit; the
 decode-only figure is the `generate` call alone. Run with each of `--hf-threads` (torch's default and 1):
@@ -84,19 +86,22 @@ def hf_worker(argv) -> None:
                       "threads": torch.get_num_threads()}))
 
 
-def run_ours(model_dir, prompts_path, out_path, args) -> dict:
+def run_ours(model_dir, prompts_path, out_path, args, cache_dir: str) -> dict:
     cmd = [sys.executable, "-m", "jaxrl_async.generate", "--model", model_dir, "--input", prompts_path,
            "--output", out_path, "--max-concurrent", str(args.num_prompts), "--temperature", "1",
            "--max-new-tokens", str(args.max_new), "--seed", str(args.seed)] + args.ours_args.split()
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    p = subprocess.run(cmd, capture_output=True, text=True,
+                       env={**os.environ, "TQDM_DISABLE": "1", "JAXRL_ASYNC_COMPILE_CACHE": cache_dir})
     wall = time.perf_counter() - t0
     if p.returncode:
         raise RuntimeError(p.stderr[-3000:])
     useful = sum(len(json.loads(line)["completion_ids"]) for line in open(out_path))
     line = [x for x in p.stderr.splitlines() if x.startswith("generated")][-1]
     decode = float(line.split("decode ")[1].split(" tok/s")[0])
-    return {"wall_s": wall, "useful_tokens": useful, "tok_s": useful / wall, "decode_tok_s": decode, "line": line}
+    compile_s = float(line.split(" s of compilation")[0].split("after ")[-1])
+    return {"wall_s": wall, "useful_tokens": useful, "tok_s": useful / wall, "decode_tok_s": decode,
+            "compile_s": compile_s, "line": line}
 
 
 def run_hf(model_dir, prompts_path, args, threads: int) -> dict:
@@ -126,6 +131,9 @@ def main() -> None:
     ap.add_argument("--ours-args", default="", help="extra flags for jaxrl_async.generate")
     ap.add_argument("--hf-threads", default="0,1", help="torch thread counts to run (0 = torch's default); the "
                     "best is the baseline (on a loaded machine one thread can beat two)")
+    ap.add_argument("--cache", choices=("cold", "warm", "both"), default="both",
+                    help="ours with an empty compilation cache (a first run), with the cache a previous run of the "
+                         "same shapes left (every later run; primed once, untimed), or both")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
@@ -137,21 +145,27 @@ def main() -> None:
             for _ in range(args.num_prompts):
                 f.write(json.dumps({"prompt_ids": rng.integers(3, args.vocab, int(rng.integers(8, 64))).tolist()}) + "\n")
         runs = []
-        for _ in range(args.repeats):
-            ours = run_ours(model_dir, prompts_path, os.path.join(d, "out.jsonl"), args)
+        modes = ("cold", "warm") if args.cache == "both" else (args.cache,)
+        warm_dir = os.path.join(d, "cache-warm")
+        if "warm" in modes:  # a previous run of the same shapes (untimed)
+            run_ours(model_dir, prompts_path, os.path.join(d, "out.jsonl"), args, warm_dir)
+        for i in range(args.repeats):
+            ours = {m: run_ours(model_dir, prompts_path, os.path.join(d, "out.jsonl"), args,
+                                warm_dir if m == "warm" else os.path.join(d, f"cache-cold-{i}")) for m in modes}
             hfs = [run_hf(model_dir, prompts_path, args, int(t)) for t in args.hf_threads.split(",")]
             hf = max(hfs, key=lambda r: r["tok_s"])
-            runs.append({"ours": ours, "hf": hf, "hf_all": hfs, "ratio": ours["tok_s"] / hf["tok_s"],
-                         "decode_ratio": ours["decode_tok_s"] / max(r["decode_tok_s"] for r in hfs),
-                         "load_avg": os.getloadavg()})
-            print(f"ours: {ours['useful_tokens']} useful tokens, {ours['wall_s']:.1f} s whole process "
-                  f"({ours['tok_s']:.0f} tok/s), decode {ours['decode_tok_s']:.0f} tok/s | transformers one batch: "
-                  f"{hf['useful_tokens']} tokens, {hf['threads']} threads, {hf['wall_s']:.1f} s "
-                  f"({hf['tok_s']:.0f} tok/s), generate() "
-                  f"{hf['generate_s']:.1f} s ({hf['decode_tok_s']:.0f} tok/s), {hf['steps']} steps | "
-                  f"whole-process ratio {runs[-1]['ratio']:.2f}x, decode ratio {runs[-1]['decode_ratio']:.2f}x, "
-                  f"load {os.getloadavg()[0]:.1f}",
-                  flush=True)
+            run = {"ours": ours, "hf": hf, "hf_all": hfs, "load_avg": os.getloadavg(),
+                   "ratio": {m: o["tok_s"] / hf["tok_s"] for m, o in ours.items()},
+                   "decode_ratio": {m: o["decode_tok_s"] / max(r["decode_tok_s"] for r in hfs) for m, o in ours.items()}}
+            runs.append(run)
+            for m, o in ours.items():
+                print(f"ours ({m} compilation cache): {o['useful_tokens']} useful tokens, {o['wall_s']:.1f} s whole "
+                      f"process ({o['tok_s']:.0f} tok/s; compilation {o['compile_s']:.1f} s), decode "
+                      f"{o['decode_tok_s']:.0f} tok/s | whole-process ratio {run['ratio'][m]:.2f}x, decode ratio "
+                      f"{run['decode_ratio'][m]:.2f}x", flush=True)
+            print(f"transformers one batch: {hf['useful_tokens']} tokens, {hf['threads']} threads, {hf['wall_s']:.1f} s "
+                  f"({hf['tok_s']:.0f} tok/s), generate() {hf['generate_s']:.1f} s ({hf['decode_tok_s']:.0f} tok/s), "
+                  f"{hf['steps']} steps | load {os.getloadavg()[0]:.1f}", flush=True)
     res = {"args": vars(args), "runs": runs, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "load_avg": os.getloadavg()}
     if args.json:
