@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     # compile up front, the decode step on a second thread beside the prefill path (instead of one program after
     # the other at first use); a packed prefill row holds up to max_prefill_pack prompts x n samples
     t_compile = time.perf_counter()
-    engine.warmup(params, max_samples=engine.max_prefill_pack * args.n)
+    engine.warmup(params, max_samples=engine.max_prefill_pack * args.n,
+                  truncation=args.temperature > 0 and (args.top_k > 0 or args.top_p < 1))
     t_compile = time.perf_counter() - t_compile
     stops = () if args.ignore_eos else stop_token_ids(cfg, tokenizer, args.model)
 

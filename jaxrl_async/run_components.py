@@ -180,7 +180,8 @@ class RunComponentsMixin:
             gen_params = jax.device_put(jax.tree.map(lambda x: x.astype(gen_dtype), params), engine.param_shardings,
                                         may_alias=False)
         t0 = time.monotonic()
-        engine.warmup(gen_params, max_samples=ro.n_samples)
+        sa = ro.sampling  # the lean sampling programs only, unless the run's sampling truncates
+        engine.warmup(gen_params, max_samples=ro.n_samples, truncation=sa.top_k > 0 or sa.top_p < 1.0)
         self._say(f"engine: {engine.max_concurrent_decodes} slots, {engine.num_pages} KV pages of "
                   f"{engine.page_size}; compiled in {time.monotonic() - t0:.1f} s")
         self._engine = engine

@@ -189,7 +189,7 @@ class GeneratorServer:
             raise RuntimeError(f"{self.name}: start() before the first weights arrived")
         params, version = self._initial
         t0 = time.perf_counter()
-        self.engine.warmup(params, max_samples=self.spec["n_samples"])
+        self.engine.warmup(params, max_samples=self.spec["n_samples"], truncation=self.spec.get("truncation", True))
         compile_s = time.perf_counter() - t0
         self.generator = Generator(self.engine, params, version=version, tokenizer=self.tokenizer,
                                    kv_update_policy=self.spec["kv_update_policy"],

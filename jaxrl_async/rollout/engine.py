@@ -109,18 +109,24 @@ class HostSlots:
     num_generated: np.ndarray  # [S] int
     max_new: np.ndarray  # [S] int
     num_pages: np.ndarray  # [S] int: pages held
+    trunc: np.ndarray  # [S] bool: the slot samples with top-k / top-p (the decode step needs the full sampler)
 
     @classmethod
     def empty(cls, num_pages: int, num_slots: int, replicas: int = 1) -> "HostSlots":
         z = lambda dt: np.zeros(num_slots, dt)  # noqa: E731
         return cls(kv_cache.ReplicaAllocators(num_pages, num_slots, replicas), z(bool), z(bool), z(np.int64),
-                   z(np.int64), z(np.int64), z(np.int64))
+                   z(np.int64), z(np.int64), z(np.int64), z(bool))
 
 
 @dataclasses.dataclass
 class DecodeState:
     arrays: dict[str, jax.Array]
     host: HostSlots
+
+
+def _truncates(sp: SamplingParams) -> bool:
+    """The request samples with top-k or top-p (`sampling.needs_truncation` of its parameters)."""
+    return sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -165,10 +171,12 @@ def prefill_chunk_fn(params: Params, k_buf, v_buf, tokens: jax.Array, start: jax
     return k_buf, v_buf, logits_from_hidden(params, last)[0]
 
 
-def sample_first_fn(logits: jax.Array, rows, temperature, top_k, top_p, seed, sample_index, position):
+def sample_first_fn(logits: jax.Array, rows, temperature, top_k, top_p, seed, sample_index, position, *,
+                    truncation: bool = True):
     """First tokens of the samples of one prefill call: sample j draws from logits[rows[j]] ([N, V]) with
-    its own parameters (all [n])."""
-    return sampling.sample(jnp.take(logits, rows, axis=0), temperature, top_k, top_p, seed, sample_index, position)
+    its own parameters (all [n]); `truncation`: see `sampling.sample`."""
+    return sampling.sample(jnp.take(logits, rows, axis=0), temperature, top_k, top_p, seed, sample_index, position,
+                           truncation=truncation)
 
 
 def insert_fn(arrays, k, v, dest_pages, dest_offsets, page_row, slot, ints, floats, seed, stop_row, replica, *,
@@ -202,7 +210,7 @@ def release_fn(arrays, slot, *, null_page: int):
 
 def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int,
                    null_page: int, attention: str = "blocked", block_pages: int = 8, kernel_options=None,
-                   pages_axis: str | None = None):
+                   pages_axis: str | None = None, truncation: bool = True):
     """One token for every slot. new_pages [S]: page to map at index pos // page_size (-1: none).
 
     attention: the decode attention (`paged_attention.DECODE_ATTENTION`; its pool layout names the pool
@@ -228,7 +236,7 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
                             tuple(arrays[k] for k in keys))
     logits = logits_from_hidden(params, hidden[:, 0])
     tokens, logprobs = sampling.sample(logits, arrays["temperature"], arrays["top_k"], arrays["top_p"],
-                                       arrays["seed"], arrays["sample_index"], pos + 1)
+                                       arrays["seed"], arrays["sample_index"], pos + 1, truncation=truncation)
     num_generated = arrays["num_generated"] + active.astype(jnp.int32)
     new_pos = jnp.where(active, pos + 1, pos)
     finished = (sampling.is_stop(tokens, arrays["stop_ids"]) | (num_generated >= arrays["max_new"])
@@ -387,7 +395,9 @@ class PagedEngine(Engine):
                                       out_shardings=(kv_sh, kv_sh, self.replicated))
         kv_zeros = lambda T: (jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), cfg.dtype),) * 2  # noqa: E731
         self._kv_zeros = jax.jit(kv_zeros, static_argnums=0, out_shardings=(kv_sh, kv_sh))
-        self._sample_first = jax.jit(sample_first_fn)
+        # two programs each for sampling: with the top-k/top-p machinery, and without it for the (common, RL)
+        # batches that need none (same tokens; about half the compile time; `sampling.sample`)
+        self._sample_firsts = {t: jax.jit(functools.partial(sample_first_fn, truncation=t)) for t in (True, False)}
         null = self.null_page
         kv_axis = self.pool_sharding.spec[self.layout.head_axis]
         self._insert = jax.jit(functools.partial(insert_fn, layout=self.layout, mesh=self.mesh,
@@ -395,19 +405,19 @@ class PagedEngine(Engine):
                                donate_argnums=0, out_shardings=ss)
         self._release = jax.jit(functools.partial(release_fn, null_page=null), donate_argnums=0, out_shardings=ss)
         step_out = (ss, (self.slot_sharding,) * 4)
-        self._step = jax.jit(traced(functools.partial(decode_step_fn, cfg=cfg, page_size=self.page_size,
-                                                      max_seq=self._max_seq, null_page=null, attention=self.attention,
-                                                      block_pages=self.decode_block_pages,
-                                                      kernel_options=self.kernel_options,
-                                                      pages_axis=self.pages_axis)),
-                             donate_argnums=1, out_shardings=step_out)
+        self._steps = {t: jax.jit(traced(functools.partial(
+            decode_step_fn, cfg=cfg, page_size=self.page_size, max_seq=self._max_seq, null_page=null,
+            attention=self.attention, block_pages=self.decode_block_pages, kernel_options=self.kernel_options,
+            pages_axis=self.pages_axis, truncation=t)), donate_argnums=1, out_shardings=step_out) for t in (True, False)}
+        self._step = self._steps[True]  # the full decode step (any sampling parameters; what `plan` compiles)
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
         self._no_new_pages = None  # put on the devices at the first step (the engine builds on compile-only meshes)
 
     def compile_counts(self) -> dict[str, int]:
         """Number of compiled variants of each jitted function (for no-recompilation checks)."""
         fns = {"init": self._init, "prefill": self._prefill, "prefill_chunk": self._prefill_chunk,
-               "sample_first": self._sample_first, "insert": self._insert, "generate": self._step,
+               "sample_first": self._sample_firsts[True], "sample_first_plain": self._sample_firsts[False],
+               "insert": self._insert, "generate": self._steps[True], "generate_plain": self._steps[False],
                "release": self._release}
         return {k: f._cache_size() for k, f in fns.items()}
 
@@ -557,7 +567,8 @@ class PagedEngine(Engine):
             n = len(rows)
             nb = max(1 << (n - 1).bit_length(), self.max_prefill_pack)  # one compilation for up to a pack's worth
             pad = lambda xs, dt: np.asarray(xs + [xs[-1]] * (nb - n), dt)  # noqa: E731
-            firsts, lps = self._sample_first(logits, pad(rows, np.int32), pad(cols["t"], np.float32),
+            trunc = any(_truncates(reqs[i][1].sampling) for i in g)
+            firsts, lps = self._sample_firsts[trunc](logits, pad(rows, np.int32), pad(cols["t"], np.float32),
                                              pad(cols["k"], np.int32), pad(cols["p"], np.float32),
                                              pad(cols["seed"], np.uint32), pad(cols["idx"], np.int32),
                                              pad(cols["pos"], np.int32))
@@ -651,6 +662,7 @@ class PagedEngine(Engine):
                                   np.uint32(sp.seed), stop_row, np.int32(r))
             host.live[s], host.done[s], host.pos[s] = True, done, P_len
             host.num_generated[s], host.max_new[s], host.num_pages[s] = 1, sp.max_new_tokens, len(pages)
+            host.trunc[s] = _truncates(sp)
         return DecodeState(arrays, host)
 
     # -- generate -------------------------------------------------------------------------
@@ -683,8 +695,9 @@ class PagedEngine(Engine):
 
     def generate(self, params: Params, state: DecodeState) -> tuple[DecodeState, StepResult]:
         new_pages = self._grow(state)
-        arrays, (tokens, logprobs, valid, done) = self._step(params, state.arrays, new_pages)
         h = state.host
+        trunc = bool((h.trunc & h.live & ~h.done).any())  # the lean program unless a running slot needs top-k/p
+        arrays, (tokens, logprobs, valid, done) = self._steps[trunc](params, state.arrays, new_pages)
         act = h.live & ~h.done
         h.pos[act] += 1
         h.num_generated[act] += 1
@@ -700,24 +713,31 @@ class PagedEngine(Engine):
         if not h.live[slot]:
             return state
         h.alloc.release_slot(slot)
-        h.live[slot], h.done[slot], h.num_pages[slot], h.pos[slot] = False, False, 0, 0
+        h.live[slot], h.done[slot], h.num_pages[slot], h.pos[slot], h.trunc[slot] = False, False, 0, 0, False
         return DecodeState(self._release(state.arrays, np.int32(slot)), h)
 
     # -- warm-up --------------------------------------------------------------------------
-    def warmup(self, params: Params, max_samples: int | None = None, parallel: bool = True) -> None:
+    def warmup(self, params: Params, max_samples: int | None = None, parallel: bool = True,
+               truncation: bool = True) -> None:
         """Compile every bucket's prefill/insert, sample_first up to `max_samples` (default
         max_concurrent_decodes) and generate/release, on scratch states.
 
+        truncation: also compile the sampling programs with the top-k/top-p machinery (False: only the lean
+        ones, for runs whose requests never truncate; a truncating request then compiles them at first use).
         parallel: the decode step compiles on a second thread while this one compiles the prefill path (XLA
         compiles release the GIL: on a 2-core CPU the decode step's compile, the largest, no longer waits for
         the prefill programs').
         """
         max_samples = max_samples or self._S
+        variants = (False, True) if truncation else (False,)
         state = self.init_decode_state()
 
         def decode_path(scratch: DecodeState) -> None:
-            scratch, step = self.generate(params, scratch)  # no live slot: compiles the step, changes nothing
-            jax.block_until_ready(step.tokens)
+            arrays = scratch.arrays
+            no_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
+            for t in variants:  # no live slot: compiles the step, changes nothing
+                arrays, step = self._steps[t](params, arrays, no_pages)
+            jax.block_until_ready(step)
 
         worker = None
         if parallel:
@@ -726,17 +746,18 @@ class PagedEngine(Engine):
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-warmup")
             worker = pool.submit(decode_path, self.init_decode_state())
             pool.shutdown(wait=False)
-        sp = SamplingParams(temperature=1.0, max_new_tokens=2)
+        sps = [SamplingParams(temperature=1.0, max_new_tokens=2, top_k=t) for t in (0, 1)[:len(variants)]]
         for b in self.buckets:
-            prefix = self.prefill(params, np.ones(b, np.int32), sp)
+            prefix = self.prefill(params, np.ones(b, np.int32), sps[0])
             state = self.insert(prefix, state, 0)
             state = self.release(state, 0)
-        n = 1
-        while True:
-            self.prefill(params, [1], sp, num_samples=n)
-            if n >= max_samples:
-                break
-            n *= 2
+        for sp in sps:
+            n = 1
+            while True:
+                self.prefill(params, [1], sp, num_samples=n)
+                if n >= max_samples:
+                    break
+                n *= 2
         if worker is not None:
             worker.result(timeout=3600)  # a compile; re-raises its error
         else:

@@ -125,12 +125,17 @@ def needs_truncation(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array)
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seed: jax.Array,
            sample_index: jax.Array, position: jax.Array,
-           prefilter: int = TOPK_PREFILTER) -> tuple[jax.Array, jax.Array]:
+           prefilter: int = TOPK_PREFILTER, truncation: bool = True) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row; returns (tokens [B] int32, behaviour log-probs [B] float32).
 
     logits [B, V] (any float dtype, used in float32); temperature [B] float (0 = greedy);
     top_k [B] int (0 = off); top_p [B] float in (0, 1]; seed [B] uint32; sample_index [B]
     int; position [B] int = absolute position of the token being sampled.
+
+    truncation=False (static) leaves the top-k/top-p machinery out of the program: for batches whose rows all
+    sample without truncation (`needs_truncation` false everywhere; the caller guarantees it), where it gives
+    the same tokens as truncation=True (such rows have theta = -inf in every branch) and compiles in about
+    half the time (measured on XLA:CPU).
     """
     logits = logits.astype(jnp.float32)
     temperature = temperature.astype(jnp.float32)
@@ -154,14 +159,15 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         return jnp.where(trunc, theta, -jnp.inf)
 
     def sampled():
-        theta = jax.lax.cond(jnp.any(trunc), truncated, lambda: jnp.full(z.shape[:1], -jnp.inf, jnp.float32))
+        no_theta = jnp.full(z.shape[:1], -jnp.inf, jnp.float32)
+        theta = jax.lax.cond(jnp.any(trunc), truncated, lambda: no_theta) if truncation else no_theta
         keys = jax.vmap(request_key)(seed, sample_index, position)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[-1:], jnp.float32))(keys)
-        return first_argmax(jnp.where(z >= theta[:, None], z, -jnp.inf) + gumbel)
+        # one argmax for the whole batch: sampled rows over their support + noise, greedy rows over the logits
+        return first_argmax(jnp.where((temperature > 0)[:, None],
+                                      jnp.where(z >= theta[:, None], z, -jnp.inf) + gumbel, logits))
 
-    greedy = first_argmax(logits)
-    tokens = jax.lax.cond(jnp.any(temperature > 0), lambda: jnp.where(temperature > 0, sampled(), greedy),
-                          lambda: greedy).astype(jnp.int32)
+    tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: first_argmax(logits)).astype(jnp.int32)
     return tokens, behaviour_logprobs(logits, temperature, tokens)
 
 

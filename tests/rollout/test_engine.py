@@ -445,6 +445,22 @@ def test_kv_pool_split_per_data_replica(fam):
         make_engine(cfg, mesh=mesh, num_pages=9)
 
 
+def test_lean_sampling_programs_until_a_request_truncates(fam):
+    """Slots sampling without top-k/top-p run the decode step and first-token sampler compiled without the
+    truncation machinery; the full programs compile only when a truncating request is running."""
+    family, cfg, params, engine, hf = fam
+    if family != "qwen3":
+        pytest.skip("engine-level property; one family suffices")
+    eng = make_engine(cfg)
+    plain = SamplingParams(temperature=1.0, max_new_tokens=4, seed=1)
+    run(eng, params, [(p, plain) for p in prompts(3, seed=2)])
+    c = eng.compile_counts()
+    assert (c["generate"], c["generate_plain"], c["sample_first"], c["sample_first_plain"]) == (0, 1, 0, 1)
+    run(eng, params, [(p, dataclasses.replace(plain, top_k=5)) for p in prompts(2, seed=4)])
+    c = eng.compile_counts()
+    assert (c["generate"], c["generate_plain"], c["sample_first"], c["sample_first_plain"]) == (1, 1, 1, 1)
+
+
 def test_chunked_prefill_equals_one_pass_prefill(fam):
     """A sequence longer than the largest bucket (32) is prefilled in chunks of 32 (each attending to the
     chunks before it): first token, its log-prob, the KV (the continuation) equal a one-pass prefill."""

@@ -207,3 +207,20 @@ def test_is_stop():
     stop_ids = jnp.asarray([[5, -1], [-1, -1], [0, 7]], jnp.int32)
     got = sampling.is_stop(jnp.asarray([5, -1, 7], jnp.int32), stop_ids)
     np.testing.assert_array_equal(np.asarray(got), [True, False, True])
+
+
+def test_program_without_truncation_equals_the_full_one_on_untruncated_rows():
+    """`truncation=False` (the engine's program for batches without top-k/top-p) returns the same tokens and
+    log-probs as the full program on rows that do not truncate: greedy and pure-temperature rows mixed."""
+    rng = np.random.default_rng(3)
+    B, V = 16, 257
+    logits = jnp.asarray(rng.normal(size=(B, V)) * 3, jnp.float32)
+    temperature = jnp.asarray(rng.choice([0.0, 0.5, 1.0, 1.7], size=B), jnp.float32)
+    zeros = jnp.zeros(B, jnp.int32)
+    args = (logits, temperature, zeros, jnp.ones(B), jnp.arange(B, dtype=jnp.uint32), zeros + 2,
+            jnp.arange(B, dtype=jnp.int32) + 5)
+    full = jax.jit(sampling.sample)(*args)
+    plain = jax.jit(lambda *a: sampling.sample(*a, truncation=False))(*args)
+    np.testing.assert_array_equal(np.asarray(full[0]), np.asarray(plain[0]))
+    np.testing.assert_array_equal(np.asarray(full[1]), np.asarray(plain[1]))
+    assert len(set(np.asarray(plain[0])[np.asarray(temperature) > 0].tolist())) > 3  # really sampled
