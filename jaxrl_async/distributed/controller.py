@@ -552,7 +552,8 @@ class DistributedRLLoop(RLLoop):
         spec = {"model_config": gen_cfg, "engine": ro.engine, "mesh_shape": tuple(c.mesh.generator.shape),
                 "mesh_axes": tuple(c.mesh.generator.axis_names), "tokenizer_dir": self.tokenizer_dir,
                 "param_shapes": [tuple(x.shape) for x in leaves], "n_samples": ro.n_samples,
-                "kv_update_policy": ro.kv_update_policy, "max_prefills_per_step": ro.engine.max_prefills_per_step}
+                "kv_update_policy": ro.kv_update_policy, "max_prefills_per_step": ro.engine.max_prefills_per_step,
+                "record_routing": ro.record_routing}
         futs = [p.call_async("init", spec) for p in peers]  # the generators build their engines in parallel
         infos = [_result(f, p, "init", self.call_timeout_s) for f, p in zip(futs, peers)]
         keys = tree_keys(params)
