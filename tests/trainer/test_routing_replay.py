@@ -7,6 +7,7 @@ proximal gap, and with replay it routes every recorded token to exactly the reco
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import jax
@@ -37,11 +38,20 @@ def _perturbed_router(params, scale: float, seed: int = 0):
     return {**params, "layers": {**params["layers"], "router": r + noise}}
 
 
-def _generate(cfg, params, prompts, *, max_new=12, record=True, kv_update_policy="keep_kv", engine_kw=None):
-    engine = PagedEngine(cfg, max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(16, 32),
-                         page_size=8, num_pages=64, record_routing=record, **(engine_kw or {}))
-    p = engine.place_params(params)
-    with Generator(engine, p, kv_update_policy=kv_update_policy) as g:
+_ENGINES: dict = {}
+
+
+def _engine(cfg):
+    """One recording engine per model config for the whole module (params are arguments: no recompilation)."""
+    if cfg not in _ENGINES:
+        _ENGINES[cfg] = PagedEngine(cfg, max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,),
+                                    page_size=8, num_pages=64, record_routing=True)
+    return _ENGINES[cfg]
+
+
+def _generate(cfg, params, prompts, *, max_new=12):
+    engine = _engine(cfg)
+    with Generator(engine, engine.place_params(params)) as g:
         hs = [g.submit(pr, SamplingParams(temperature=1.0, max_new_tokens=max_new, n=2, seed=i))
               for i, pr in enumerate(prompts)]
         return [s for h in hs for s in h.result(300).samples]
@@ -61,13 +71,25 @@ def _trajectories(samples, with_routing=True):
     return out
 
 
-def _trainer_ids(cfg, params, toks, rec=None):
-    """The trainer forward's experts [n, L, k] for one sequence (with `rec` [n, L, k]: replaying it)."""
-    n = len(toks)
-    kw = {} if rec is None else {"expert_ids": jnp.asarray(np.swapaxes(rec, 0, 1)[:, None]), "replay": True}
+@functools.partial(jax.jit, static_argnums=(0,))
+def _forward_ids(cfg, params, toks, seg, rec):
+    kw = {} if rec is None else {"expert_ids": rec, "replay": True}
     with routing_scope(record=True, **kw) as sc:
-        sequence_logprobs(params, cfg, jnp.asarray([toks]), jnp.ones((1, n), jnp.int32))
-    return np.swapaxes(np.asarray(sc.result["ids"])[:, 0], 0, 1)
+        sequence_logprobs(params, cfg, toks, seg)
+    return sc.result["ids"]
+
+
+def _trainer_ids(cfg, params, toks, rec=None, T=64):
+    """The trainer forward's experts [n, L, k] for one sequence (with `rec` [n, L, k]: replaying it), in one
+    compiled program per (model, replay) padded to T tokens."""
+    n = len(toks)
+    t, seg = np.zeros((1, T), np.int32), np.zeros((1, T), np.int32)
+    t[0, :n], seg[0, :n] = toks, 1
+    if rec is not None:
+        r = np.full((T,) + rec.shape[1:], -1, np.int16)
+        r[:n] = rec
+        rec = jnp.asarray(np.swapaxes(r, 0, 1)[:, None])
+    return np.swapaxes(np.asarray(_forward_ids(cfg, params, t, seg, rec))[:, 0], 0, 1)[:n]
 
 
 def _prompts(cfg, lengths=(5, 12, 20, 30)):
@@ -135,8 +157,7 @@ def test_recompute_kv_records_the_reprefill_routing(top1):
 
     cfg, params = top1
     gen_a, gen_b = _perturbed_router(params, 0.5, seed=1), _perturbed_router(params, 0.5, seed=2)
-    engine = PagedEngine(cfg, max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(16, 32),
-                         page_size=8, num_pages=64, record_routing=True)
+    engine = _engine(cfg)
     inner, steps, reached, gate = engine.generate, [0], threading.Event(), threading.Event()
 
     def gated(p, state):  # decode step 5 waits for the test: the update lands mid-generation
@@ -147,13 +168,16 @@ def test_recompute_kv_records_the_reprefill_routing(top1):
         return inner(p, state)
 
     engine.generate = gated
-    with Generator(engine, engine.place_params(gen_a), kv_update_policy="recompute_kv") as g:
-        hs = [g.submit(pr, SamplingParams(temperature=1.0, max_new_tokens=24, n=2, seed=i))
-              for i, pr in enumerate(_prompts(cfg, (6, 9)))]
-        assert reached.wait(300)
-        g.update_params(engine.place_params(gen_b), 1)
-        gate.set()
-        samples = [s for h in hs for s in h.result(300).samples]
+    try:
+        with Generator(engine, engine.place_params(gen_a), kv_update_policy="recompute_kv") as g:
+            hs = [g.submit(pr, SamplingParams(temperature=1.0, max_new_tokens=24, n=2, seed=i))
+                  for i, pr in enumerate(_prompts(cfg, (6, 9)))]
+            assert reached.wait(300)
+            g.update_params(engine.place_params(gen_b), 1)
+            gate.set()
+            samples = [s for h in hs for s in h.result(300).samples]
+    finally:
+        del engine.generate  # back to the class's method
     assert all(s.num_recomputes == 1 and 0 in s.versions and 1 in s.versions for s in samples)
     trajs = _trajectories(samples)
     tr = Trainer(cfg, TrainerConfig(packing=PackingConfig(tokens_per_micro=128, row_len_buckets=(64,)),
@@ -223,3 +247,57 @@ def _router_logits(cfg, params, b, layer):
     finally:
         moe.routing = orig
     return np.asarray(captured["logits"][layer])
+
+
+def test_routing_survives_the_checkpointed_group_record():
+    """Finished groups saved in a checkpoint keep their trajectories' routing bit for bit (and groups without
+    routing stay without)."""
+    import types
+
+    from jaxrl_async.checkpoint import pack_records
+    from jaxrl_async.checkpoint.codec import unpack_records
+    from jaxrl_async.rollout.workflow import Trajectory as WTrajectory, TrajectoryGroup
+    from jaxrl_async.run_state import _group_from_record, _group_record
+
+    rng = np.random.default_rng(0)
+    routed = rng.integers(0, 4, (7, 2, 2)).astype(np.int16)
+    routed[-1] = -1
+    trajs = [WTrajectory.from_completion([5, 6, 7], [8, 9, 10, 11], [-0.5] * 4, [0] * 4, 1.0, "length",
+                                         routing=r) for r in (routed, None)]
+    group = TrajectoryGroup({"id": "x"}, trajs, 3, {})
+    g = types.SimpleNamespace(item=group, ticket=types.SimpleNamespace(admit_version=0), head_version=0)
+    skeleton, pools = pack_records([_group_record(g, 5)])
+    back = _group_from_record(unpack_records(skeleton, pools)[0], {"id": "x"})
+    assert back.trajectories[0].routing.dtype == np.int16
+    np.testing.assert_array_equal(back.trajectories[0].routing, routed)
+    assert back.trajectories[1].routing is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.routing_replay=true"], "config error: trainer.routing_replay: needs rollout.record_routing = true"),
+    (["rollout.record_routing=true"], "config error: rollout.record_routing: needs a mixture-of-experts model"),
+    (["rollout.record_routing=true", "trainer.routing_replay=true"], "rollout.record_routing: needs a mixture-of-"),
+    (["trainer.router_aux_loss_coef=-1"], "config error: trainer.router_aux_loss_coef: must be a finite float >= 0"),
+])
+def test_config_errors_name_the_field(overrides, message):
+    from jaxrl_async.config import ConfigError, RunConfig, apply_overrides, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(apply_overrides(RunConfig(), overrides), num_devices=8)
+    assert message in str(e.value)
+
+
+def test_moe_config_validates_and_dense_models_refuse_recording():
+    from jaxrl_async.config import RunConfig, apply_overrides, validate
+    from jaxrl_async.models import ModelConfig
+
+    moe = ["model.model_type=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+           "model.moe_intermediate_size=32", "rollout.record_routing=true", "trainer.routing_replay=true"]
+    validate(apply_overrides(RunConfig(), moe), num_devices=8)
+    dense = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                        num_kv_heads=1, head_dim=16)
+    with pytest.raises(ValueError, match="record_routing needs a mixture-of-experts model"):
+        PagedEngine(dense, max_concurrent_decodes=2, max_sequence_length=32, page_size=8, num_pages=8,
+                    record_routing=True)
+    with pytest.raises(ValueError, match="TrainerConfig.routing_replay: needs a mixture-of-experts model"):
+        Trainer(dense, TrainerConfig(routing_replay=True))
