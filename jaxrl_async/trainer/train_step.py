@@ -403,8 +403,8 @@ class Trainer:
 
         def one(mb):
             # routing replay: the proximal pass routes like the policy pass, by the recorded experts
-            with routing_scope(**_scope_kw(mb, True)) if self.cfg.routing_replay and mb.routing is not None \
-                    else contextlib.nullcontext():
+            replay = self.cfg.routing_replay and mb.routing is not None
+            with routing_scope(**_scope_kw(mb, True)) if replay else contextlib.nullcontext():
                 return sequence_logprobs(params, self.model_cfg, mb.tokens, mb.segment_ids, mb.positions,
                                          self.cfg.temperature, self.cfg.logprob_chunk)
 
