@@ -34,14 +34,15 @@ def _decode(cfg, params, record: bool, a):
     from jaxrl_async.rollout.engine import PagedEngine
     from jaxrl_async.rollout.engine_api import SamplingParams
 
-    eng = PagedEngine(cfg, max_concurrent_decodes=a.slots, max_sequence_length=a.steps + 64, prefill_buckets=(32,),
-                      page_size=16, num_pages=a.slots * ((a.steps + 64) // 16 + 2), record_routing=record)
+    max_seq = 32 + a.steps * (a.repeats + 1) + 16  # every slot stays live through all timed steps
+    eng = PagedEngine(cfg, max_concurrent_decodes=a.slots, max_sequence_length=max_seq, prefill_buckets=(32,),
+                      page_size=16, num_pages=a.slots * (max_seq // 16 + 2), record_routing=record)
     p = eng.place_params(params)
     state = eng.init_decode_state()
     rng = np.random.default_rng(0)
     for s in range(a.slots):
         pre = eng.prefill(p, rng.integers(3, cfg.vocab_size, 32), SamplingParams(temperature=1.0,
-                                                                                 max_new_tokens=a.steps + 16, seed=s))
+                                                                                 max_new_tokens=max_seq - 33, seed=s))
         state = eng.insert(pre, state, s)
     state, step = eng.generate(p, state)  # compile
     step.to_host()
