@@ -425,6 +425,8 @@ class RLLoop(WarmStartMixin, RunComponentsMixin):
                     "push/bytes": push.bytes,
                     "rollout/running": sc.running, "rollout/buffered": sc.buffered, "rollout/rejected": sc.rejected,
                 })
+                # MoE router metrics (train_step._moe_metrics): load per layer, entropy, aux loss, top-k mismatch
+                row.update({f"train/{k}": v for k, v in m0.items() if k.startswith("moe/")})
                 last.update(t=now, gen=gs)
                 if step % c.logging.log_every == 0 or step == tr.total_steps:
                     metrics.log(step, row)

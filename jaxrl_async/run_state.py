@@ -211,7 +211,8 @@ def _group_record(g: Any, draw: int) -> dict[str, Any]:
             "group_id": int(group.group_id), "metadata": {k: _jsonable(v) for k, v in group.metadata.items()},
             "trajectories": [{"tokens": t.tokens, "loss_mask": t.loss_mask, "logprobs": t.logprobs,
                               "versions": t.versions, "reward": float(t.reward), "prompt_len": int(t.prompt_len),
-                              "metadata": {k: _jsonable(v) for k, v in t.metadata.items()}}
+                              "metadata": {k: _jsonable(v) for k, v in t.metadata.items()},
+                              **({} if t.routing is None else {"routing": t.routing})}
                              for t in group.trajectories]}
 
 
@@ -220,7 +221,8 @@ def _group_from_record(rec: Mapping[str, Any], item: Any) -> Any:
     from jaxrl_async.rollout.workflow import Trajectory, TrajectoryGroup
 
     trajs = [Trajectory(tokens=t["tokens"], loss_mask=t["loss_mask"], logprobs=t["logprobs"], versions=t["versions"],
-                        reward=t["reward"], prompt_len=int(t["prompt_len"]), metadata=dict(t.get("metadata") or {}))
+                        reward=t["reward"], prompt_len=int(t["prompt_len"]), metadata=dict(t.get("metadata") or {}),
+                        routing=t.get("routing"))
              for t in rec["trajectories"]]
     if not trajs:
         raise ValueError("checkpointed group has no trajectory")

@@ -192,6 +192,8 @@ class RolloutConfig:
     * ``reward``: built-in (``math``, ``gsm8k``, ``code``) or ``"package.module:function"``.
     * ``filter_zero_signal_groups``: DAPO dynamic sampling (reject groups whose rewards are all equal).
     * ``group_timeout_s``: wall-clock cap per group (aborted and rejected, reason ``timeout``).
+    * ``record_routing``: (MoE models) the generator records the experts every token was routed to in each
+      layer; they travel with the trajectory to the trainer (``trainer.routing_replay``, router metrics).
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -208,6 +210,7 @@ class RolloutConfig:
     allow_partial_groups: bool = False
     group_timeout_s: float | None = 600.0
     max_consecutive_failures: int = 50
+    record_routing: bool = False
 
     @property
     def effective_max_head_offpolicyness(self) -> int:
@@ -237,7 +240,10 @@ class SFTConfig:
 class TrainerConfig:
     """The policy update. ``batch_size`` = B prompt groups per step (B · n_samples sequences);
     ``ppo_n_minibatches`` optimizer steps per batch; optimizer fields as ``trainer.optimizer.OptimizerConfig``;
-    ``proximal``: ``recompute`` (AReaL default: forward with θ_k before the update), ``loglinear``."""
+    ``proximal``: ``recompute`` (AReaL default: forward with θ_k before the update), ``loglinear``.
+    MoE: ``routing_replay`` (rollout routing replay, R3: the trainer routes every token to the experts the
+    generator recorded, ``rollout.record_routing``); ``router_aux_loss_coef`` (load-balancing loss weight;
+    None: the model's HF ``router_aux_loss_coef``)."""
 
     batch_size: int = 8
     total_steps: int = 100
@@ -253,6 +259,8 @@ class TrainerConfig:
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
     logprob_chunk: int = 2048
+    routing_replay: bool = False
+    router_aux_loss_coef: float | None = None
     loss: PolicyLossConfig = PolicyLossConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     packing: PackingConfig = PackingConfig(tokens_per_micro=4096)

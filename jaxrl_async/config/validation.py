@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -144,6 +145,10 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     if tr.advantage.overlong_penalty and tr.advantage.max_new_tokens is not None:
         _require(tr.advantage.max_new_tokens == sa.max_new_tokens, "trainer.advantage.max_new_tokens",
                  f"{tr.advantage.max_new_tokens} != rollout.sampling.max_new_tokens={sa.max_new_tokens}")
+    _require(tr.router_aux_loss_coef is None or (math.isfinite(tr.router_aux_loss_coef) and tr.router_aux_loss_coef >= 0),
+             "trainer.router_aux_loss_coef", f"must be a finite float >= 0 or None, got {tr.router_aux_loss_coef}")
+    _require(not tr.routing_replay or ro.record_routing, "trainer.routing_replay",
+             "needs rollout.record_routing = true (the generator's recorded experts)")
     # model
     _require(cfg.model.vocab_size is None or cfg.model.vocab_size >= 1, "model.vocab_size",
              f"must be >= 1 or None, got {cfg.model.vocab_size}")
@@ -156,6 +161,9 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
         except ValueError as e:  # ModelConfig.<field>: ...
             msg = str(e).replace("ModelConfig.", "", 1)
             raise _component_error("model", cfg.model, msg) from None
+    if ro.record_routing or tr.routing_replay:
+        field = "rollout.record_routing" if ro.record_routing else "trainer.routing_replay"
+        _require(_is_moe(cfg), field, "needs a mixture-of-experts model (qwen3_moe, num_experts > 0)")
     if cfg.model.tokenizer_path is not None:
         _require(os.path.isdir(cfg.model.tokenizer_path), "model.tokenizer_path",
                  f"{cfg.model.tokenizer_path!r} is not a directory")
@@ -246,3 +254,12 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
              f"a minibatch of {per_mb} sequences (batch_size {cfg.trainer.batch_size} x n_samples "
              f"{cfg.rollout.n_samples} / ppo_n_minibatches {cfg.trainer.ppo_n_minibatches}) does not split over "
              f"the trainer's {dp} data-parallel shards")
+
+
+def _is_moe(cfg: RunConfig) -> bool:
+    """Whether the run's model is a mixture of experts (its config.json, or the model section)."""
+    if cfg.model.path is not None:
+        with open(os.path.join(cfg.model.path, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+        return bool(hf.get("num_experts", hf.get("num_local_experts", 0)))
+    return bool(cfg.model.model_config(vocab_size=8).num_experts)

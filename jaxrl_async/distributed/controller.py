@@ -553,7 +553,8 @@ class DistributedRLLoop(RLLoop):
                 "mesh_axes": tuple(c.mesh.generator.axis_names), "tokenizer_dir": self.tokenizer_dir,
                 "param_shapes": [tuple(x.shape) for x in leaves], "n_samples": ro.n_samples,
                 "truncation": ro.sampling.top_k > 0 or ro.sampling.top_p < 1.0,
-                "kv_update_policy": ro.kv_update_policy, "max_prefills_per_step": ro.engine.max_prefills_per_step}
+                "kv_update_policy": ro.kv_update_policy, "max_prefills_per_step": ro.engine.max_prefills_per_step,
+                "record_routing": ro.record_routing}
         futs = [p.call_async("init", spec) for p in peers]  # the generators build their engines in parallel
         infos = [_result(f, p, "init", self.call_timeout_s) for f, p in zip(futs, peers)]
         keys = tree_keys(params)

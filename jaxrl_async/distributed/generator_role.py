@@ -95,7 +95,8 @@ class GeneratorServer:
         devs = jax.local_devices()
         shape = _resolve_shape(tuple(spec["mesh_shape"]), len(devs), "mesh.generator.shape")
         mesh = make_mesh(shape, tuple(spec["mesh_axes"]), devices=devs)
-        self.engine = engine_from_section(spec["engine"], spec["model_config"], mesh)
+        self.engine = engine_from_section(spec["engine"], spec["model_config"], mesh,
+                                          record_routing=bool(spec.get("record_routing", False)))
         if spec.get("tokenizer_dir"):
             self.tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
         shardings = self.engine.param_shardings

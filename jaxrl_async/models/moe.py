@@ -18,9 +18,22 @@ layers, embed, expert_router), ``moe_gate``/``moe_up`` [L, X, D, F] and ``moe_do
 ``routing(...)`` exposes the choices (top-k expert ids and weights per token) so that callers can record
 them (the generator) or impose them (routing replay: ``expert_ids`` given, weights recomputed from this
 router's logits over those experts).
+
+Routing scopes (``routing_scope``, read at trace time like the activation rules): around a ``forward`` call,
+every MoE layer can (a) impose recorded experts (``expert_ids`` [L, B, T, k], entries < 0 = not recorded:
+that token routes by its own top-k; rollout routing replay, R3), (b) output the experts it used (``record``:
+the generator records them for the trainer), (c) output router statistics over ``stats_mask`` tokens (load
+per expert, router-probability sums for the load-balancing loss, entropy, and the tokens whose own top-k
+differs from the recorded one). ``forward`` publishes the per-layer outputs, stacked over layers, in
+``scope.result``. Without a scope nothing changes (no extra outputs are traced).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +135,11 @@ def grouped_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_ga
 def moe_mlp(p, h: jax.Array, cfg, expert_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The MoE MLP of one layer: h [B, T, D] -> (out [B, T, D], expert ids [B, T, k], router logits [B, T, X])."""
     B, T, D = h.shape
-    ids, weights, logits = routing(h, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob, expert_ids)
+    scope, layer = _SCOPE.get(), _LAYER.get()
+    if expert_ids is None and scope is not None and layer is not None:
+        ids, weights, logits = _scoped_routing(p, h, cfg, scope, *layer)
+    else:
+        ids, weights, logits = routing(h, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob, expert_ids)
     out = grouped_swiglu(h.reshape(B * T, D), ids.reshape(B * T, -1), weights.reshape(B * T, -1),
                          p["moe_gate"], p["moe_up"], p["moe_down"])
     return constrain(out.reshape(B, T, D), "batch", "length", "activation_embed"), ids, logits
@@ -140,3 +157,113 @@ def load_balancing_loss(logits: jax.Array, expert_ids: jax.Array, mask: jax.Arra
     frac = (onehot * m[:, None, None]).sum(axis=0) / n  # [k, X]
     prob = (probs * m[:, None]).sum(axis=0) / n  # [X]
     return X * jnp.sum(frac * prob[None, :])
+
+
+# ---------------------------------------------------------------------------------------
+# Routing scopes: record / impose (replay) the experts, router statistics
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RoutingScope:
+    """What the MoE layers of one ``forward`` trace do besides computing (see the module doc).
+
+    expert_ids: [L, B, T, k] recorded experts per layer and token (< 0: none recorded), or None.
+    replay: route by ``expert_ids`` where recorded (gates from this router's probabilities over them).
+    record: output the experts used, ``result["ids"]`` [L, B, T, k] int32.
+    stats_mask: [B, T] tokens over which ``result`` gets the router statistics (``router_stats``), or None.
+    result: set by ``forward``: per-layer outputs stacked over the layers (empty for a dense model)."""
+
+    expert_ids: Any = None
+    replay: bool = False
+    record: bool = False
+    stats_mask: Any = None
+    result: dict | None = None
+
+
+_SCOPE: contextvars.ContextVar = contextvars.ContextVar("jaxrl_async_moe_scope", default=None)
+_LAYER: contextvars.ContextVar = contextvars.ContextVar("jaxrl_async_moe_layer", default=None)
+
+
+@contextlib.contextmanager
+def routing_scope(**kw):
+    """``with routing_scope(record=True) as scope: forward(...)`` then ``scope.result`` (see ``RoutingScope``)."""
+    scope = RoutingScope(**kw)
+    if scope.replay and scope.expert_ids is None:
+        raise ValueError("routing_scope: replay needs expert_ids")
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
+
+
+@contextlib.contextmanager
+def layer_scope(layer_idx):
+    """Entered by ``forward`` around decoder layer ``layer_idx`` (traced in a scan); yields the dict the layer's
+    MoE MLP fills (None without a routing scope: nothing to collect)."""
+    if _SCOPE.get() is None:
+        yield None
+        return
+    out: dict = {}
+    token = _LAYER.set((layer_idx, out))
+    try:
+        yield out
+    finally:
+        _LAYER.reset(token)
+
+
+def publish(per_layer) -> None:
+    """Called by ``forward`` with the layers' outputs stacked over layers (a no-op without a scope)."""
+    scope = _SCOPE.get()
+    if scope is not None:
+        scope.result = dict(per_layer or {})
+
+
+def router_stats(logits: jax.Array, ids: jax.Array, own_ids: jax.Array, mask: jax.Array,
+                 recorded: jax.Array | None = None) -> dict[str, jax.Array]:
+    """One layer's router statistics over the tokens where ``mask`` ([B, T]); logits [B, T, X] float32, ids (used)
+    and own_ids (this router's top-k) [B, T, k], recorded [B, T, k] (< 0: none) or None.
+
+    count [X]: routed (token, choice) pairs per expert; prob_sum [X]: sum of router probabilities (the only entry
+    with a gradient, for ``aux_loss``); entropy_sum, tokens; with ``recorded``: recorded (tokens with a
+    recording) and mismatch (those whose own top-k SET differs from the recorded one)."""
+    X, k = logits.shape[-1], ids.shape[-1]
+    m = mask.astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    probs = jnp.exp(logp)
+    sg = jax.lax.stop_gradient
+    count = jnp.zeros((X,), jnp.float32).at[ids.reshape(-1)].add(jnp.repeat(m.reshape(-1), k))
+    out = {"count": count, "prob_sum": jnp.einsum("btx,bt->x", probs, m),
+           "entropy_sum": sg(jnp.sum(-jnp.sum(probs * logp, axis=-1) * m)), "tokens": m.sum()}
+    if recorded is not None:
+        rec = recorded.astype(jnp.int32)
+        has = (rec[..., 0] >= 0) & (m > 0)
+        differ = jnp.any(jnp.sort(own_ids, axis=-1) != jnp.sort(rec, axis=-1), axis=-1)
+        out["recorded"] = has.sum().astype(jnp.float32)
+        out["mismatch"] = (has & differ).sum().astype(jnp.float32)
+    return out
+
+
+def aux_loss(stats: dict[str, jax.Array]) -> jax.Array:
+    """The load-balancing loss of all layers from ``router_stats`` stacked over layers ([L, X] count/prob_sum,
+    [L] tokens), as transformers computes it for Qwen3-MoE (every layer's router logits concatenated along the
+    tokens): X * sum_x f_x P_x, f_x = routed pairs to x / (L N), P_x = summed probability of x / (L N)."""
+    X = stats["count"].shape[-1]
+    n = jnp.maximum(stats["tokens"].sum(), 1.0)
+    return X * jnp.sum(stats["count"].sum(0) / n * stats["prob_sum"].sum(0) / n)
+
+
+def _scoped_routing(p, h: jax.Array, cfg, scope: RoutingScope, layer_idx, out: dict):
+    """Routing of one layer under a scope: own top-k, recorded experts imposed where replaying, outputs."""
+    k = cfg.num_experts_per_tok
+    own_ids, weights, logits = routing(h, p["router"], k, cfg.norm_topk_prob)
+    ids, rec = own_ids, None
+    if scope.expert_ids is not None:
+        rec = jax.lax.dynamic_index_in_dim(scope.expert_ids, layer_idx, axis=0, keepdims=False).astype(jnp.int32)
+        if scope.replay:
+            ids = jnp.where(rec[..., :1] >= 0, rec, own_ids)
+            ids, weights, _ = routing(h, p["router"], k, cfg.norm_topk_prob, expert_ids=ids)
+    if scope.record:
+        out["ids"] = ids
+    if scope.stats_mask is not None:
+        out.update(router_stats(logits, ids, own_ids, scope.stats_mask, rec))
+    return ids, weights, logits

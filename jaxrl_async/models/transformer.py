@@ -43,6 +43,7 @@ from jaxrl_async.models.attention import (  # noqa: F401  (grouped_attention, se
 )
 from jaxrl_async.models.config import ModelConfig, llama3_inv_freq_scale
 from jaxrl_async.models.lora import dropout_layer as lora_dropout_layer
+from jaxrl_async.models.moe import layer_scope as moe_layer_scope, publish as moe_publish
 from jaxrl_async.models.remat import remat
 from jaxrl_async.sharding.activations import constrain
 
@@ -296,18 +297,24 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
         # is used and its gradient reduce-scattered per layer (without this, GSPMD accumulated full-size
         # float32 gradients of every layer in the scan's backward: 7 GiB for one MLP matrix of 8B)
         p = {k: constrain(w, *layer_axes[k][1:]) if k in layer_axes else w for k, w in p.items()}
-        with lora_dropout_layer(i):  # LoRA dropout masks per layer (training steps only; else a no-op)
+        # LoRA dropout masks per layer (training steps only; else a no-op); the MoE routing outputs of the
+        # layer under a `moe.routing_scope` (None without one: nothing extra is traced)
+        with lora_dropout_layer(i), moe_layer_scope(i) as routed:
             x, state = decoder_layer(p, x, cos, sin, cfg, attend, state, i)
-        return (x, state), None
+        return (x, state), routed
 
     body = remat(body, cfg.remat)
     layers = params["layers"]
     if cfg.scan_layers:
-        (x, state), _ = jax.lax.scan(body, (x, state), (layers, jnp.arange(cfg.num_layers)))
+        (x, state), routed = jax.lax.scan(body, (x, state), (layers, jnp.arange(cfg.num_layers)))
     else:
+        outs = []
         for i in range(cfg.num_layers):
             p_i = jax.tree.map(lambda a: a[i], layers)
-            (x, state), _ = body((x, state), (p_i, i))
+            (x, state), r = body((x, state), (p_i, i))
+            outs.append(r)
+        routed = None if outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    moe_publish(routed)  # per-layer routing outputs, stacked over layers, to the active routing scope
     return constrain(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), *RESIDUAL_AXES), state
 
 

@@ -39,7 +39,8 @@ def build_training_batch(groups: Sequence[Any], adv_cfg: Any, group_size: int) -
     truncated = np.asarray([t.finish_reason == "length" for t in trajs])
     adv = compute_advantages(rewards, mask, adv_cfg, group_size=sizes, truncated=truncated, logprobs=logprobs)
     out = [TrainTrajectory(tokens=t.tokens, loss_mask=t.loss_mask, behaviour_logprobs=t.logprobs,
-                           advantages=adv.advantages[i, : t.length].astype(np.float32), versions=t.versions)
+                           advantages=adv.advantages[i, : t.length].astype(np.float32), versions=t.versions,
+                           routing=getattr(t, "routing", None))
            for i, t in enumerate(trajs)]
     lengths = np.asarray([t.num_generated for t in trajs], np.float64)
     lags = [cg.lag for cg in groups]

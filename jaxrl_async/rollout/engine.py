@@ -132,11 +132,23 @@ def _truncates(sp: SamplingParams) -> bool:
 # ---------------------------------------------------------------------------------------
 # Pure device functions
 # ---------------------------------------------------------------------------------------
-def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: ModelConfig):
+def _routed_forward(record: bool, *args):
+    """`forward(*args)`, and with `record` the experts each token was routed to ([L, B, T, k] int16; else None)."""
+    if not record:
+        return forward(*args), None
+    from jaxrl_async.models.moe import routing_scope
+
+    with routing_scope(record=True) as scope:
+        out = forward(*args)
+    return out, scope.result["ids"].astype(jnp.int16)
+
+
+def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: ModelConfig, record_routing: bool = False):
     """Run prompts packed into one row [1, T]: prompt i holds tokens [off_i, off_i + length[i]) with
     off = the exclusive cumsum of `length` [N] (0 = an unused entry); causal attention within each prompt
     only, positions restarting at 0 per prompt. Returns (k [L, T, K, E], v, logits [N, V] at each prompt's
-    last token). A scalar `length` is one prompt (logits [V])."""
+    last token). A scalar `length` is one prompt (logits [V]). `record_routing` (MoE): also the experts of
+    every token of the row, [T, L, k] int16."""
     T = tokens.shape[1]
     single = jnp.ndim(length) == 0
     lengths = jnp.atleast_1d(length).astype(jnp.int32)
@@ -150,24 +162,30 @@ def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: Mod
     segment_ids = jnp.where(valid, seg + 1, 0)[None]
     buf = jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
     attend = kv_cache.prefill_attend(segment_ids, cfg.head_dim ** -0.5, cfg.attention, cfg.attention_block)
-    hidden, (k, v) = forward(params, cfg, tokens, positions, attend, (buf, buf))
+    (hidden, (k, v)), ids = _routed_forward(record_routing, params, cfg, tokens, positions, attend, (buf, buf))
     last = jnp.take(hidden[0], jnp.clip(ends - 1, 0, T - 1), axis=0)  # [N, D]
     logits = logits_from_hidden(params, last)
+    if record_routing:
+        return k, v, (logits[0] if single else logits), jnp.swapaxes(ids[:, 0], 0, 1)
     return k, v, (logits[0] if single else logits)
 
 
 def prefill_chunk_fn(params: Params, k_buf, v_buf, tokens: jax.Array, start: jax.Array, length: jax.Array, *,
-                     cfg: ModelConfig):
+                     cfg: ModelConfig, record_routing: bool = False):
     """One chunk [1, C] of a sequence longer than the largest prefill bucket (chunked prefill).
 
     k_buf/v_buf [L, T, K, E] (T = chunks x C) hold the k/v of the chunks before `start`; returns them
-    with this chunk's added and the logits at position length - 1 (meaningful for the chunk holding it).
+    with this chunk's added and the logits at position length - 1 (meaningful for the chunk holding it);
+    `record_routing`: also the chunk's experts [C, L, k] int16.
     """
     C = tokens.shape[1]
     positions = (start + jnp.arange(C, dtype=jnp.int32))[None]
     attend = kv_cache.chunk_prefill_attend(start, length, cfg.head_dim ** -0.5, C)
-    hidden, (k_buf, v_buf) = forward(params, cfg, tokens, positions, attend, (k_buf, v_buf))
+    (hidden, (k_buf, v_buf)), ids = _routed_forward(record_routing, params, cfg, tokens, positions, attend,
+                                                    (k_buf, v_buf))
     last = jax.lax.dynamic_index_in_dim(hidden[0], jnp.clip(length - 1 - start, 0, C - 1), axis=0, keepdims=True)
+    if record_routing:
+        return k_buf, v_buf, logits_from_hidden(params, last)[0], jnp.swapaxes(ids[:, 0], 0, 1)
     return k_buf, v_buf, logits_from_hidden(params, last)[0]
 
 
@@ -210,14 +228,15 @@ def release_fn(arrays, slot, *, null_page: int):
 
 def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int,
                    null_page: int, attention: str = "blocked", block_pages: int = 8, kernel_options=None,
-                   pages_axis: str | None = None, truncation: bool = True):
+                   pages_axis: str | None = None, truncation: bool = True, record_routing: bool = False):
     """One token for every slot. new_pages [S]: page to map at index pos // page_size (-1: none).
 
     attention: the decode attention (`paged_attention.DECODE_ATTENTION`; its pool layout names the pool
     arrays); "blocked" reads blocks of `block_pages` pages up to the longest active slot. Page ids are local
     to the slot's decode replica (`pages_axis`: the pool's pages split over it; `null_page` = pages per replica).
 
-    Returns (arrays, (tokens, logprobs, valid, done)); see the module doc for the bookkeeping.
+    Returns (arrays, (tokens, logprobs, valid, done)); see the module doc for the bookkeeping. `record_routing`
+    (MoE): the step tuple has a fifth entry, the experts of the token each slot fed, [S, L, k] int16.
     """
     S, maxp = arrays["page_table"].shape
     null = null_page
@@ -232,8 +251,8 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
                                            block_pages=block_pages, kernel_options=kernel_options,
                                            pages_axis=pages_axis)
     keys = paged_attention.layout_for(attention).keys
-    hidden, pools = forward(params, cfg, arrays["last_token"][:, None], pos[:, None], attend,
-                            tuple(arrays[k] for k in keys))
+    (hidden, pools), ids = _routed_forward(record_routing, params, cfg, arrays["last_token"][:, None], pos[:, None],
+                                           attend, tuple(arrays[k] for k in keys))
     logits = logits_from_hidden(params, hidden[:, 0])
     tokens, logprobs = sampling.sample(logits, arrays["temperature"], arrays["top_k"], arrays["top_p"],
                                        arrays["seed"], arrays["sample_index"], pos + 1, truncation=truncation)
@@ -245,6 +264,8 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     out = dict(arrays, **dict(zip(keys, pools)), page_table=pt, pos=new_pos, num_generated=num_generated,
                last_token=jnp.where(active, tokens, arrays["last_token"]), done=done)
     step = (jnp.where(active, tokens, 0), jnp.where(active, logprobs, 0.0), active, active & finished)
+    if record_routing:
+        step += (jnp.swapaxes(ids[:, :, 0], 0, 1),)
     return out, step
 
 
@@ -289,6 +310,9 @@ class PagedEngine(Engine):
           compilation per bucket whatever the number packed).
       kernel_options: keyword arguments of the kernel paths (`paged_attention._tpu_local` / `_gpu_local`:
           block sizes, vmem limit, interpret).
+      record_routing: (MoE models) prefill and decode also return the experts every token was routed to in
+          each layer (`Prefix.routing`, `StepResult.routing`, int16), for rollout routing replay. Off: no
+          extra output is compiled.
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None = None, *, max_concurrent_decodes: int,
@@ -296,7 +320,7 @@ class PagedEngine(Engine):
                  prefill_buckets: Sequence[int] | None = None, page_size: int = 16, num_pages: int | None = None,
                  cache_memory_fraction: float = 0.9, max_stop_tokens: int = 8, reserve_weight_push: bool = False,
                  attention: str = "auto", decode_block_pages: int | None = None,
-                 kernel_options: dict | None = None, max_prefill_pack: int = 8):
+                 kernel_options: dict | None = None, max_prefill_pack: int = 8, record_routing: bool = False):
         if max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
         if max_sequence_length < 2:
@@ -316,6 +340,9 @@ class PagedEngine(Engine):
             buckets = default_buckets(mpl)
         if buckets[-1] >= max_sequence_length:
             raise ValueError(f"max_prefill_length {buckets[-1]} must be < max_sequence_length {max_sequence_length}")
+        if record_routing and not cfg.num_experts:
+            raise ValueError("record_routing needs a mixture-of-experts model (num_experts > 0)")
+        self.record_routing = bool(record_routing)
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
         self.attention = paged_attention.resolve(attention, self.mesh.devices.flat[0].platform)
@@ -389,10 +416,11 @@ class PagedEngine(Engine):
         # the model's activations follow the generator rules (decode slots over `data`, heads and MLP
         # width over `tensor`) instead of whatever GSPMD propagates from the weights
         traced = lambda fn: traced_with_activation_rules(fn, self.mesh, "generator")  # noqa: E731
-        self._prefill = jax.jit(traced(functools.partial(prefill_fn, cfg=cfg)),
-                                out_shardings=(kv_sh, kv_sh, self.replicated))
-        self._prefill_chunk = jax.jit(traced(functools.partial(prefill_chunk_fn, cfg=cfg)), donate_argnums=(1, 2),
-                                      out_shardings=(kv_sh, kv_sh, self.replicated))
+        rec = self.record_routing  # the routing outputs exist only when recording (replicated, small ints)
+        self._prefill = jax.jit(traced(functools.partial(prefill_fn, cfg=cfg, record_routing=rec)),
+                                out_shardings=(kv_sh, kv_sh) + (self.replicated,) * (1 + rec))
+        self._prefill_chunk = jax.jit(traced(functools.partial(prefill_chunk_fn, cfg=cfg, record_routing=rec)),
+                                      donate_argnums=(1, 2), out_shardings=(kv_sh, kv_sh) + (self.replicated,) * (1 + rec))
         kv_zeros = lambda T: (jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), cfg.dtype),) * 2  # noqa: E731
         self._kv_zeros = jax.jit(kv_zeros, static_argnums=0, out_shardings=(kv_sh, kv_sh))
         # two programs each for sampling: with the top-k/top-p machinery, and without it for the (common, RL)
@@ -404,11 +432,12 @@ class PagedEngine(Engine):
                                                  pages_axis=self.pages_axis, kv_axis=kv_axis),
                                donate_argnums=0, out_shardings=ss)
         self._release = jax.jit(functools.partial(release_fn, null_page=null), donate_argnums=0, out_shardings=ss)
-        step_out = (ss, (self.slot_sharding,) * 4)
+        step_out = (ss, (self.slot_sharding,) * 4 + ((self.replicated,) if rec else ()))
         self._steps = {t: jax.jit(traced(functools.partial(
             decode_step_fn, cfg=cfg, page_size=self.page_size, max_seq=self._max_seq, null_page=null,
             attention=self.attention, block_pages=self.decode_block_pages, kernel_options=self.kernel_options,
-            pages_axis=self.pages_axis, truncation=t)), donate_argnums=1, out_shardings=step_out) for t in (True, False)}
+            pages_axis=self.pages_axis, truncation=t, record_routing=rec)), donate_argnums=1, out_shardings=step_out)
+            for t in (True, False)}
         self._step = self._steps[True]  # the full decode step (any sampling parameters; what `plan` compiles)
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
         self._no_new_pages = None  # put on the devices at the first step (the engine builds on compile-only meshes)
@@ -544,17 +573,20 @@ class PagedEngine(Engine):
                 padded[0, :total] = np.concatenate([reqs[i][0] for i in g])
                 lengths = np.zeros(N, np.int32)
                 lengths[:len(g)] = lens
-                k, v, logits = self._prefill(params, padded, lengths)
+                k, v, logits, *ids = self._prefill(params, padded, lengths)
             else:  # chunked prefill: chunks of the largest bucket, each attending to the ones before it
                 (toks, _), = [reqs[i] for i in g]
                 bucket = kv_cache.pages_for(total, C) * C
                 padded = np.zeros((1, bucket), np.int32)
                 padded[0, :total] = toks
                 k, v = self._kv_zeros(bucket)
+                chunk_ids = []
                 for start in range(0, bucket, C):  # dispatched back to back, no host sync
-                    k, v, logits = self._prefill_chunk(params, k, v, padded[:, start:start + C], np.int32(start),
-                                                       np.int32(total))
+                    k, v, logits, *cid = self._prefill_chunk(params, k, v, padded[:, start:start + C],
+                                                             np.int32(start), np.int32(total))
+                    chunk_ids += cid
                 logits = logits[None]
+                ids = [jnp.concatenate(chunk_ids)] if chunk_ids else []
             offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(int)
             rows, cols = [], {name: [] for name in ("t", "k", "p", "seed", "idx", "pos")}
             for row, i in enumerate(g):
@@ -572,9 +604,9 @@ class PagedEngine(Engine):
                                              pad(cols["k"], np.int32), pad(cols["p"], np.float32),
                                              pad(cols["seed"], np.uint32), pad(cols["idx"], np.int32),
                                              pad(cols["pos"], np.int32))
-            pending.append((g, k, v, bucket, offsets, firsts, lps))
-        host = jax.device_get([(f, lp) for *_, f, lp in pending])  # the one host sync
-        for (g, k, v, bucket, offsets, _, _), (firsts, lps) in zip(pending, host):
+            pending.append((g, k, v, bucket, offsets, firsts, lps, ids))
+        host = jax.device_get([(f, lp, ids) for *_, f, lp, ids in pending])  # the one host sync
+        for (g, k, v, bucket, offsets, *_), (firsts, lps, ids) in zip(pending, host):
             at = 0
             for row, i in enumerate(g):
                 toks, r = reqs[i]
@@ -586,7 +618,8 @@ class PagedEngine(Engine):
                 out[i] = PagedPrefix(kv=PrefixKV(k, v, bucket, next(self._prefix_ids), int(offsets[row])),
                                      length=n_tok, first_tokens=first, first_logprobs=lp, sampling=sp,
                                      sample_indices=tuple(range(r.sample_offset, r.sample_offset + ns)),
-                                     first_done=first_done)
+                                     first_done=first_done,
+                                     routing=ids[0][offsets[row]:offsets[row] + n_tok] if ids else None)
         return out  # type: ignore[return-value]
 
     # -- insert ---------------------------------------------------------------------------
@@ -697,12 +730,12 @@ class PagedEngine(Engine):
         new_pages = self._grow(state)
         h = state.host
         trunc = bool((h.trunc & h.live & ~h.done).any())  # the lean program unless a running slot needs top-k/p
-        arrays, (tokens, logprobs, valid, done) = self._steps[trunc](params, state.arrays, new_pages)
+        arrays, (tokens, logprobs, valid, done, *routing) = self._steps[trunc](params, state.arrays, new_pages)
         act = h.live & ~h.done
         h.pos[act] += 1
         h.num_generated[act] += 1
         h.done |= act & ((h.num_generated >= h.max_new) | (h.pos + 1 >= self._max_seq))
-        return DecodeState(arrays, h), StepResult(tokens, logprobs, valid, done)
+        return DecodeState(arrays, h), StepResult(tokens, logprobs, valid, done, *routing)
 
     # -- release --------------------------------------------------------------------------
     def release(self, state: DecodeState, slot: int) -> DecodeState:

@@ -65,6 +65,9 @@ class Prefix:
     first_logprobs: np.ndarray  # [num_samples] float32, host
     sampling: SamplingParams
     sample_indices: tuple[int, ...]  # which sample index of the request each first token belongs to
+    # [length, L, k] int16 host array: the experts every prompt token was routed to in each MoE layer (engines
+    # built with record_routing; None otherwise)
+    routing: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +88,19 @@ class StepResult:
     logprobs: Any  # [S] float32: behaviour log-prob of that token
     valid: Any  # [S] bool: slot was live and produced a token this step
     done: Any  # [S] bool: slot hit a stop token or its max_new_tokens with this token
+    # [S, L, k] int16 (engines built with record_routing; else None): the experts of the token each slot FED
+    # this step (its last sampled token, at its position before the step) in each MoE layer
+    routing: Any = None
 
     def copy_to_host_async(self) -> "StepResult":
-        for a in (self.tokens, self.logprobs, self.valid, self.done):
+        for a in (self.tokens, self.logprobs, self.valid, self.done, self.routing):
             if hasattr(a, "copy_to_host_async"):
                 a.copy_to_host_async()
         return self
 
     def to_host(self) -> "StepResult":
-        return StepResult(*(np.asarray(a) for a in (self.tokens, self.logprobs, self.valid, self.done)))
+        return StepResult(*(np.asarray(a) for a in (self.tokens, self.logprobs, self.valid, self.done)),
+                          routing=None if self.routing is None else np.asarray(self.routing))
 
 
 class OutOfPagesError(RuntimeError):

@@ -107,7 +107,7 @@ from jaxrl_async.rollout.engine_api import Engine, OutOfPagesError, PrefillReque
 # the public request types live in rollout/requests.py; re-exported here
 from jaxrl_async.rollout.requests import (  # noqa: F401
     GeneratorClosedError, GeneratorError, GeneratorStats, RequestHandle, RequestOutput, SampleOutput, StreamChunk,
-    continuation_sampling, finish_reason_for, stop_string_hit,
+    assemble_routing, continuation_sampling, finish_reason_for, stop_string_hit,
 )
 from jaxrl_async.rollout.requests import (
     _WAKE, _Abort, _InFlight, _Release, _Request, _RequestFailed, _Sample, _Submit, _WorkItem,
@@ -557,6 +557,8 @@ class Generator:
         version = self._version
         for k, s in enumerate(item.samples):
             s.tokens.pop()
+            if prefix.routing is not None:  # experts of item.tokens (prompt + tokens so far), from position 0
+                s.routing.append((0, prefix.routing))
             reason = self._append(s, toks[k], lps[k], version, False)
             emits.append((s, toks[k], lps[k], version, reason))
         for (k, s), slot in zip(to_insert, inserted):
@@ -590,6 +592,8 @@ class Generator:
         for slot, owner in enumerate(inflight.owners):
             if owner is None or not valid[slot] or owner.finished or owner.slot != slot:
                 continue
+            if host.routing is not None:  # the step fed the sample's last token (its position before the step)
+                owner.routing.append((len(owner.request.prompt) + len(owner.tokens) - 1, host.routing[slot][None]))
             reason = self._append(owner, tokens[slot], logprobs[slot], version, bool(done[slot]))
             emits.append((owner, tokens[slot], logprobs[slot], version, reason))
             if reason is not None:
@@ -647,6 +651,8 @@ class Generator:
             s.num_recomputes += 1
             slot = s.slot
             self._release_slot(s)
+            if prefix.routing is not None:
+                s.routing.append((0, prefix.routing))
             tok, lp = int(prefix.first_tokens[0]), float(prefix.first_logprobs[0])
             reason = finish_reason_for(tok, len(s.tokens) + 1, req.max_new, req.sampling.stop_token_ids, False)
             if reason is None:
@@ -758,7 +764,8 @@ class Generator:
                 sample_index=s.index, prompt_ids=req.prompt, completion_ids=v.tokens, logprobs=v.logprobs,
                 versions=v.versions, finish_reason=v.finish_reason, text=text, submit_time=req.submit_time,
                 first_token_time=v.first_token_time, finish_time=v.finish_time,
-                num_preemptions=s.num_preemptions, num_recomputes=s.num_recomputes))
+                num_preemptions=s.num_preemptions, num_recomputes=s.num_recomputes,
+                routing=assemble_routing(s.routing, len(req.prompt) + len(v.tokens))))
         with self._lock:
             self._handles.pop(req.id, None)
         req.handle._complete(RequestOutput(req.id, req.prompt, samples, req.metadata))

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from jaxrl_async.rollout.engine_api import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,6 +58,11 @@ class SampleOutput:
     finish_time: float
     num_preemptions: int = 0
     num_recomputes: int = 0
+    # [len(prompt_ids) + len(completion_ids), L, k] int16: the experts each token was routed to in each MoE layer
+    # (engines with record_routing; else None). -1 where not recorded: the last token (never fed back) and the
+    # tokens after a stop string. A position routed again (a re-prefill: recompute_kv, a preempted continuation)
+    # keeps its LAST routing: the one of the KV every later token attended to.
+    routing: Any = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -225,7 +232,7 @@ class _Sample:
     """One sample of a request. Decode-side fields are owned by the decode thread; `view` by the stream thread."""
 
     __slots__ = ("request", "index", "tokens", "logprobs", "versions", "slot", "finished", "admit_seq",
-                 "num_preemptions", "num_recomputes", "view")
+                 "num_preemptions", "num_recomputes", "view", "routing")
 
     def __init__(self, request: "_Request", index: int):
         self.request = request
@@ -239,6 +246,7 @@ class _Sample:
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.view = _SampleView()
+        self.routing: list[tuple[int, Any]] = []  # (first position, [n, L, k] experts), decode thread appends
 
 
 class _SampleView:
@@ -314,3 +322,20 @@ class _RequestFailed:
 
 
 _WAKE = object()
+
+
+def assemble_routing(chunks, length: int):
+    """[length, L, k] int16 from (first position, [n, L, k]) chunks; -1 where none; the LAST chunk that covers a
+    position wins: a re-prefill (recompute_kv after a weight update, a preempted continuation, the next turn of an
+    episode) routes the earlier tokens again and every later token attends to the KV of that routing (tokens
+    sampled before it were produced with the earlier routing: with recompute_kv they are also of the earlier
+    weights, the off-policy part the decoupled loss corrects). None without chunks."""
+    chunks = list(chunks)  # a snapshot (the decode thread may still append)
+    if not chunks:
+        return None
+    out = np.full((length,) + tuple(chunks[0][1].shape[1:]), -1, np.int16)
+    for start, ids in chunks:
+        stop = min(start + len(ids), length)
+        if stop > start:
+            out[start:stop] = np.asarray(ids[:stop - start])
+    return out

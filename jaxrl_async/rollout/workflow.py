@@ -126,6 +126,8 @@ class Trajectory:
       reward: scalar episode reward.
       prompt_len: length of the initial prompt.
       metadata: free-form (``finish_reason``, ``sample_index``, timings, ...).
+      routing: optional int16 [T, L, k], the experts the generator routed each token to in each MoE layer
+        (``rollout.record_routing``), -1 where not recorded; used by rollout routing replay.
     """
 
     tokens: np.ndarray
@@ -135,6 +137,7 @@ class Trajectory:
     reward: float
     prompt_len: int
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    routing: np.ndarray | None = None
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, dtype=np.int32).reshape(-1)
@@ -155,14 +158,20 @@ class Trajectory:
             raise ValueError("Trajectory.versions must be -1 on the prompt")
         if (self.versions[self.loss_mask == 1] < 0).any():
             raise ValueError("Trajectory.versions must be >= 0 on trained (loss_mask = 1) tokens")
+        if self.routing is not None:
+            self.routing = np.asarray(self.routing, dtype=np.int16)
+            if self.routing.ndim != 3 or self.routing.shape[0] != T:
+                raise ValueError(f"Trajectory.routing must be [T={T}, layers, k], got shape {self.routing.shape}")
         self.reward = float(self.reward)
         if not math.isfinite(self.reward):
             raise ValueError(f"Trajectory.reward must be finite, got {self.reward}")
 
     @classmethod
     def from_completion(cls, prompt_ids: Sequence[int], completion_ids: Sequence[int], logprobs: Sequence[float],
-                        versions: Sequence[int], reward: float, finish_reason: str, **metadata: Any) -> "Trajectory":
-        """Single-turn episode: prompt (mask 0, version −1, logprob 0) + completion (mask 1)."""
+                        versions: Sequence[int], reward: float, finish_reason: str, *, routing: Any = None,
+                        **metadata: Any) -> "Trajectory":
+        """Single-turn episode: prompt (mask 0, version −1, logprob 0) + completion (mask 1); ``routing``: the
+        sample's recorded experts over prompt + completion (``SampleOutput.routing``), or None."""
         P, C = len(prompt_ids), len(completion_ids)
         if len(logprobs) != C or len(versions) != C:
             raise ValueError(f"completion has {C} tokens but {len(logprobs)} logprobs and {len(versions)} versions")
@@ -170,15 +179,17 @@ class Trajectory:
                    loss_mask=np.concatenate([np.zeros(P, np.int32), np.ones(C, np.int32)]),
                    logprobs=np.concatenate([np.zeros(P, np.float32), np.asarray(logprobs, np.float32)]),
                    versions=np.concatenate([np.full(P, -1, np.int32), np.asarray(versions, np.int32)]),
-                   reward=reward, prompt_len=P, metadata={"finish_reason": finish_reason, **metadata})
+                   reward=reward, prompt_len=P, metadata={"finish_reason": finish_reason, **metadata}, routing=routing)
 
     @classmethod
     def from_turns(cls, prompt_ids: Sequence[int], turns: Sequence[Any], reward: float, **metadata: Any) -> "Trajectory":
         """Multi-turn episode: ``turns`` are generator samples (trained) or ``(token_ids, trained=False)``
         pairs for inserted text (tool outputs, user turns). Each sample's ``prompt_ids`` must extend the
-        tokens so far (token-in, token-out: no re-tokenisation drift)."""
+        tokens so far (token-in, token-out: no re-tokenisation drift). Recorded routing (``SampleOutput.routing``)
+        is merged over the turns, the last turn that routed a position winning (``assemble_routing``)."""
         tokens, mask, lps, vers = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
         finish = None
+        routed = []
         for i, turn in enumerate(turns):
             if isinstance(turn, tuple):
                 ids, trained = turn
@@ -192,9 +203,14 @@ class Trajectory:
             c = list(turn.completion_ids)
             tokens += c; mask += [1] * len(c); lps += list(turn.logprobs); vers += list(turn.versions)
             finish = turn.finish_reason
+            if getattr(turn, "routing", None) is not None:
+                routed.append((0, turn.routing))
+        from jaxrl_async.rollout.requests import assemble_routing
+
         return cls(tokens=np.asarray(tokens), loss_mask=np.asarray(mask), logprobs=np.asarray(lps),
                    versions=np.asarray(vers), reward=reward, prompt_len=len(prompt_ids),
-                   metadata={"finish_reason": finish, "num_turns": len(turns), **metadata})
+                   metadata={"finish_reason": finish, "num_turns": len(turns), **metadata},
+                   routing=assemble_routing(routed, len(tokens)))
 
     @property
     def length(self) -> int:
@@ -359,6 +375,7 @@ class RLVRWorkflow(RolloutWorkflow):
         for s, text, r in zip(samples, texts, rewards):
             out.append(Trajectory.from_completion(
                 s.prompt_ids, s.completion_ids, s.logprobs, s.versions, r, s.finish_reason,
+                routing=getattr(s, "routing", None),
                 sample_index=s.sample_index, item_id=item_field(item, "id"), completion_text=text,
                 latency_s=getattr(s, "latency_s", None), num_preemptions=getattr(s, "num_preemptions", 0),
                 reward_s=reward_s))

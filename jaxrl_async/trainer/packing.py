@@ -62,6 +62,8 @@ class Trajectory:
     versions: policy version that generated token t (-1 on prompt tokens); default all -1.
     proximal_logprobs: optional log pi_prox; normally filled by the trainer (recompute) or
         approximated in the loss (loglinear).
+    routing: optional int [n, L, k], the experts the generator routed token t to in each MoE layer (-1: not
+        recorded); packed into `PackedBatch.routing` for rollout routing replay and the router metrics.
     """
 
     tokens: np.ndarray
@@ -70,6 +72,7 @@ class Trajectory:
     advantages: np.ndarray
     versions: np.ndarray | None = None
     proximal_logprobs: np.ndarray | None = None
+    routing: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(np.asarray(self.tokens).shape[0])
@@ -160,6 +163,9 @@ class PackedBatch:
     advantages: np.ndarray  # float32
     versions: np.ndarray  # int32, -1 on prompt / padding
     seq_ids: np.ndarray  # int32, micro-batch-local sequence id (num_seqs - 1 = padding)
+    # int16 [n_micro, rows, row_len, L, k] recorded experts (-1: none, padding), or None when no trajectory of the
+    # minibatch carries routing (then nothing of it is traced)
+    routing: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -172,7 +178,7 @@ class PackedBatch:
 def _register():
     import jax
 
-    jax.tree_util.register_dataclass(PackedBatch, data_fields=list(DEVICE_FIELDS), meta_fields=[])
+    jax.tree_util.register_dataclass(PackedBatch, data_fields=list(DEVICE_FIELDS) + ["routing"], meta_fields=[])
 
 
 _register()
@@ -241,6 +247,8 @@ def validate_trajectory(traj: Trajectory, i: int, check_finite: bool = True) -> 
         a = np.asarray(arr)
         if a.shape != (n,):
             raise PackingError(f"trajectory {i}: field {name} has shape {a.shape}, expected ({n},) like tokens")
+    if traj.routing is not None and (np.ndim(traj.routing) != 3 or np.shape(traj.routing)[0] != n):
+        raise PackingError(f"trajectory {i}: field routing has shape {np.shape(traj.routing)}, expected ({n}, L, k)")
     mask = np.asarray(traj.loss_mask)
     if not np.all((mask == 0) | (mask == 1)):
         raise PackingError(f"trajectory {i}: field loss_mask must be 0/1")
@@ -313,6 +321,12 @@ def pack(trajectories: Sequence[Trajectory], cfg: PackingConfig, indices: Sequen
     sid = np.full(shape, num_seqs - 1, np.int32)
     placement: list[tuple[int, int, int, int] | None] = [None] * len(trajectories)
     has_prox = all(t.proximal_logprobs is not None for t in trajectories)
+    routed = [t.routing for t in trajectories if t.routing is not None]
+    route = None
+    if routed:  # trajectories without a recording route freely (-1), like padding
+        if len({np.shape(r)[1:] for r in routed}) > 1:
+            raise PackingError(f"trajectories of minibatch {indices[:8]} carry routing of different [L, k] shapes")
+        route = np.full(shape + np.shape(routed[0])[1:], -1, np.int16)
     for k, row in enumerate(rows):
         m, r = divmod(k, R)
         start = 0
@@ -332,11 +346,13 @@ def pack(trajectories: Sequence[Trajectory], cfg: PackingConfig, indices: Sequen
             plp[sl] = np.where(on, np.asarray(t.proximal_logprobs, np.float32), 0.0) if has_prox else blp[sl]
             if t.versions is not None:
                 ver[sl] = np.asarray(t.versions, np.int32)
+            if route is not None and t.routing is not None:
+                route[sl] = np.asarray(t.routing, np.int16)
             sid[sl] = r * S + slot
             placement[j] = (m, r, start, n)
             start += n
     batch = PackedBatch(tokens=tokens, segment_ids=seg, positions=pos, loss_mask=mask, behaviour_logprobs=blp,
-                        proximal_logprobs=plp, advantages=adv, versions=ver, seq_ids=sid)
+                        proximal_logprobs=plp, advantages=adv, versions=ver, seq_ids=sid, routing=route)
     return PackedMinibatch(batch=batch, n_loss_tokens=n_loss, n_seqs=len(trajectories),
                            n_loss_seqs=sum(c > 0 for c in per_seq_loss), num_seqs=num_seqs,
                            n_real_micro=n_real, n_tokens=int(sum(lengths)), placement=placement,  # type: ignore[arg-type]

@@ -35,12 +35,21 @@ update (clip_by_global_norm + AdamW, `optimizer.py`).
   the gradient is taken with respect to the adapters only (no base gradient or accumulator exists),
   AdamW state exists only for them, and the base passes through the step unchanged. The base is stored
   in `lora.base_dtype` (float32 or bfloat16), the adapters in float32.
+* Mixture of experts (`models/moe.py`): the policy pass computes router statistics over the real tokens of
+  each micro-batch (expert load per layer, router entropy, and where the batch carries the generator's
+  recorded routing, the tokens whose trainer top-k differs from it) and adds `router_aux_loss_coef` times
+  the load-balancing loss (transformers' Qwen3-MoE formula, per micro-batch, token-weighted over the
+  minibatch). `routing_replay` (rollout routing replay, R3: Ma et al. 2025, arXiv 2510.11370) routes every
+  token with a recording to the generator's experts in the proximal and the policy passes, the gates
+  recomputed from the trainer's router over those experts (`moe.routing(expert_ids=...)`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -52,6 +61,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_async.models import lora
 from jaxrl_async.models.config import ModelConfig
+from jaxrl_async.models.moe import aux_loss as moe_aux_loss, routing_scope
 from jaxrl_async.models.transformer import Params, sequence_logprobs
 from jaxrl_async.sharding import activation_sharding, make_mesh, model_shardings
 from jaxrl_async.sharding.activations import traced_with_activation_rules
@@ -59,6 +69,8 @@ from jaxrl_async.trainer.optimizer import OptimizerConfig, learning_rate_schedul
 from jaxrl_async.trainer.packing import (
     DEVICE_FIELDS, PackedBatch, PackedMinibatch, PackingConfig, PackingError, Trajectory, pack, split_minibatches,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TrainerConfig", "TrainState", "Trainer", "LossFn", "accumulate_gradients", "batch_sharding"]
 
@@ -82,6 +94,9 @@ class TrainerConfig:
     temperature: log-probs of logits / temperature (must match the generator's sampling temperature).
     logprob_chunk: positions per chunk of the vocabulary projection in `sequence_logprobs`, over all
         rows of a micro-batch (chunk // rows consecutive positions of every row).
+    routing_replay: (MoE) rollout routing replay: the proximal and policy passes route each token to the
+        experts the generator recorded for it (trajectories' `routing`; unrecorded tokens route freely).
+    router_aux_loss_coef: (MoE) weight of the load-balancing loss added to the objective (0: reported only).
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -90,6 +105,8 @@ class TrainerConfig:
     proximal: str = "recompute"
     temperature: float = 1.0
     logprob_chunk: int = 2048
+    routing_replay: bool = False
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.ppo_n_minibatches < 1:
@@ -100,6 +117,9 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.temperature: must be a positive finite float, got {self.temperature}")
         if self.logprob_chunk < 1:
             raise ValueError(f"TrainerConfig.logprob_chunk: must be >= 1, got {self.logprob_chunk}")
+        if not (self.router_aux_loss_coef >= 0 and math.isfinite(self.router_aux_loss_coef)):
+            raise ValueError(f"TrainerConfig.router_aux_loss_coef: must be a finite float >= 0, got "
+                             f"{self.router_aux_loss_coef}")
 
 
 @jax.tree_util.register_dataclass
@@ -127,9 +147,18 @@ def _batch_axis_size(mesh: Mesh) -> int:
 
 def micro_batch_loss(params: Params, mb: PackedBatch, normaliser: jax.Array, policy_version: jax.Array, *,
                      model_cfg: ModelConfig, loss_fn: LossFn, num_seqs: int, proximal: str, temperature: float,
-                     chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Loss of one micro-batch [rows, row_len], already divided by the GLOBAL normaliser."""
-    lp, ent = sequence_logprobs(params, model_cfg, mb.tokens, mb.segment_ids, mb.positions, temperature, chunk)
+                     chunk: int, routing_replay: bool = False, aux_coef: float = 0.0,
+                     route_tokens: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Loss of one micro-batch [rows, row_len], already divided by the GLOBAL normaliser. MoE models: plus
+    `aux_coef` x the micro-batch's load-balancing loss x its share of the minibatch's `route_tokens` (real
+    tokens), and the router statistics (`moe_*` stats, see `_moe_metrics`)."""
+    moe_stats = None
+    if model_cfg.num_experts:
+        with routing_scope(**_scope_kw(mb, routing_replay), stats_mask=mb.segment_ids != 0) as scope:
+            lp, ent = sequence_logprobs(params, model_cfg, mb.tokens, mb.segment_ids, mb.positions, temperature, chunk)
+        moe_stats = scope.result
+    else:
+        lp, ent = sequence_logprobs(params, model_cfg, mb.tokens, mb.segment_ids, mb.positions, temperature, chunk)
     if proximal == "loglinear":
         from jaxrl_async.rl.advantages import loglinear_proximal_logprobs
 
@@ -140,7 +169,51 @@ def micro_batch_loss(params: Params, mb: PackedBatch, normaliser: jax.Array, pol
         prox = mb.proximal_logprobs
     loss, stats = loss_fn(lp, prox, mb.behaviour_logprobs, mb.advantages, mb.loss_mask, seq_ids=mb.seq_ids,
                           num_seqs=num_seqs, normaliser=normaliser, entropy=ent)
-    return loss, dict(stats)
+    stats = dict(stats)
+    if moe_stats is not None:
+        aux = moe_aux_loss(moe_stats)
+        share = moe_stats["tokens"][0] / (1.0 if route_tokens is None else route_tokens)
+        if aux_coef > 0:
+            loss = loss + aux_coef * aux * share
+        sg = jax.lax.stop_gradient
+        stats.update(moe_aux_sum=sg(aux * share), moe_count_sum=sg(moe_stats["count"]),
+                     moe_tokens_sum=sg(moe_stats["tokens"]), moe_entropy_sum=sg(moe_stats["entropy_sum"].sum()))
+        if "mismatch" in moe_stats:
+            stats.update(moe_mismatch_sum=moe_stats["mismatch"].sum(), moe_recorded_sum=moe_stats["recorded"].sum())
+    return loss, stats
+
+
+def _scope_kw(mb: PackedBatch, replay: bool) -> dict[str, Any]:
+    """`moe.routing_scope` arguments of a micro-batch: its recorded experts [L, rows, row_len, k] (if any), replayed
+    when `replay`."""
+    if mb.routing is None:
+        return {}
+    return {"expert_ids": jnp.moveaxis(mb.routing, 2, 0), "replay": replay}
+
+
+def _moe_metrics(stats: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
+    """Combined `moe_*` stats -> metrics (the raw sums removed): ``moe/load_max``/``moe/load_min`` (largest and
+    smallest fraction of the routed (token, choice) pairs that one expert got, over all layers; 1/X = balanced)
+    and per layer ``moe/load_max/layer{l}``/``moe/load_min/layer{l}``, ``moe/load`` [L, X] (the histogram),
+    ``moe/router_entropy`` (mean over tokens and layers, nats), ``moe/aux_loss`` (the load-balancing loss before
+    its coefficient), ``moe/topk_mismatch_frac`` (recorded tokens whose trainer top-k set differs from the
+    generator's; measured with or without replay) and ``moe/recorded_tokens``."""
+    if "moe_count_sum" not in stats:
+        return stats
+    out = dict(stats)
+    count, tokens = out.pop("moe_count_sum"), out.pop("moe_tokens_sum")
+    load = count / jnp.maximum(tokens[:, None] * k, 1.0)  # [L, X]
+    out["moe/load"] = load
+    out["moe/load_max"], out["moe/load_min"] = load.max(), load.min()
+    for l in range(load.shape[0]):
+        out[f"moe/load_max/layer{l}"], out[f"moe/load_min/layer{l}"] = load[l].max(), load[l].min()
+    out["moe/router_entropy"] = out.pop("moe_entropy_sum") / jnp.maximum(tokens.sum(), 1.0)
+    out["moe/aux_loss"] = out.pop("moe_aux_sum")
+    if "moe_mismatch_sum" in out:
+        rec = out.pop("moe_recorded_sum")
+        out["moe/topk_mismatch_frac"] = out.pop("moe_mismatch_sum") / jnp.maximum(rec, 1.0)
+        out["moe/recorded_tokens"] = rec
+    return out
 
 
 def _combine_stats(stats: Mapping[str, jax.Array], weights: jax.Array) -> dict[str, jax.Array]:
@@ -155,10 +228,11 @@ def _combine_stats(stats: Mapping[str, jax.Array], weights: jax.Array) -> dict[s
     out: dict[str, jax.Array] = {}
     for k, v in stats.items():
         v = jnp.asarray(v, jnp.float32)
+        ok = valid.reshape(valid.shape + (1,) * (v.ndim - 1))  # vector stats ([n_micro, ...]) sum elementwise
         if k.endswith("_max"):
-            out[k] = jnp.max(jnp.where(valid, v, -jnp.inf))
+            out[k] = jnp.max(jnp.where(ok, v, -jnp.inf))
         elif k.endswith("_sum") or k in ("n_tokens", "n_seqs", "loss"):
-            out[k] = jnp.sum(jnp.where(valid, v, 0.0))
+            out[k] = jnp.sum(jnp.where(ok, v, 0.0), axis=0)
     n_tokens = out.get("n_tokens", weights.sum())
     for k, v in stats.items():
         if k in out:
@@ -187,6 +261,8 @@ def accumulate_gradients(params: Params, batch: PackedBatch, normaliser: jax.Arr
     `frozen` the base; `lora.join` puts them together inside the loss). `dropout`: (key, rate) of LoRA
     dropout; micro-batch k draws its masks from fold_in(key, k).
     """
+    if loss_kw["model_cfg"].num_experts:  # the aux loss's token weights: real tokens of the whole minibatch
+        loss_kw = dict(loss_kw, route_tokens=jnp.maximum((batch.segment_ids != 0).sum(), 1).astype(jnp.float32))
     loss = functools.partial(micro_batch_loss, **loss_kw)
     if frozen is not None:
         loss = (lambda f: lambda p, *a: f(lora.join(p, frozen), *a))(loss)
@@ -243,6 +319,8 @@ class Trainer:
                  loss_fn: LossFn | None = None, loss_cfg: Any = None, normaliser_fn: NormaliserFn | None = None):
         if model_cfg.param_dtype != "float32":
             model_cfg = model_cfg.replace(param_dtype="float32")  # fp32 master weights
+        if cfg.routing_replay and not model_cfg.num_experts:
+            raise ValueError("TrainerConfig.routing_replay: needs a mixture-of-experts model (num_experts > 0)")
         self.model_cfg = model_cfg
         self.lora = model_cfg.lora  # LoRA: only the adapters train
         if mesh is None:
@@ -324,8 +402,11 @@ class Trainer:
         self._traces["logprobs"] += 1
 
         def one(mb):
-            return sequence_logprobs(params, self.model_cfg, mb.tokens, mb.segment_ids, mb.positions,
-                                     self.cfg.temperature, self.cfg.logprob_chunk)
+            # routing replay: the proximal pass routes like the policy pass, by the recorded experts
+            replay = self.cfg.routing_replay and mb.routing is not None
+            with routing_scope(**_scope_kw(mb, True)) if replay else contextlib.nullcontext():
+                return sequence_logprobs(params, self.model_cfg, mb.tokens, mb.segment_ids, mb.positions,
+                                         self.cfg.temperature, self.cfg.logprob_chunk)
 
         def skip(mb):  # bucket padding: no forward
             return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, mb))
@@ -344,7 +425,8 @@ class Trainer:
     # -- the step --------------------------------------------------------------------------
     def _loss_kw(self, num_seqs: int) -> dict[str, Any]:
         return dict(model_cfg=self.model_cfg, loss_fn=self.loss_fn, num_seqs=num_seqs, proximal=self.cfg.proximal,
-                    temperature=self.cfg.temperature, chunk=self.cfg.logprob_chunk)
+                    temperature=self.cfg.temperature, chunk=self.cfg.logprob_chunk,
+                    routing_replay=self.cfg.routing_replay, aux_coef=self.cfg.router_aux_loss_coef)
 
     def _split(self, params):
         """(trainable, frozen): (params, None), or LoRA's (adapters, base)."""
@@ -380,6 +462,7 @@ class Trainer:
                                opt_state=_where_tree(ok, new_opt, state.opt_state),
                                step=state.step + ok.astype(jnp.int32),
                                n_skipped=state.n_skipped + (~ok).astype(jnp.int32))
+        stats = _moe_metrics(stats, self.model_cfg.num_experts_per_tok)
         metrics = {**stats, "loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32),
                    "lr": jnp.asarray(self.lr_schedule(state.step), jnp.float32)}
         return new_state, metrics
@@ -426,6 +509,10 @@ class Trainer:
         minibatch's metrics carry `behave_prox_abs_max` = max |log pi_prox - log pi_behav| over its
         loss tokens (the off-policyness the generator actually produced).
         """
+        unrouted = sum(t.routing is None for t in trajectories) if self.cfg.routing_replay else 0
+        if unrouted:  # replay cannot apply to them: counted per step and logged
+            logger.warning("routing_replay: %d of %d trajectories carry no recorded routing and route by the "
+                           "trainer's own top-k", unrouted, len(trajectories))
         groups = split_minibatches(trajectories, self.cfg.ppo_n_minibatches)
         packed = [self.pack([trajectories[i] for i in g], g) for g in groups]
         if self.cfg.proximal == "given":
@@ -443,6 +530,8 @@ class Trainer:
             state, m = self.step(state, p, b, policy_version)
             if gap is not None:
                 m["behave_prox_abs_max"] = gap
+            if self.cfg.routing_replay:
+                m["moe/unrouted_trajectories"] = unrouted
             metrics.append(m)
         return state, metrics
 
