@@ -208,7 +208,8 @@ class TransferPusher(NewestWinsPusher):
     def __init__(self, remote: RemoteGenerator, plans: Sequence[Any], src_shardings: Sequence[Any], *, dtype: Any,
                  server: Any, on_applied: Callable[[int], None] | None, timeout_s: float, initial_version: int | None,
                  fallback_dir: str, log_path: str | None = None, guard: bool = True, group: Any = None,
-                 addresses: Sequence[str] | None = None, fallback_key: bytes | None = None):
+                 addresses: Sequence[str] | None = None, fallback_key: bytes | None = None,
+                 select: Callable[[Any], Any] | None = None):
         import jax.numpy as jnp
 
         from jaxrl_async.distributed.transfer import WireSender
@@ -226,6 +227,7 @@ class TransferPusher(NewestWinsPusher):
         self.log_path = log_path
         self.routes = collections.Counter(p.route for p in self.plans)
         self.fallback_key = fallback_key if fallback_key is not None else _fallback_key()
+        self.select = select  # params -> the pushed tree (LoRA: the adapters); None: all of them
         self._start()
 
     def _prepare(self, params: Any) -> tuple[list, Any]:
@@ -238,7 +240,7 @@ class TransferPusher(NewestWinsPusher):
         t0 = time.perf_counter()
         if self.group is not None:
             self.group.send("push", int(version))
-        wire, sums = self._prepare(params)
+        wire, sums = self._prepare(params if self.select is None else self.select(params))
         stats = CrossPushStats(version=int(version), bytes=int(sum(x.size * x.dtype.itemsize for x in wire)),
                                dispatch_s=time.perf_counter() - t0)
         return (wire, sums), stats, t0
@@ -301,7 +303,8 @@ class TransferPusher(NewestWinsPusher):
             rec = {**dataclasses.asdict(stats), "checksums": sums, "routes": dict(self.routes),
                    "trainer_processes": len(addresses),
                    "generators": [{"name": p.name, **{k: r.get(k) for k in ("transport", "pull_s", "verify_s",
-                                                                         "apply_s", "load_s", "shards", "sources")},
+                                                                         "apply_s", "load_s", "shards", "bytes",
+                                                                         "sources")},
                                    "checksums_match": r.get("checksums") == sums}
                                   for p, r in zip(self.remote.peers, replies)]}
             with open(self.log_path, "a") as f:
@@ -317,6 +320,13 @@ class TransferPusher(NewestWinsPusher):
             raise RuntimeError(f"{peer.name}: {method} of version {version} verified {len(r['checksums'])} leaves, "
                                f"{len(self.keys)} were sent")
         return r
+
+
+def _adapters(params: Any) -> Any:
+    """LoRA: what a push carries (the generators hold the base)."""
+    from jaxrl_async.models import lora
+
+    return lora.split(params)[0]
 
 
 def _fallback_key() -> bytes:
@@ -398,6 +408,7 @@ class DistributedRLLoop(RLLoop):
         self.transfer_host = transfer_host
         self._peers: list[rpc.Peer] = []
         self.group = None  # trainer_group.GroupLeader when the trainer spans several processes
+        self._select = None  # LoRA: params -> the adapters (what a push carries)
         super().__init__(cfg, **kw)
 
     def _setup_devices(self) -> None:
@@ -459,6 +470,10 @@ class DistributedRLLoop(RLLoop):
     # -- trainer group: every trainer-side operation runs on all trainer processes, in this order --
     def _setup_model(self) -> None:
         super()._setup_model()
+        if self.model_cfg.lora is not None:  # refuse a base the generator processes cannot rebuild, early
+            from jaxrl_async.distributed.lora_remote import base_source
+
+            base_source(self.cfg, self.model_cfg)
         if self.group is not None:
             spec = {"model_cfg": self.model_cfg, "run_dir": self.run_dir, "tokenizer_dir": self.tokenizer_dir}
             infos = self.group.results(self.group.send("setup", spec), "setup")
@@ -548,15 +563,29 @@ class DistributedRLLoop(RLLoop):
         c, ro = self.cfg, self.cfg.rollout
         peers = self._peers
         gen_cfg = generator_model_config(self.model_cfg)
-        leaves = jax.tree.leaves(params)
+        dtype = str(jax.numpy.dtype(self.model_cfg.dtype))
+        lora_src = self._select = None
+        if self.model_cfg.lora is not None:  # the generators build the base; pushes carry the adapters only
+            from jaxrl_async.distributed import lora_remote
+
+            lora_src = lora_remote.base_source(c, self.model_cfg)
+            base_keys, base_sums = lora_remote.trainer_base_fingerprint(params, jax.numpy.dtype(dtype))
+            self._select = _adapters
+        pushed = params if self._select is None else self._select(params)
+        leaves = jax.tree.leaves(pushed)
         spec = {"model_config": gen_cfg, "engine": ro.engine, "mesh_shape": tuple(c.mesh.generator.shape),
                 "mesh_axes": tuple(c.mesh.generator.axis_names), "tokenizer_dir": self.tokenizer_dir,
                 "param_shapes": [tuple(x.shape) for x in leaves], "n_samples": ro.n_samples,
-                "kv_update_policy": ro.kv_update_policy, "max_prefills_per_step": ro.engine.max_prefills_per_step}
+                "kv_update_policy": ro.kv_update_policy, "max_prefills_per_step": ro.engine.max_prefills_per_step,
+                "lora": lora_src}
         futs = [p.call_async("init", spec) for p in peers]  # the generators build their engines in parallel
         infos = [_result(f, p, "init", self.call_timeout_s) for f, p in zip(futs, peers)]
-        keys = tree_keys(params)
-        dtype = str(jax.numpy.dtype(self.model_cfg.dtype))
+        if lora_src is not None:
+            for p, info in zip(peers, infos):
+                lora_remote.check_base(p.name, base_keys, base_sums, info["lora_base"])
+            self._say(f"LoRA: {len(peers)} generator(s) built the base ({lora_src['source']}; fingerprints of "
+                      f"{len(base_keys)} leaves equal the trainer's); pushes carry the adapters only")
+        keys = tree_keys(pushed)
         src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
         for p, info in zip(peers, infos):
             if info["keys"] != keys:
@@ -592,7 +621,7 @@ class DistributedRLLoop(RLLoop):
                               server=self._transfer_server, on_applied=on_applied, timeout_s=timeout_s,
                               initial_version=initial_version, fallback_dir=os.path.join(self.run_dir, "weight_push"),
                               log_path=os.path.join(self.run_dir, PUSH_LOG), group=self.group,
-                              addresses=self._addresses)
+                              addresses=self._addresses, select=self._select)
 
     def _build_pusher(self, generator: Any, *, on_applied: Callable[[int], None], timeout_s: float,
                       initial_version: int) -> Any:
@@ -735,6 +764,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, FatalRunError):
             print(f"[jaxrl_async] run failed: {e}", file=sys.stderr, flush=True)
             return 1
+        from jaxrl_async.cli import error_line, is_user_error
+
+        if is_user_error(e):  # e.g. model.lora: a generator's base differs from the trainer's
+            print(error_line("controller", e), file=sys.stderr, flush=True)
+            return 2
         if isinstance(e, (TimeoutError, ConnectionError, rpc.RemoteError)):
             print(f"[jaxrl_async] run failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             return 1

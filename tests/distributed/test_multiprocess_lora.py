@@ -1,0 +1,131 @@
+"""LoRA with a generator process (distributed/lora_remote.py): the generator builds the frozen base itself
+(the same init seed as the trainer), its fingerprint is checked against the trainer's at the handshake, and
+every push crosses processes with the adapter leaves only (the transfer's own byte counters, trainer and
+generator side). At eta = 0 the generator's behaviour log-probs equal the trainer's recomputed ones
+(<= 1e-5, fp32) at every step, i.e. after several adapter updates, for both decode strategies (unmerged:
+base + adapters in the layer code; merged: W + s A B on the generator). The unmerged run is then resumed
+from its step-2 checkpoint ("crashed" copy) and reaches the uninterrupted run's state bit for bit.
+A base that differs from the trainer's is refused with one line naming the generator and the leaf."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxrl_async.checkpoint import HOST, Checkpointer
+from jaxrl_async.distributed.launch import reserve_port
+from jaxrl_async.rl_loop import read_data_ledger
+from role_procs import kill_all, role_env, wait_or_kill  # tests/distributed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TINY = os.path.join(os.path.dirname(HERE), "loop", "tiny_config.py")
+LORA = ["model.lora.rank=4", "model.lora.alpha=8.0", "rollout.max_head_offpolicyness=0", "trainer.total_steps=4",
+        "checkpoint.every_steps=2", "checkpoint.keep_last=3"]
+
+
+def _run(run_dir, log_dir, name, extra_cfg=()):
+    """Controller (trainer on 2 CPU devices, fsdp) + one generator process (1 CPU device); both exit."""
+    port, env = reserve_port(), role_env(log_dir / "jax_cache")
+    addr = f"127.0.0.1:{port}"
+    ctrl_log, gen_log = open(log_dir / f"{name}.controller.log", "wb"), open(log_dir / f"{name}.generator.log", "wb")
+    ctrl = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.controller", "--listen", addr,
+                             "--listen-reuse-port", "--generator-devices", "1", "--cpu-devices", "2",
+                             "--accept-timeout", "120", "--heartbeat-timeout", "30", "--config", TINY,
+                             f"run_dir={run_dir}", *LORA, *extra_cfg],
+                            cwd=ROOT, env=env, stdout=ctrl_log, stderr=subprocess.STDOUT)
+    gen = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.generator_role", "--controller", addr,
+                            "--name", "generator-0", "--cpu-devices", "1"],
+                           cwd=ROOT, env=env, stdout=gen_log, stderr=subprocess.STDOUT)
+    try:
+        rc = wait_or_kill(ctrl, 300)
+        wait_or_kill(gen, 60)
+    finally:
+        kill_all([ctrl, gen])
+    log = (log_dir / f"{name}.controller.log").read_text()
+    assert rc == 0, log[-3000:]
+    return log
+
+
+def _state(run_dir, step):
+    import jax
+
+    r = Checkpointer(str(run_dir), read_only=True).restore(step, targets={"params": HOST, "opt_state": HOST})
+    return [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in jax.tree_util.tree_flatten_with_path(r.arrays)[0]]
+
+
+def _check_run(run_dir, log):
+    state = dict(_state(run_dir, 4))
+    adapters = {k: x for k, x in state.items() if k.startswith("['params']") and "_lora_" in k}
+    base = {k: x for k, x in state.items() if k.startswith("['params']") and "_lora_" not in k}
+    assert len(adapters) == 14 and base
+    adapter_bytes = sum(x.nbytes for x in adapters.values())  # fp32 = the generator dtype of the tiny run
+    assert adapter_bytes < sum(x.nbytes for x in base.values()) / 2
+    assert "pushes carry the adapters only" in log and "fingerprints of" in log
+    # every push (the initial one included) carried exactly the adapter bytes, counted on both sides
+    pushes = [json.loads(line) for line in (run_dir / "weight_push.jsonl").read_text().splitlines()]
+    assert sorted({p["version"] for p in pushes}) == [0, 1, 2, 3, 4], pushes  # eta = 0: none skipped
+    for p in pushes:
+        g = p["generators"][0]
+        assert p["transport"] == "transfer" and g["checksums_match"], p
+        assert p["bytes"] == adapter_bytes and g["bytes"] == adapter_bytes, (p["bytes"], g["bytes"], adapter_bytes)
+        assert len(p["checksums"]) == 14
+    # on-policy parity after updates: behaviour log-probs (generator) == recomputed (trainer), every step
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    gaps = [r["train/behave_prox_abs_max"] for r in rows]
+    assert max(gaps) <= 1e-5, gaps
+    # not vacuous: the adapters moved (B starts at 0), so steps 2-4 sampled from adapted policies
+    assert all(np.abs(x).max() > 0 for k, x in adapters.items() if k.endswith("_lora_b']"))
+    return state
+
+
+def test_generator_process_lora_unmerged_parity_push_bytes_and_resume(tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    log = _run(whole, tmp_path, "whole")
+    _check_run(whole, log)
+    # crash after step 2 (copy without the later checkpoint) and resume: bit for bit the uninterrupted run
+    shutil.copytree(whole, resumed, ignore=shutil.ignore_patterns("4", "summary.json"))
+    _run(resumed, tmp_path, "resumed")
+    assert [r["step"] for r in read_data_ledger(str(resumed)).resumes] == [2]
+    a, b = _state(whole, 4), _state(resumed, 4)
+    assert [k for k, _ in a] == [k for k, _ in b]
+    for (k, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), k
+    draws = [[(e["step"], e["draws"], e["lags"]) for e in read_data_ledger(str(d)).events("consume")]
+             for d in (whole, resumed)]
+    assert draws[0] == draws[1]
+
+
+def test_generator_process_lora_merged_parity_and_push_bytes(tmp_path):
+    run = tmp_path / "run"
+    log = _run(run, tmp_path, "merged", ["model.lora.decode=merged"])
+    _check_run(run, log)
+
+
+def test_generator_base_that_differs_from_the_trainers_is_refused():
+    import jax
+
+    from jaxrl_async.distributed.lora_remote import LoraBaseMismatch, check_base
+    from jaxrl_async.distributed.transfer import checksum_fn, tree_keys
+    from jaxrl_async.models import lora
+    from jaxrl_async.models.config import ModelConfig
+    from jaxrl_async.models.transformer import init_params
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=16, lora=lora.LoraSpec(rank=4))
+    base = lora.split(init_params(cfg, jax.random.key(0)))[1]
+    other = jax.tree.map(lambda x: x, base)
+    other["layers"] = {**base["layers"], "down": base["layers"]["down"].at[0, 0, 0].add(1e-6)}
+    keys, sums = tree_keys(base), checksum_fn(jax.tree.leaves(base))
+    check_base("generator-0", keys, sums, {"keys": keys, "checksums": sums, "source": "x"})  # equal: accepted
+    got = {"keys": tree_keys(other), "checksums": checksum_fn(jax.tree.leaves(other)), "source": "/models/b"}
+    with pytest.raises(LoraBaseMismatch, match=r"^model\.lora: the base generator-0 built from /models/b differs "
+                                               r"from the trainer's in 1 of \d+ leaves \(first: \['layers'\]\['down'\]\)"):
+        check_base("generator-0", keys, sums, got)
