@@ -3,7 +3,8 @@
 every push crosses processes with the adapter leaves only (the transfer's own byte counters, trainer and
 generator side). At eta = 0 the generator's behaviour log-probs equal the trainer's recomputed ones
 (<= 1e-5, fp32) at every step, i.e. after several adapter updates, for both decode strategies (unmerged:
-base + adapters in the layer code; merged: W + s A B on the generator). The unmerged run is then resumed
+base + adapters in the layer code, base from the init seed; merged: W + s A B on the generator, base read
+from model.path and stored in bfloat16 by the trainer). The unmerged run is then resumed
 from its step-2 checkpoint ("crashed" copy) and reaches the uninterrupted run's state bit for bit.
 A base that differs from the trainer's is refused with one line naming the generator and the leaf."""
 from __future__ import annotations
@@ -59,13 +60,14 @@ def _state(run_dir, step):
     return [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in jax.tree_util.tree_flatten_with_path(r.arrays)[0]]
 
 
-def _check_run(run_dir, log):
+def _check_run(run_dir, log, base_bytes=None):
+    """``base_bytes``: the base's fp32 size when the checkpoint does not hold it (LoRA on model.path)."""
     state = dict(_state(run_dir, 4))
     adapters = {k: x for k, x in state.items() if k.startswith("['params']") and "_lora_" in k}
     base = {k: x for k, x in state.items() if k.startswith("['params']") and "_lora_" not in k}
-    assert len(adapters) == 14 and base
+    assert len(adapters) == 14 and (base or base_bytes)
     adapter_bytes = sum(x.nbytes for x in adapters.values())  # fp32 = the generator dtype of the tiny run
-    assert adapter_bytes < sum(x.nbytes for x in base.values()) / 2
+    assert adapter_bytes < (base_bytes or sum(x.nbytes for x in base.values())) / 2
     assert "pushes carry the adapters only" in log and "fingerprints of" in log
     # every push (the initial one included) carried exactly the adapter bytes, counted on both sides
     pushes = [json.loads(line) for line in (run_dir / "weight_push.jsonl").read_text().splitlines()]
@@ -103,10 +105,24 @@ def test_generator_process_lora_unmerged_parity_push_bytes_and_resume(tmp_path):
     assert draws[0] == draws[1]
 
 
-def test_generator_process_lora_merged_parity_and_push_bytes(tmp_path):
+def test_generator_process_lora_merged_on_model_path_bf16_base(tmp_path):
+    """merged decode; the base read from model.path by both processes and stored in bfloat16 by the trainer
+    (the generator casts along the same chain: the fingerprints agree)."""
+    import jax
+
+    from jaxrl_async.models import load_hf
+    from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
+
+    base_dir = make_tiny_hf_model(str(tmp_path / "base"), "qwen3", seed=4)
+    make_tiny_tokenizer(base_dir)
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(load_hf(base_dir)[1]))
     run = tmp_path / "run"
-    log = _run(run, tmp_path, "merged", ["model.lora.decode=merged"])
-    _check_run(run, log)
+    log = _run(run, tmp_path, "merged", ["model.lora.decode=merged", "model.lora.base_dtype=bfloat16",
+                                         f"model.path={base_dir}", "data.apply_chat_template=false"])
+    assert "built the base (path;" in log
+    gen_log = (tmp_path / "merged.generator.log").read_text()
+    assert f"LoRA base from {os.path.abspath(base_dir)}" in gen_log and "(merged decode)" in gen_log
+    _check_run(run, log, base_bytes=base_bytes)
 
 
 def test_generator_base_that_differs_from_the_trainers_is_refused():
