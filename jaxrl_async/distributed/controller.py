@@ -470,10 +470,6 @@ class DistributedRLLoop(RLLoop):
     # -- trainer group: every trainer-side operation runs on all trainer processes, in this order --
     def _setup_model(self) -> None:
         super()._setup_model()
-        if self.model_cfg.lora is not None:  # refuse a base the generator processes cannot rebuild, early
-            from jaxrl_async.distributed.lora_remote import base_source
-
-            base_source(self.cfg, self.model_cfg)
         if self.group is not None:
             spec = {"model_cfg": self.model_cfg, "run_dir": self.run_dir, "tokenizer_dir": self.tokenizer_dir}
             infos = self.group.results(self.group.send("setup", spec), "setup")
@@ -558,61 +554,71 @@ class DistributedRLLoop(RLLoop):
     def _start_generator(self, params: Any, version: int) -> Any:
         import jax
 
-        from jaxrl_async.distributed.transfer import WireSender, layout_of, plan_transfer, start_server, tree_keys
+        from jaxrl_async.distributed.transfer import start_server
 
         c, ro = self.cfg, self.cfg.rollout
         peers = self._peers
-        gen_cfg = generator_model_config(self.model_cfg)
         dtype = str(jax.numpy.dtype(self.model_cfg.dtype))
-        lora_src = self._select = None
-        if self.model_cfg.lora is not None:  # the generators build the base; pushes carry the adapters only
+        lora_src = None
+        if self.model_cfg.lora is not None:  # the generators hold the base; pushes carry the adapters only
             from jaxrl_async.distributed import lora_remote
 
             lora_src = lora_remote.base_source(c, self.model_cfg)
-            base_keys, base_sums = lora_remote.trainer_base_fingerprint(params, jax.numpy.dtype(dtype))
-            self._select = _adapters
-        pushed = params if self._select is None else self._select(params)
-        leaves = jax.tree.leaves(pushed)
-        spec = {"model_config": gen_cfg, "engine": ro.engine, "mesh_shape": tuple(c.mesh.generator.shape),
-                "mesh_axes": tuple(c.mesh.generator.axis_names), "tokenizer_dir": self.tokenizer_dir,
-                "param_shapes": [tuple(x.shape) for x in leaves], "n_samples": ro.n_samples,
-                "kv_update_policy": ro.kv_update_policy, "max_prefills_per_step": ro.engine.max_prefills_per_step,
-                "lora": lora_src}
+        # the first push: the adapters (the generators build the base), or base + adapters once (source "push")
+        self._select = _adapters if lora_src is not None and lora_src["source"] != "push" else None
+        first = params if self._select is None else self._select(params)
+        spec = {"model_config": generator_model_config(self.model_cfg), "engine": ro.engine,
+                "mesh_shape": tuple(c.mesh.generator.shape), "mesh_axes": tuple(c.mesh.generator.axis_names),
+                "tokenizer_dir": self.tokenizer_dir, "param_shapes": [tuple(x.shape) for x in jax.tree.leaves(first)],
+                "n_samples": ro.n_samples, "kv_update_policy": ro.kv_update_policy,
+                "max_prefills_per_step": ro.engine.max_prefills_per_step, "lora": lora_src}
         futs = [p.call_async("init", spec) for p in peers]  # the generators build their engines in parallel
         infos = [_result(f, p, "init", self.call_timeout_s) for f, p in zip(futs, peers)]
         if lora_src is not None:
-            for p, info in zip(peers, infos):
-                lora_remote.check_base(p.name, base_keys, base_sums, info["lora_base"])
-            self._say(f"LoRA: {len(peers)} generator(s) built the base ({lora_src['source']}; fingerprints of "
-                      f"{len(base_keys)} leaves equal the trainer's); pushes carry the adapters only")
-        keys = tree_keys(pushed)
-        src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
-        for p, info in zip(peers, infos):
-            if info["keys"] != keys:
-                raise RuntimeError(f"{p.name}: its engine has different parameters than the trainer "
-                                   f"({len(info['keys'])} vs {len(keys)} leaves)")
-        self._plans = plan_transfer(keys, [x.shape for x in leaves], dtype, src_layouts, infos[0]["layouts"])
-        for p, info in zip(peers[1:], infos[1:]):
-            if info["layouts"] != infos[0]["layouts"]:
-                raise RuntimeError(f"{p.name}: generator layouts differ between generator processes")
-        self._src_shardings = [x.sharding for x in leaves]
+            self._say(lora_remote.check_bases(peers, infos, params, dtype, lora_src))
         self._transfer_server = start_server(self.transfer_host)
         self._addresses = [self._transfer_server.address()]
-        if self.group is not None:  # one transfer server per trainer process, each serving its own shards
-            self._addresses += self.group.results(self.group.send("configure_push", self._plans, dtype),
-                                                  "configure_push")
-        owners = WireSender(self._plans, self._src_shardings).owners
-        for p in peers:
-            p.call("configure_push", src_layouts, dtype, owners, timeout=self.call_timeout_s)
+        self._configure_push(first, [i["layouts"] for i in infos], dtype)
         self.remote = RemoteGenerator(peers, call_timeout_s=min(self.call_timeout_s, 120.0))
         self._initial_pusher = self._make_pusher(None, self.call_timeout_s, None)
         st = self._initial_pusher.push_now(params, version)
         self._initial_pusher.close()
         self._say(f"initial weights (version {version}, {st.bytes / 2**20:.1f} MiB) pushed to {len(peers)} generator(s) "
                   f"via {st.transport} in {st.total_s:.2f} s (routes {dict(self._initial_pusher.routes)})")
+        if lora_src is not None and self._select is None:  # the base went once; from now on the adapters only
+            self._select = _adapters
+            self._configure_push(_adapters(params), [i["lora_adapter_layouts"] for i in infos], dtype, stage="adapters")
         self.remote.start_info = [p.call("start", timeout=self.call_timeout_s) for p in peers]
         self.remote._version = version
         return self.remote
+
+    def _configure_push(self, tree: Any, dst_layouts: list, dtype: str, stage: str | None = None) -> None:
+        """Plan the pushes of ``tree`` (its leaves on the trainer) against the generators' layouts and
+        configure both sides (the generators, and the other processes of a trainer group)."""
+        import jax
+
+        from jaxrl_async.distributed.transfer import WireSender, layout_of, plan_transfer, tree_keys
+
+        peers = self._peers
+        leaves = jax.tree.leaves(tree)
+        keys = tree_keys(tree)
+        for p, info in zip(peers, dst_layouts):
+            if len(info) != len(keys):
+                raise RuntimeError(f"{p.name}: its engine has different parameters than the trainer "
+                                   f"({len(info)} vs {len(keys)} leaves)")
+            if info != dst_layouts[0]:
+                raise RuntimeError(f"{p.name}: generator layouts differ between generator processes")
+        src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
+        self._plans = plan_transfer(keys, [x.shape for x in leaves], dtype, src_layouts, dst_layouts[0])
+        self._src_shardings = [x.sharding for x in leaves]
+        if self.group is not None:  # one transfer server per trainer process, each serving its own shards
+            self._addresses[1:] = self.group.results(self.group.send("configure_push", self._plans, dtype),
+                                                     "configure_push")
+        owners = WireSender(self._plans, self._src_shardings).owners
+        for p in peers:
+            got = p.call("configure_push", src_layouts, dtype, owners, stage, timeout=self.call_timeout_s)
+            if got.get("keys", keys) != keys:
+                raise RuntimeError(f"{p.name}: its engine has different parameters than the trainer")
 
     def _make_pusher(self, on_applied, timeout_s, initial_version) -> TransferPusher:
         import jax

@@ -15,8 +15,10 @@ It connects to the controller (retrying while the controller starts), registers,
   local address of its connection to the controller;
 * LoRA (``spec["lora"]``, ``distributed.lora_remote``): ``init`` also builds the frozen base once (from
   ``model.path`` or the init seed) and replies with its fingerprint, which the controller checks
-  against its own; pushes then carry the adapters only and ``_apply`` joins them with the base (or
-  merges them into a fresh copy, ``model.lora.decode="merged"``);
+  against its own (or, for a base that exists only in the trainer, receives it with the first push and
+  is then switched to adapter pushes by ``configure_push(..., stage="adapters")``); pushes carry the
+  adapters only and ``_apply`` joins them with the base (or merges them into a fresh copy,
+  ``model.lora.decode="merged"``);
 * ``pull_weights(version, uuid, addresses, checksums)``: pull the shards from the trainer processes'
   transfer servers onto this process's devices, verify the checksums, hand the weights to the ``Generator``
   (applied between two decode steps); ``load_weights(version, path, checksums)`` is the disk
@@ -109,9 +111,11 @@ class GeneratorServer:
         if spec.get("lora") is not None:  # the base built here once; pushes carry the adapters only
             from jaxrl_async.distributed.lora_remote import GeneratorLora
 
-            self.lora = GeneratorLora(spec["lora"], mesh, self.engine.param_shardings)
-            shardings = self.push_shardings = self.lora.adapter_shardings
-            extra["lora_base"] = fp = self.lora.fingerprint()
+            self.lora = lo = GeneratorLora(spec["lora"], mesh, self.engine.param_shardings)
+            shardings = self.push_shardings = lo.first_push_shardings  # the adapters, or base + adapters once
+            extra["lora_base"] = fp = lo.fingerprint()
+            extra["lora_adapter_layouts"] = [layout_of(s, len(shp)) for s, shp in
+                                             zip(jax.tree.leaves(lo.adapter_shardings), lo.adapter_shapes)]
             self.log(f"LoRA base from {fp['source']} in {fp['load_s']:.1f} s ({spec['lora']['decode']} decode)")
         self.keys = tree_keys(shardings)
         leaves = jax.tree.leaves(shardings)
@@ -121,19 +125,29 @@ class GeneratorServer:
                 "devices": [str(d) for d in devs], "mesh": dict(mesh.shape), "host": socket.gethostname(),
                 "pid": os.getpid(), **extra}
 
-    def _configure_push(self, src_layouts: list, dtype: str, owners: list[int] | None = None) -> dict[str, Any]:
+    def _configure_push(self, src_layouts: list, dtype: str, owners: list[int] | None = None,
+                        stage: str | None = None) -> dict[str, Any]:
+        """``stage="adapters"`` (LoRA whose base came with the first push): from now on pushes carry the adapters."""
         import jax
 
-        from jaxrl_async.distributed.transfer import WireReceiver, layout_of, plan_transfer, start_server
+        from jaxrl_async.distributed.transfer import WireReceiver, layout_of, plan_transfer, start_server, tree_keys
 
-        dst = jax.tree.leaves(self.push_shardings)
         shapes = self.spec["param_shapes"]
+        if stage == "adapters":
+            if self.lora is None:
+                raise RuntimeError(f"{self.name}: configure_push(stage='adapters') without LoRA")
+            self.push_shardings = self.lora.adapter_shardings
+            self.keys = tree_keys(self.push_shardings)
+            shapes = self.lora.adapter_shapes
+        elif stage is not None:
+            raise ValueError(f"{self.name}: unknown push stage {stage!r}")
+        dst = jax.tree.leaves(self.push_shardings)
         plans = plan_transfer(self.keys, shapes, dtype, src_layouts, [layout_of(s, len(shp)) for s, shp in zip(dst, shapes)])
         self.receiver = WireReceiver(plans, dst)
         self.owners = list(owners) if owners is not None else None
         if self._transfer_server is None:
             self._transfer_server = start_server(self.transfer_host)
-        return {"routes": sorted({p.route for p in plans})}
+        return {"routes": sorted({p.route for p in plans}), "keys": self.keys}
 
     def _conn(self, address: str) -> Any:
         if address not in self._conns:

@@ -12,8 +12,10 @@ the same transfer plan, checksums and disk fallback as full weights (``TransferP
 the generator hands its engine ``base + adapters`` (``model.lora.decode="unmerged"``) or a fresh merged copy
 ``W + (alpha/r) A B`` computed on its devices (``"merged"``; ``GeneratorLora.params``).
 
-A base that exists only in the trainer (the SFT warm start trains it) cannot be rebuilt by a generator:
-refused with one line (``base_source``).
+A base that exists only in the trainer (the SFT warm start trains it; a resume restores it from the
+checkpoint) cannot be rebuilt by a generator: it travels ONCE, in the initial push (base + adapters, source
+``"push"``, checksummed like every push), and the generator keeps it; the controller then re-plans the
+pushes for the adapters only (``configure_push(..., stage="adapters")``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Mapping, Sequence
 
 from jaxrl_async.cli import UserError
 
-__all__ = ["LoraBaseMismatch", "base_source", "trainer_base_fingerprint", "check_base", "GeneratorLora"]
+__all__ = ["LoraBaseMismatch", "base_source", "trainer_base_fingerprint", "check_bases", "check_base", "GeneratorLora"]
 
 
 class LoraBaseMismatch(UserError):
@@ -33,13 +35,11 @@ class LoraBaseMismatch(UserError):
 
 def base_source(cfg: Any, model_cfg: Any) -> dict[str, Any]:
     """How a generator process rebuilds the trainer's frozen base (picklable; sent in ``init``)."""
-    if cfg.trainer.sft.steps > 0:
-        raise UserError("model.lora: with generator processes the base must be rebuildable from model.path or "
-                        "model.init_seed; trainer.sft.steps > 0 trains it in the trainer only (set "
-                        "trainer.sft.steps=0, or run the generator in the trainer's process)")
     lora = model_cfg.lora
     gen = {"model_config": model_cfg.replace(param_dtype=model_cfg.dtype), "decode": lora.decode,
            "base_dtype": lora.base_dtype}
+    if cfg.trainer.sft.steps > 0:  # the warm start trains the base: it exists in the trainer only
+        return {**gen, "source": "push"}
     if cfg.model.path is not None:
         return {**gen, "source": "path", "path": os.path.abspath(cfg.model.path), "numerics": cfg.model.numerics()}
     return {**gen, "source": "seed", "init_seed": int(cfg.model.init_seed),
@@ -56,6 +56,22 @@ def trainer_base_fingerprint(params: Any, dtype: Any) -> tuple[list[str], list[i
     base = lora.split(params)[1]
     cast = jax.jit(lambda xs: [x.astype(dtype) for x in xs])
     return tree_keys(base), host_checksums(checksums_async(cast(jax.tree.leaves(base))))
+
+
+def check_bases(peers: Sequence[Any], infos: Sequence[Mapping[str, Any]], params: Any, dtype: Any,
+                source: Mapping[str, Any]) -> str:
+    """Every generator's base fingerprint (``init`` reply) equals the trainer's (``check_base``); returns the
+    log line. Source "push": nothing to compare (the base comes with the initial push)."""
+    if source["source"] == "push":
+        return (f"LoRA: the base exists only here (SFT warm start): sent once with the initial push to "
+                f"{len(peers)} generator(s); later pushes carry the adapters only")
+    import jax
+
+    keys, sums = trainer_base_fingerprint(params, jax.numpy.dtype(dtype))
+    for p, info in zip(peers, infos):
+        check_base(p.name, keys, sums, info["lora_base"])
+    return (f"LoRA: {len(peers)} generator(s) built the base ({source['source']}; fingerprints of {len(keys)} leaves "
+            "equal the trainer's); pushes carry the adapters only")
 
 
 def check_base(name: str, keys: Sequence[str], sums: Sequence[int], got: Mapping[str, Any]) -> None:
@@ -87,8 +103,18 @@ class GeneratorLora:
         self.lora_spec = cfg.lora
         full_sh = engine_shardings if self.decode == "unmerged" else model_shardings(cfg, mesh, "generator")
         self.adapter_shardings, base_sh = lora.split(full_sh)
+        from jaxrl_async.models.transformer import param_shapes
+
+        self.adapter_shapes = [tuple(x.shape) for x in jax.tree.leaves(lora.split(param_shapes(cfg))[0])]
+        # the first push lands in: base + adapters when the base comes with it, else the adapters
+        self.first_push_shardings = full_sh if spec["source"] == "push" else self.adapter_shardings
         self.engine_shardings = engine_shardings
+        self._merge = (jax.jit(lambda a, b: lora.merge(lora.join(a, b), self.lora_spec), out_shardings=engine_shardings)
+                       if self.decode == "merged" else None)
+        self.base, self.load_s = None, 0.0
         t0 = time.perf_counter()
+        if spec["source"] == "push":
+            return
         if spec["source"] == "path":
             from jaxrl_async.models.hf_io import load_hf
 
@@ -104,24 +130,30 @@ class GeneratorLora:
                             out_shardings=base_sh)(base)
         del base
         self.load_s = time.perf_counter() - t0
-        self._merge = (jax.jit(lambda a, b: lora.merge(lora.join(a, b), self.lora_spec), out_shardings=engine_shardings)
-                       if self.decode == "merged" else None)
 
     def fingerprint(self) -> dict[str, Any]:
         import jax
 
         from jaxrl_async.distributed.transfer import checksum_fn, tree_keys
 
+        if self.base is None:
+            return {"source": "push", "load_s": 0.0}
         where = self.spec["path"] if self.spec["source"] == "path" else f"model.init_seed={self.spec['init_seed']}"
         return {"keys": tree_keys(self.base), "checksums": checksum_fn(jax.tree.leaves(self.base)), "source": where,
                 "load_s": self.load_s}
 
-    def params(self, adapters: Any) -> Any:
-        """The engine's parameters for pushed ``adapters``: base + adapters, or the merged copy (new buffers)."""
+    def params(self, pushed: Any) -> Any:
+        """The engine's parameters for a push: ``pushed`` is the adapters, or base + adapters the first time
+        (source "push": the base is kept). Base + adapters, or the merged copy (new buffers)."""
         import jax
 
         from jaxrl_async.models import lora
 
+        adapters = pushed
+        if self.base is None:
+            if set(pushed) == {"layers"} and all(lora.is_adapter_key(k) for k in pushed["layers"]):
+                raise RuntimeError("model.lora: adapters pushed before the base (source 'push')")
+            adapters, self.base = lora.split(pushed)
         if self._merge is None:
             return lora.join(adapters, self.base)
         merged = self._merge(adapters, self.base)

@@ -60,23 +60,27 @@ def _state(run_dir, step):
     return [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in jax.tree_util.tree_flatten_with_path(r.arrays)[0]]
 
 
-def _check_run(run_dir, log, base_bytes=None):
-    """``base_bytes``: the base's fp32 size when the checkpoint does not hold it (LoRA on model.path)."""
+def _check_run(run_dir, log, base_bytes=None, first_push="adapters"):
+    """``base_bytes``: the base's fp32 size when the checkpoint does not hold it (LoRA on model.path);
+    ``first_push="full"``: the initial push carried the base too (a base only the trainer has)."""
     state = dict(_state(run_dir, 4))
     adapters = {k: x for k, x in state.items() if k.startswith("['params']") and "_lora_" in k}
     base = {k: x for k, x in state.items() if k.startswith("['params']") and "_lora_" not in k}
     assert len(adapters) == 14 and (base or base_bytes)
     adapter_bytes = sum(x.nbytes for x in adapters.values())  # fp32 = the generator dtype of the tiny run
     assert adapter_bytes < (base_bytes or sum(x.nbytes for x in base.values())) / 2
-    assert "pushes carry the adapters only" in log and "fingerprints of" in log
-    # every push (the initial one included) carried exactly the adapter bytes, counted on both sides
+    assert "later pushes carry the adapters only" in log if first_push == "full" else "fingerprints of" in log
+    # every push carried exactly the adapter bytes, counted on both sides (the initial one too, unless the
+    # base had to travel with it)
     pushes = [json.loads(line) for line in (run_dir / "weight_push.jsonl").read_text().splitlines()]
     assert sorted({p["version"] for p in pushes}) == [0, 1, 2, 3, 4], pushes  # eta = 0: none skipped
     for p in pushes:
         g = p["generators"][0]
         assert p["transport"] == "transfer" and g["checksums_match"], p
-        assert p["bytes"] == adapter_bytes and g["bytes"] == adapter_bytes, (p["bytes"], g["bytes"], adapter_bytes)
-        assert len(p["checksums"]) == 14
+        want = adapter_bytes + sum(x.nbytes for x in base.values()) if first_push == "full" and p["version"] == 0 \
+            else adapter_bytes
+        assert p["bytes"] == want and g["bytes"] == want, (p["version"], p["bytes"], g["bytes"], want)
+        assert len(p["checksums"]) == (14 + len(base) if want != adapter_bytes else 14)
     # on-policy parity after updates: behaviour log-probs (generator) == recomputed (trainer), every step
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/loss" in r]
@@ -123,6 +127,15 @@ def test_generator_process_lora_merged_on_model_path_bf16_base(tmp_path):
     gen_log = (tmp_path / "merged.generator.log").read_text()
     assert f"LoRA base from {os.path.abspath(base_dir)}" in gen_log and "(merged decode)" in gen_log
     _check_run(run, log, base_bytes=base_bytes)
+
+
+def test_generator_process_lora_warm_started_base_travels_once(tmp_path):
+    """An SFT warm start trains the base in the trainer (no generator can rebuild it): the initial push
+    carries base + adapters once (checksummed), every later push the adapters only."""
+    run = tmp_path / "run"
+    log = _run(run, tmp_path, "sft", ["trainer.sft.steps=3", "trainer.sft.warmup_steps=0"])
+    assert "sent once with the initial push" in log
+    _check_run(run, log, first_push="full")
 
 
 def test_generator_base_that_differs_from_the_trainers_is_refused():
