@@ -478,9 +478,6 @@ class DistributedRLLoop(RLLoop):
 
     def _build_trainer(self):
         if self.group is not None:
-            if self.model_cfg.lora is not None:
-                raise ValueError("model.lora: a multi-process trainer group does not run LoRA yet (one trainer "
-                                 "process does)")
             self.group.send("build_trainer")
         return super()._build_trainer()
 
@@ -490,10 +487,7 @@ class DistributedRLLoop(RLLoop):
         return super()._build_checkpointer()
 
     def _warm_start(self, params: Any, examples: Sequence[Any], model_cfg: Any = None) -> Any:
-        if self.group is not None:
-            if model_cfg is not None:
-                raise ValueError("model.lora: a multi-process trainer group does not run LoRA yet (one trainer "
-                                 "process does)")
+        if self.group is not None:  # (LoRA: the followers warm-start the base alone too, from model_cfg)
             self.group.send("warm_start", list(examples))
         return super()._warm_start(params, examples, model_cfg)
 
@@ -575,6 +569,8 @@ class DistributedRLLoop(RLLoop):
         futs = [p.call_async("init", spec) for p in peers]  # the generators build their engines in parallel
         infos = [_result(f, p, "init", self.call_timeout_s) for f, p in zip(futs, peers)]
         if lora_src is not None:
+            if self.group is not None and lora_src["source"] != "push":
+                self.group.send("base_fingerprint", dtype)  # a collective over the trainer group
             self._say(lora_remote.check_bases(peers, infos, params, dtype, lora_src))
         self._transfer_server = start_server(self.transfer_host)
         self._addresses = [self._transfer_server.address()]
@@ -612,8 +608,8 @@ class DistributedRLLoop(RLLoop):
         self._plans = plan_transfer(keys, [x.shape for x in leaves], dtype, src_layouts, dst_layouts[0])
         self._src_shardings = [x.sharding for x in leaves]
         if self.group is not None:  # one transfer server per trainer process, each serving its own shards
-            self._addresses[1:] = self.group.results(self.group.send("configure_push", self._plans, dtype),
-                                                     "configure_push")
+            self._addresses[1:] = self.group.results(self.group.send("configure_push", self._plans, dtype,
+                                                                     self._select is not None), "configure_push")
         owners = WireSender(self._plans, self._src_shardings).owners
         for p in peers:
             got = p.call("configure_push", src_layouts, dtype, owners, stage, timeout=self.call_timeout_s)

@@ -6,7 +6,9 @@ generator side). At eta = 0 the generator's behaviour log-probs equal the traine
 base + adapters in the layer code, base from the init seed; merged: W + s A B on the generator, base read
 from model.path and stored in bfloat16 by the trainer). The unmerged run is then resumed
 from its step-2 checkpoint ("crashed" copy) and reaches the uninterrupted run's state bit for bit.
-A base that differs from the trainer's is refused with one line naming the generator and the leaf."""
+A base only the trainer has (SFT warm start) travels once with the initial push. The same with a trainer
+group of two processes. A base that differs from the trainer's is refused with one line naming the
+generator and the leaf."""
 from __future__ import annotations
 
 import json
@@ -50,6 +52,32 @@ def _run(run_dir, log_dir, name, extra_cfg=()):
         kill_all([ctrl, gen])
     log = (log_dir / f"{name}.controller.log").read_text()
     assert rc == 0, log[-3000:]
+    return log
+
+
+def _run_group(run_dir, log_dir, name, extra_cfg=()):
+    """A trainer group of 2 processes (1 CPU device each, fsdp over the processes) + one generator process."""
+    env = role_env(log_dir / "jax_cache")
+    addr, coord = f"127.0.0.1:{reserve_port()}", f"127.0.0.1:{reserve_port()}"
+    procs = []
+    for i in range(2):
+        log = open(log_dir / f"{name}.trainer{i}.log", "wb")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "jaxrl_async.distributed.controller", "--listen", addr, "--listen-reuse-port",
+             "--generator-devices", "1", "--cpu-devices", "1", "--accept-timeout", "120", "--heartbeat-timeout", "30",
+             "--jax-heartbeat-timeout", "20", "--coordinator", coord, "--num-processes", "2", "--process-id", str(i),
+             "--config", TINY, f"run_dir={run_dir}", *LORA, *extra_cfg],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    log = open(log_dir / f"{name}.generator.log", "wb")
+    procs.append(subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.generator_role", "--controller",
+                                   addr, "--name", "generator-0", "--cpu-devices", "1"],
+                                  cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        rcs = [wait_or_kill(p, 300 if k == 0 else 60) for k, p in enumerate(procs)]
+    finally:
+        kill_all(procs)
+    log = (log_dir / f"{name}.trainer0.log").read_text()
+    assert rcs == [0, 0, 0], (rcs, log[-3000:], (log_dir / f"{name}.trainer1.log").read_text()[-2000:])
     return log
 
 
@@ -136,6 +164,17 @@ def test_generator_process_lora_warm_started_base_travels_once(tmp_path):
     log = _run(run, tmp_path, "sft", ["trainer.sft.steps=3", "trainer.sft.warmup_steps=0"])
     assert "sent once with the initial push" in log
     _check_run(run, log, first_push="full")
+
+
+def test_trainer_group_lora_adapter_pushes_from_both_processes(tmp_path):
+    """LoRA on a trainer group of 2 processes: the base fingerprint is a collective of both, each process
+    registers the adapter shards it owns, parity <= 1e-5 after every update, pushes = adapter bytes."""
+    run = tmp_path / "run"
+    log = _run_group(run, tmp_path, "group")
+    assert "trainer group: 2 processes" in log
+    _check_run(run, log)
+    pushes = [json.loads(line) for line in (run / "weight_push.jsonl").read_text().splitlines()]
+    assert all(p["trainer_processes"] == 2 and p["generators"][0]["sources"] == 2 for p in pushes), pushes
 
 
 def test_generator_base_that_differs_from_the_trainers_is_refused():
