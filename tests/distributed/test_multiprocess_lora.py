@@ -167,12 +167,21 @@ def test_generator_process_lora_warm_started_base_travels_once(tmp_path):
 
 
 def test_trainer_group_lora_adapter_pushes_from_both_processes(tmp_path):
-    """LoRA on a trainer group of 2 processes: the base fingerprint is a collective of both, each process
-    registers the adapter shards it owns, parity <= 1e-5 after every update, pushes = adapter bytes."""
+    """LoRA on model.path with a trainer group of 2 processes: both read the base onto their shards and place
+    the adapters without a collective, the base fingerprint is a collective of both, each process registers
+    the adapter shards it owns; parity <= 1e-5 after every update, pushes = adapter bytes, the checkpoints
+    refer to the base."""
+    import jax
+
+    from jaxrl_async.models import load_hf
+    from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
+
+    base_dir = make_tiny_hf_model(str(tmp_path / "base"), "qwen3", seed=5)
+    make_tiny_tokenizer(base_dir)
     run = tmp_path / "run"
-    log = _run_group(run, tmp_path, "group")
-    assert "trainer group: 2 processes" in log
-    _check_run(run, log)
+    log = _run_group(run, tmp_path, "group", [f"model.path={base_dir}", "data.apply_chat_template=false"])
+    assert "trainer group: 2 processes" in log and "built the base (path;" in log
+    _check_run(run, log, base_bytes=sum(x.nbytes for x in jax.tree.leaves(load_hf(base_dir)[1])))
     pushes = [json.loads(line) for line in (run / "weight_push.jsonl").read_text().splitlines()]
     assert all(p["trainer_processes"] == 2 and p["generators"][0]["sources"] == 2 for p in pushes), pushes
 
