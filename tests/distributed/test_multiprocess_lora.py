@@ -32,7 +32,7 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8.0", "rollout.max_head_offpolicy
         "checkpoint.every_steps=2", "checkpoint.keep_last=3"]
 
 
-def _run(run_dir, log_dir, name, extra_cfg=()):
+def _run(run_dir, log_dir, name, extra_cfg=(), extra_gen=()):
     """Controller (trainer on 2 CPU devices, fsdp) + one generator process (1 CPU device); both exit."""
     port, env = reserve_port(), role_env(log_dir / "jax_cache")
     addr = f"127.0.0.1:{port}"
@@ -43,7 +43,7 @@ def _run(run_dir, log_dir, name, extra_cfg=()):
                              f"run_dir={run_dir}", *LORA, *extra_cfg],
                             cwd=ROOT, env=env, stdout=ctrl_log, stderr=subprocess.STDOUT)
     gen = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.generator_role", "--controller", addr,
-                            "--name", "generator-0", "--cpu-devices", "1"],
+                            "--name", "generator-0", "--cpu-devices", "1", *extra_gen],
                            cwd=ROOT, env=env, stdout=gen_log, stderr=subprocess.STDOUT)
     try:
         rc = wait_or_kill(ctrl, 300)
@@ -88,9 +88,10 @@ def _state(run_dir, step):
     return [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in jax.tree_util.tree_flatten_with_path(r.arrays)[0]]
 
 
-def _check_run(run_dir, log, base_bytes=None, first_push="adapters"):
+def _check_run(run_dir, log, base_bytes=None, first_push="adapters", disk=()):
     """``base_bytes``: the base's fp32 size when the checkpoint does not hold it (LoRA on model.path);
-    ``first_push="full"``: the initial push carried the base too (a base only the trainer has)."""
+    ``first_push="full"``: the initial push carried the base too (a base only the trainer has); ``disk``:
+    versions whose pull was corrupted on purpose (recovered from the disk fallback)."""
     state = dict(_state(run_dir, 4))
     adapters = {k: x for k, x in state.items() if k.startswith("['params']") and "_lora_" in k}
     base = {k: x for k, x in state.items() if k.startswith("['params']") and "_lora_" not in k}
@@ -104,7 +105,7 @@ def _check_run(run_dir, log, base_bytes=None, first_push="adapters"):
     assert sorted({p["version"] for p in pushes}) == [0, 1, 2, 3, 4], pushes  # eta = 0: none skipped
     for p in pushes:
         g = p["generators"][0]
-        assert p["transport"] == "transfer" and g["checksums_match"], p
+        assert p["transport"] == ("disk" if p["version"] in disk else "transfer") and g["checksums_match"], p
         want = adapter_bytes + sum(x.nbytes for x in base.values()) if first_push == "full" and p["version"] == 0 \
             else adapter_bytes
         assert p["bytes"] == want and g["bytes"] == want, (p["version"], p["bytes"], g["bytes"], want)
@@ -159,11 +160,14 @@ def test_generator_process_lora_merged_on_model_path_bf16_base(tmp_path):
 
 def test_generator_process_lora_warm_started_base_travels_once(tmp_path):
     """An SFT warm start trains the base in the trainer (no generator can rebuild it): the initial push
-    carries base + adapters once (checksummed), every later push the adapters only."""
+    carries base + adapters once (checksummed), every later push the adapters only (also through the disk
+    fallback)."""
     run = tmp_path / "run"
-    log = _run(run, tmp_path, "sft", ["trainer.sft.steps=3", "trainer.sft.warmup_steps=0"])
+    log = _run(run, tmp_path, "sft", ["trainer.sft.steps=3", "trainer.sft.warmup_steps=0"],
+               extra_gen=("--inject-corrupt-pull", "2"))
     assert "sent once with the initial push" in log
-    _check_run(run, log, first_push="full")
+    # version 2's adapters are corrupted after the pull: caught by the checksum, recovered from disk
+    _check_run(run, log, first_push="full", disk=(2,))
 
 
 def test_trainer_group_lora_adapter_pushes_from_both_processes(tmp_path):
