@@ -2,6 +2,7 @@
 
     python benchmarks/bench_weight_push_multiprocess.py --model tiny --repeats 5
     python benchmarks/bench_weight_push_multiprocess.py --model qwen3-0.6b --repeats 3
+    python benchmarks/bench_weight_push_multiprocess.py --model qwen3-0.6b --repeats 3 --lora 32
 
 Layout (simulated CPU devices): trainer mesh fsdp=2 (fp32 params, trainer rules), generator mesh
 data=1 x tensor=2 (bf16, generator rules).
@@ -15,6 +16,9 @@ data=1 x tensor=2 (bf16, generator rules).
   owns (``WireSender.owners``); the generator pulls from both servers. Same timing points.
 * single process: 4 devices (trainer on 2, generator on 2), ``weight_sync.WeightPusher`` to a
   recording generator: dispatch -> copy complete on the generator devices (no checksum).
+* ``--lora R``: one trainer process; each round pushes the base (= a full-weight run's push of the same
+  model) and then the rank-R adapters only (a LoRA run's push, ``distributed/lora_remote.py``), same
+  plan/cast/checksum/pull/verify path; bytes = the wire arrays and what the generator pulled.
 The first push (compilation) is excluded; the median of the rest is reported.
 """
 
@@ -36,6 +40,23 @@ def _model_cfg(name: str):
         return ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                            num_kv_heads=1, head_dim=16, max_position_embeddings=128)
     return preset(name)
+
+
+def _kinds(cfg, tree, lora_rank):
+    """What is pushed: {"full": all weights}; with ``--lora R`` {"full": the base (what a full-weight run of
+    the same model pushes), "adapters": the LoRA adapters only}."""
+    if not lora_rank:
+        return {"full": tree}
+    from jaxrl_async.models import lora
+
+    adapters, base = lora.split(tree)
+    return {"full": base, "adapters": adapters}
+
+
+def _lora_cfg(cfg, rank):
+    from jaxrl_async.models.lora import LoraSpec
+
+    return cfg.replace(lora=LoraSpec(rank=rank, alpha=2.0 * rank)) if rank else cfg
 
 
 def _params(cfg, mesh, rules, dtype):
@@ -65,10 +86,10 @@ def role_trainer(args) -> None:
     from jaxrl_async.sharding.mesh import make_mesh
 
     lead = jax.process_index() == 0
-    cfg = _model_cfg(args.model)
+    cfg = _lora_cfg(_model_cfg(args.model), args.lora)
     mesh = make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
     params, _ = _params(cfg, mesh, "trainer", "float32")
-    leaves = jax.tree.leaves(params)
+    kinds = _kinds(cfg, params, args.lora)
     server = jtransfer.start_transfer_server(jax.local_devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
     addr_file = os.path.join(args.scratch, f"addr{jax.process_index()}")
     with open(addr_file + ".tmp", "w") as f:
@@ -77,7 +98,6 @@ def role_trainer(args) -> None:
     if lead:
         conn = Client(("127.0.0.1", args.port), authkey=bytes.fromhex(os.environ["BENCH_KEY"]))
         dst_layouts = conn.recv()
-    src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("addresses written")
         layouts_file = os.path.join(args.scratch, "dst_layouts.pkl")
@@ -90,30 +110,37 @@ def role_trainer(args) -> None:
         with open(layouts_file, "rb") as f:
             dst_layouts = pickle.load(f)
     addresses = [open(os.path.join(args.scratch, f"addr{i}")).read() for i in range(jax.process_count())]
-    plans = plan_transfer(tree_keys(params), [x.shape for x in leaves], "bfloat16", src_layouts, dst_layouts)
-    sender = WireSender(plans, [x.sharding for x in leaves])
+    senders, sources = {}, {}
+    for kind, tree in kinds.items():
+        leaves = jax.tree.leaves(tree)
+        src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
+        plans = plan_transfer(tree_keys(tree), [x.shape for x in leaves], "bfloat16", src_layouts, dst_layouts[kind])
+        senders[kind] = (WireSender(plans, [x.sharding for x in leaves]), leaves, plans)
+        sources[kind] = (src_layouts, senders[kind][0].owners)
     if lead:
-        conn.send((src_layouts, sender.owners))
+        conn.send(sources)
     cast = jax.jit(lambda xs: [x.astype("bfloat16") for x in xs])
     rows = []
-    for r in range(args.repeats + 1):
+    for r, kind in ((r, k) for r in range(args.repeats + 1) for k in kinds):
+        sender, leaves, plans = senders[kind]
+        uid = 1000 + 10 * r + list(kinds).index(kind)
         t0 = time.perf_counter()
         wire = sender.prepare(cast(leaves))
         sums = checksum_fn(wire)  # a collective on a trainer group
         shards = sender.shards(wire)  # the shards this process owns
-        server.await_pull(1000 + r, shards)
+        server.await_pull(uid, shards)
         t1 = time.perf_counter()
         if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"registered {r}")
+            multihost_utils.sync_global_devices(f"registered {uid}")
         if lead:
-            conn.send((1000 + r, addresses, sums))
+            conn.send((kind, uid, addresses, sums))
             rep = conn.recv()
             t2 = time.perf_counter()
-            rows.append({"total_s": t2 - t0, "prepare_checksum_s": t1 - t0, **rep,
+            rows.append({"kind": kind, "total_s": t2 - t0, "prepare_checksum_s": t1 - t0, **rep,
                          "bytes": int(sum(x.size * x.dtype.itemsize for x in wire)),
                          "routes": sorted({p.route for p in plans}), "trainer_processes": jax.process_count()})
         if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"pulled {r}")  # keep the shards registered until pulled
+            multihost_utils.sync_global_devices(f"pulled {uid}")  # keep the shards registered until pulled
     if lead:
         conn.send(None)
         print(json.dumps(rows), flush=True)
@@ -130,26 +157,31 @@ def role_generator(args) -> None:
     from jaxrl_async.sharding.mesh import make_mesh
     from jaxrl_async.sharding.rules import model_shardings
 
-    cfg = _model_cfg(args.model)
+    cfg = _lora_cfg(_model_cfg(args.model), args.lora)
     mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
-    shard = model_shardings(cfg, mesh, "generator")
-    shapes = jax.tree.leaves(param_shapes(cfg))
-    dst = jax.tree.leaves(shard)
-    keys = tree_keys(shard)
+    shard_k = _kinds(cfg, model_shardings(cfg, mesh, "generator"), args.lora)
+    shape_k = _kinds(cfg, param_shapes(cfg), args.lora)
     lst = Listener(("127.0.0.1", args.port), authkey=bytes.fromhex(os.environ["BENCH_KEY"]))
     conn = lst.accept()
-    conn.send([layout_of(s, len(x.shape)) for s, x in zip(dst, shapes)])
-    src_layouts, owners = conn.recv()
-    plans = plan_transfer(keys, [x.shape for x in shapes], "bfloat16", src_layouts,
-                          [layout_of(s, len(x.shape)) for s, x in zip(dst, shapes)])
-    recv = WireReceiver(plans, dst)
+    dst_layouts = {k: [layout_of(s, len(x.shape)) for s, x in zip(jax.tree.leaves(shard_k[k]),
+                                                                  jax.tree.leaves(shape_k[k]))] for k in shard_k}
+    conn.send(dst_layouts)
+    sources = conn.recv()
+    recvs = {}
+    for k in shard_k:
+        src_layouts, owners = sources[k]
+        keys = tree_keys(shard_k[k])
+        plans = plan_transfer(keys, [x.shape for x in jax.tree.leaves(shape_k[k])], "bfloat16", src_layouts,
+                              dst_layouts[k])
+        recvs[k] = (WireReceiver(plans, jax.tree.leaves(shard_k[k])), owners, keys)
     server = jtransfer.start_transfer_server(jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
     peers = {}
     while True:
         msg = conn.recv()
         if msg is None:
             return
-        uuid, addresses, sums = msg
+        kind, uuid, addresses, sums = msg
+        recv, owners, keys = recvs[kind]
         for addr in addresses:
             if addr not in peers:
                 peers[addr] = server.connect(addr)
@@ -158,7 +190,7 @@ def role_generator(args) -> None:
         t1 = time.perf_counter()
         verify(out, sums, keys, uuid)
         conn.send({"pull_s": t1 - t0, "verify_s": time.perf_counter() - t1, "shards": len(recv.specs),
-                   "sources": len(addresses)})
+                   "pulled_bytes": recv.nbytes, "sources": len(addresses)})
 
 
 def role_single(args) -> None:
@@ -195,7 +227,8 @@ def _run_role(role: str, args, devices: int, env: dict, extra: tuple = ()) -> su
     e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     e["JAX_PLATFORMS"] = "cpu"
     return subprocess.Popen([sys.executable, __file__, "--role", role, "--model", args.model, "--repeats",
-                             str(args.repeats), "--port", str(args.port), "--scratch", args.scratch, *extra],
+                             str(args.repeats), "--port", str(args.port), "--scratch", args.scratch,
+                             "--lora", str(args.lora), *extra],
                             env=e, stdout=subprocess.PIPE)
 
 
@@ -236,11 +269,26 @@ def main() -> None:
     ap.add_argument("--scratch", default="")
     ap.add_argument("--group-process", type=int, default=None)
     ap.add_argument("--coordinator", default=None)
+    ap.add_argument("--lora", type=int, default=0, help="rank R: push the base (full weights) and the rank-R "
+                    "adapters alternately, one trainer process (no group / single-process modes)")
     args = ap.parse_args()
     if args.role:
         {"trainer": role_trainer, "generator": role_generator, "single": role_single}[args.role](args)
         return
     env = dict(os.environ, BENCH_KEY=secrets.token_hex(16))
+    if args.lora:
+        rows = _cross(args, env, group=False)
+        out = {"model": args.model, "lora_rank": args.lora, "repeats": args.repeats}
+        for kind in ("full", "adapters"):
+            rs = [r for r in rows if r["kind"] == kind]
+            first, rest = rs[0], rs[1:]
+            out[kind] = {"bytes_bf16": first["bytes"], "pulled_bytes": first["pulled_bytes"],
+                         "total_s": _median([r["total_s"] for r in rest]),
+                         "prepare_checksum_s": _median([r["prepare_checksum_s"] for r in rest]),
+                         "pull_s": _median([r["pull_s"] for r in rest]),
+                         "verify_s": _median([r["verify_s"] for r in rest]), "shards": first["shards"]}
+        print(json.dumps(out, indent=1))
+        return
     cross = _cross(args, env, group=False)
     group = _cross(args, env, group=True)
     single = json.loads(_run_role("single", args, 4, env).communicate(timeout=1800)[0].decode().strip().splitlines()[-1])

@@ -54,8 +54,12 @@ def _with_adapters(base: Any, model_cfg: Any, seed: int, mesh: Any) -> Any:
     from jaxrl_async.sharding.rules import model_shardings
 
     adapters = lora.init_adapters(model_cfg, jax.random.key(seed))
-    if mesh is not None:
-        adapters = jax.device_put(adapters, lora.split(model_shardings(model_cfg, mesh, "trainer"))[0])
+    if mesh is not None:  # each process places its own slices of the (identical) host values: no collective
+        # (a device_put onto a mesh spanning processes checks equality across them, a collective the other
+        # processes of a trainer group would not be running at this point)
+        host = jax.device_get(adapters)
+        adapters = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]), host,
+                                lora.split(model_shardings(model_cfg, mesh, "trainer"))[0])
     return lora.join(adapters, base)
 
 

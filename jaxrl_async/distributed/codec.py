@@ -32,6 +32,7 @@ WIRE_TYPES = (
     "jaxrl_async.distributed.transfer:Layout",
     "jaxrl_async.distributed.transfer:LeafPlan",
     "jaxrl_async.models.config:ModelConfig",
+    "jaxrl_async.models.lora:LoraSpec",
     "jaxrl_async.config.sections:EngineConfig",
     "jaxrl_async.rollout.engine_api:SamplingParams",
     "jaxrl_async.rollout.requests:RequestOutput",

@@ -208,7 +208,8 @@ class TransferPusher(NewestWinsPusher):
     def __init__(self, remote: RemoteGenerator, plans: Sequence[Any], src_shardings: Sequence[Any], *, dtype: Any,
                  server: Any, on_applied: Callable[[int], None] | None, timeout_s: float, initial_version: int | None,
                  fallback_dir: str, log_path: str | None = None, guard: bool = True, group: Any = None,
-                 addresses: Sequence[str] | None = None, fallback_key: bytes | None = None):
+                 addresses: Sequence[str] | None = None, fallback_key: bytes | None = None,
+                 select: Callable[[Any], Any] | None = None):
         import jax.numpy as jnp
 
         from jaxrl_async.distributed.transfer import WireSender
@@ -226,6 +227,7 @@ class TransferPusher(NewestWinsPusher):
         self.log_path = log_path
         self.routes = collections.Counter(p.route for p in self.plans)
         self.fallback_key = fallback_key if fallback_key is not None else _fallback_key()
+        self.select = select  # params -> the pushed tree (LoRA: the adapters); None: all of them
         self._start()
 
     def _prepare(self, params: Any) -> tuple[list, Any]:
@@ -238,7 +240,7 @@ class TransferPusher(NewestWinsPusher):
         t0 = time.perf_counter()
         if self.group is not None:
             self.group.send("push", int(version))
-        wire, sums = self._prepare(params)
+        wire, sums = self._prepare(params if self.select is None else self.select(params))
         stats = CrossPushStats(version=int(version), bytes=int(sum(x.size * x.dtype.itemsize for x in wire)),
                                dispatch_s=time.perf_counter() - t0)
         return (wire, sums), stats, t0
@@ -301,7 +303,8 @@ class TransferPusher(NewestWinsPusher):
             rec = {**dataclasses.asdict(stats), "checksums": sums, "routes": dict(self.routes),
                    "trainer_processes": len(addresses),
                    "generators": [{"name": p.name, **{k: r.get(k) for k in ("transport", "pull_s", "verify_s",
-                                                                         "apply_s", "load_s", "shards", "sources")},
+                                                                         "apply_s", "load_s", "shards", "bytes",
+                                                                         "sources")},
                                    "checksums_match": r.get("checksums") == sums}
                                   for p, r in zip(self.remote.peers, replies)]}
             with open(self.log_path, "a") as f:
@@ -317,6 +320,13 @@ class TransferPusher(NewestWinsPusher):
             raise RuntimeError(f"{peer.name}: {method} of version {version} verified {len(r['checksums'])} leaves, "
                                f"{len(self.keys)} were sent")
         return r
+
+
+def _adapters(params: Any) -> Any:
+    """LoRA: what a push carries (the generators hold the base)."""
+    from jaxrl_async.models import lora
+
+    return lora.split(params)[0]
 
 
 def _fallback_key() -> bytes:
@@ -398,6 +408,7 @@ class DistributedRLLoop(RLLoop):
         self.transfer_host = transfer_host
         self._peers: list[rpc.Peer] = []
         self.group = None  # trainer_group.GroupLeader when the trainer spans several processes
+        self._select = None  # LoRA: params -> the adapters (what a push carries)
         super().__init__(cfg, **kw)
 
     def _setup_devices(self) -> None:
@@ -467,9 +478,6 @@ class DistributedRLLoop(RLLoop):
 
     def _build_trainer(self):
         if self.group is not None:
-            if self.model_cfg.lora is not None:
-                raise ValueError("model.lora: a multi-process trainer group does not run LoRA yet (one trainer "
-                                 "process does)")
             self.group.send("build_trainer")
         return super()._build_trainer()
 
@@ -479,10 +487,7 @@ class DistributedRLLoop(RLLoop):
         return super()._build_checkpointer()
 
     def _warm_start(self, params: Any, examples: Sequence[Any], model_cfg: Any = None) -> Any:
-        if self.group is not None:
-            if model_cfg is not None:
-                raise ValueError("model.lora: a multi-process trainer group does not run LoRA yet (one trainer "
-                                 "process does)")
+        if self.group is not None:  # (LoRA: the followers warm-start the base alone too, from model_cfg)
             self.group.send("warm_start", list(examples))
         return super()._warm_start(params, examples, model_cfg)
 
@@ -543,49 +548,74 @@ class DistributedRLLoop(RLLoop):
     def _start_generator(self, params: Any, version: int) -> Any:
         import jax
 
-        from jaxrl_async.distributed.transfer import WireSender, layout_of, plan_transfer, start_server, tree_keys
+        from jaxrl_async.distributed.transfer import start_server
 
         c, ro = self.cfg, self.cfg.rollout
         peers = self._peers
-        gen_cfg = generator_model_config(self.model_cfg)
-        leaves = jax.tree.leaves(params)
-        spec = {"model_config": gen_cfg, "engine": ro.engine, "mesh_shape": tuple(c.mesh.generator.shape),
-                "mesh_axes": tuple(c.mesh.generator.axis_names), "tokenizer_dir": self.tokenizer_dir,
-                "param_shapes": [tuple(x.shape) for x in leaves], "n_samples": ro.n_samples,
-                "truncation": ro.sampling.top_k > 0 or ro.sampling.top_p < 1.0,
-                "kv_update_policy": ro.kv_update_policy, "max_prefills_per_step": ro.engine.max_prefills_per_step,
-                "record_routing": ro.record_routing}
+        dtype = str(jax.numpy.dtype(self.model_cfg.dtype))
+        lora_src = None
+        if self.model_cfg.lora is not None:  # the generators hold the base; pushes carry the adapters only
+            from jaxrl_async.distributed import lora_remote
+
+            lora_src = lora_remote.base_source(c, self.model_cfg)
+        # the first push: the adapters (the generators build the base), or base + adapters once (source "push")
+        self._select = _adapters if lora_src is not None and lora_src["source"] != "push" else None
+        first = params if self._select is None else self._select(params)
+        spec = {"model_config": generator_model_config(self.model_cfg), "engine": ro.engine,
+                "mesh_shape": tuple(c.mesh.generator.shape), "mesh_axes": tuple(c.mesh.generator.axis_names),
+                "tokenizer_dir": self.tokenizer_dir, "param_shapes": [tuple(x.shape) for x in jax.tree.leaves(first)],
+                "n_samples": ro.n_samples, "kv_update_policy": ro.kv_update_policy,
+                "max_prefills_per_step": ro.engine.max_prefills_per_step, "lora": lora_src,
+                "truncation": ro.sampling.top_k > 0 or ro.sampling.top_p < 1.0, "record_routing": ro.record_routing}
         futs = [p.call_async("init", spec) for p in peers]  # the generators build their engines in parallel
         infos = [_result(f, p, "init", self.call_timeout_s) for f, p in zip(futs, peers)]
-        keys = tree_keys(params)
-        dtype = str(jax.numpy.dtype(self.model_cfg.dtype))
-        src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
-        for p, info in zip(peers, infos):
-            if info["keys"] != keys:
-                raise RuntimeError(f"{p.name}: its engine has different parameters than the trainer "
-                                   f"({len(info['keys'])} vs {len(keys)} leaves)")
-        self._plans = plan_transfer(keys, [x.shape for x in leaves], dtype, src_layouts, infos[0]["layouts"])
-        for p, info in zip(peers[1:], infos[1:]):
-            if info["layouts"] != infos[0]["layouts"]:
-                raise RuntimeError(f"{p.name}: generator layouts differ between generator processes")
-        self._src_shardings = [x.sharding for x in leaves]
+        if lora_src is not None:
+            if self.group is not None and lora_src["source"] != "push":
+                self.group.send("base_fingerprint", dtype)  # a collective over the trainer group
+            self._say(lora_remote.check_bases(peers, infos, params, dtype, lora_src))
         self._transfer_server = start_server(self.transfer_host)
         self._addresses = [self._transfer_server.address()]
-        if self.group is not None:  # one transfer server per trainer process, each serving its own shards
-            self._addresses += self.group.results(self.group.send("configure_push", self._plans, dtype),
-                                                  "configure_push")
-        owners = WireSender(self._plans, self._src_shardings).owners
-        for p in peers:
-            p.call("configure_push", src_layouts, dtype, owners, timeout=self.call_timeout_s)
+        self._configure_push(first, [i["layouts"] for i in infos], dtype)
         self.remote = RemoteGenerator(peers, call_timeout_s=min(self.call_timeout_s, 120.0))
         self._initial_pusher = self._make_pusher(None, self.call_timeout_s, None)
         st = self._initial_pusher.push_now(params, version)
         self._initial_pusher.close()
         self._say(f"initial weights (version {version}, {st.bytes / 2**20:.1f} MiB) pushed to {len(peers)} generator(s) "
                   f"via {st.transport} in {st.total_s:.2f} s (routes {dict(self._initial_pusher.routes)})")
+        if lora_src is not None and self._select is None:  # the base went once; from now on the adapters only
+            self._select = _adapters
+            self._configure_push(_adapters(params), [i["lora_adapter_layouts"] for i in infos], dtype, stage="adapters")
         self.remote.start_info = [p.call("start", timeout=self.call_timeout_s) for p in peers]
         self.remote._version = version
         return self.remote
+
+    def _configure_push(self, tree: Any, dst_layouts: list, dtype: str, stage: str | None = None) -> None:
+        """Plan the pushes of ``tree`` (its leaves on the trainer) against the generators' layouts and
+        configure both sides (the generators, and the other processes of a trainer group)."""
+        import jax
+
+        from jaxrl_async.distributed.transfer import WireSender, layout_of, plan_transfer, tree_keys
+
+        peers = self._peers
+        leaves = jax.tree.leaves(tree)
+        keys = tree_keys(tree)
+        for p, info in zip(peers, dst_layouts):
+            if len(info) != len(keys):
+                raise RuntimeError(f"{p.name}: its engine has different parameters than the trainer "
+                                   f"({len(info)} vs {len(keys)} leaves)")
+            if info != dst_layouts[0]:
+                raise RuntimeError(f"{p.name}: generator layouts differ between generator processes")
+        src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
+        self._plans = plan_transfer(keys, [x.shape for x in leaves], dtype, src_layouts, dst_layouts[0])
+        self._src_shardings = [x.sharding for x in leaves]
+        if self.group is not None:  # one transfer server per trainer process, each serving its own shards
+            self._addresses[1:] = self.group.results(self.group.send("configure_push", self._plans, dtype,
+                                                                     self._select is not None), "configure_push")
+        owners = WireSender(self._plans, self._src_shardings).owners
+        for p in peers:
+            got = p.call("configure_push", src_layouts, dtype, owners, stage, timeout=self.call_timeout_s)
+            if got.get("keys", keys) != keys:
+                raise RuntimeError(f"{p.name}: its engine has different parameters than the trainer")
 
     def _make_pusher(self, on_applied, timeout_s, initial_version) -> TransferPusher:
         import jax
@@ -594,7 +624,7 @@ class DistributedRLLoop(RLLoop):
                               server=self._transfer_server, on_applied=on_applied, timeout_s=timeout_s,
                               initial_version=initial_version, fallback_dir=os.path.join(self.run_dir, "weight_push"),
                               log_path=os.path.join(self.run_dir, PUSH_LOG), group=self.group,
-                              addresses=self._addresses)
+                              addresses=self._addresses, select=self._select)
 
     def _build_pusher(self, generator: Any, *, on_applied: Callable[[int], None], timeout_s: float,
                       initial_version: int) -> Any:
@@ -737,6 +767,11 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, FatalRunError):
             print(f"[jaxrl_async] run failed: {e}", file=sys.stderr, flush=True)
             return 1
+        from jaxrl_async.cli import error_line, is_user_error
+
+        if is_user_error(e):  # e.g. model.lora: a generator's base differs from the trainer's
+            print(error_line("controller", e), file=sys.stderr, flush=True)
+            return 2
         if isinstance(e, (TimeoutError, ConnectionError, rpc.RemoteError)):
             print(f"[jaxrl_async] run failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             return 1

@@ -13,6 +13,12 @@ It connects to the controller (retrying while the controller starts), registers,
   trainer process serves each shard (``owners``; a trainer group runs one transfer server per process);
   starts this process's transfer server (it only pulls) on ``--transfer-host``, by default the
   local address of its connection to the controller;
+* LoRA (``spec["lora"]``, ``distributed.lora_remote``): ``init`` also builds the frozen base once (from
+  ``model.path`` or the init seed) and replies with its fingerprint, which the controller checks
+  against its own (or, for a base that exists only in the trainer, receives it with the first push and
+  is then switched to adapter pushes by ``configure_push(..., stage="adapters")``); pushes carry the
+  adapters only and ``_apply`` joins them with the base (or merges them into a fresh copy,
+  ``model.lora.decode="merged"``);
 * ``pull_weights(version, uuid, addresses, checksums)``: pull the shards from the trainer processes'
   transfer servers onto this process's devices, verify the checksums, hand the weights to the ``Generator``
   (applied between two decode steps); ``load_weights(version, path, checksums)`` is the disk
@@ -53,6 +59,8 @@ class GeneratorServer:
         self.log = log
         self.stopped = threading.Event()
         self.engine = self.generator = self.tokenizer = None
+        self.lora = None  # lora_remote.GeneratorLora of a LoRA run
+        self.push_shardings = None  # what a push lands in: the engine's parameters, or the adapters (LoRA)
         self.spec: dict[str, Any] = {}
         self.keys: list[str] = []
         self.receiver = None
@@ -99,28 +107,48 @@ class GeneratorServer:
                                           record_routing=bool(spec.get("record_routing", False)))
         if spec.get("tokenizer_dir"):
             self.tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
-        shardings = self.engine.param_shardings
+        shardings = self.push_shardings = self.engine.param_shardings
+        extra: dict[str, Any] = {}
+        if spec.get("lora") is not None:  # the base built here once; pushes carry the adapters only
+            from jaxrl_async.distributed.lora_remote import GeneratorLora
+
+            self.lora = lo = GeneratorLora(spec["lora"], mesh, self.engine.param_shardings)
+            shardings = self.push_shardings = lo.first_push_shardings  # the adapters, or base + adapters once
+            extra["lora_base"] = fp = lo.fingerprint()
+            extra["lora_adapter_layouts"] = [layout_of(s, len(shp)) for s, shp in
+                                             zip(jax.tree.leaves(lo.adapter_shardings), lo.adapter_shapes)]
+            self.log(f"LoRA base from {fp['source']} in {fp['load_s']:.1f} s ({spec['lora']['decode']} decode)")
         self.keys = tree_keys(shardings)
         leaves = jax.tree.leaves(shardings)
         shapes = spec["param_shapes"]
         self.log(f"engine on {len(devs)} x {devs[0].platform} (mesh {dict(mesh.shape)})")
         return {"keys": self.keys, "layouts": [layout_of(s, len(shp)) for s, shp in zip(leaves, shapes)],
                 "devices": [str(d) for d in devs], "mesh": dict(mesh.shape), "host": socket.gethostname(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), **extra}
 
-    def _configure_push(self, src_layouts: list, dtype: str, owners: list[int] | None = None) -> dict[str, Any]:
+    def _configure_push(self, src_layouts: list, dtype: str, owners: list[int] | None = None,
+                        stage: str | None = None) -> dict[str, Any]:
+        """``stage="adapters"`` (LoRA whose base came with the first push): from now on pushes carry the adapters."""
         import jax
 
-        from jaxrl_async.distributed.transfer import WireReceiver, layout_of, plan_transfer, start_server
+        from jaxrl_async.distributed.transfer import WireReceiver, layout_of, plan_transfer, start_server, tree_keys
 
-        dst = jax.tree.leaves(self.engine.param_shardings)
         shapes = self.spec["param_shapes"]
+        if stage == "adapters":
+            if self.lora is None:
+                raise RuntimeError(f"{self.name}: configure_push(stage='adapters') without LoRA")
+            self.push_shardings = self.lora.adapter_shardings
+            self.keys = tree_keys(self.push_shardings)
+            shapes = self.lora.adapter_shapes
+        elif stage is not None:
+            raise ValueError(f"{self.name}: unknown push stage {stage!r}")
+        dst = jax.tree.leaves(self.push_shardings)
         plans = plan_transfer(self.keys, shapes, dtype, src_layouts, [layout_of(s, len(shp)) for s, shp in zip(dst, shapes)])
         self.receiver = WireReceiver(plans, dst)
         self.owners = list(owners) if owners is not None else None
         if self._transfer_server is None:
             self._transfer_server = start_server(self.transfer_host)
-        return {"routes": sorted({p.route for p in plans})}
+        return {"routes": sorted({p.route for p in plans}), "keys": self.keys}
 
     def _conn(self, address: str) -> Any:
         if address not in self._conns:
@@ -147,10 +175,10 @@ class GeneratorServer:
             self.log(f"pull of version {version} failed: {type(e).__name__}: {e}")
             return {"ok": False, "reason": f"{type(e).__name__}: {e}", "pull_s": time.perf_counter() - t0}
         t2 = time.perf_counter()
-        self._apply(jax.tree.unflatten(jax.tree.structure(self.engine.param_shardings), leaves), version, timeout_s)
+        self._apply(jax.tree.unflatten(jax.tree.structure(self.push_shardings), leaves), version, timeout_s)
         return {"ok": True, "transport": "jax.experimental.transfer", "checksums": got, "pull_s": t1 - t0,
                 "verify_s": t2 - t1, "apply_s": time.perf_counter() - t2, "shards": len(self.receiver.specs),
-                "sources": len(addresses)}
+                "bytes": self.receiver.nbytes, "sources": len(addresses)}
 
     def _load_weights(self, version: int, path: str, checksums: list[int], timeout_s: float) -> dict:
         import jax
@@ -160,17 +188,19 @@ class GeneratorServer:
         if self.fallback_key is None:
             raise RuntimeError(f"{self.name}: no key for the disk fallback")
         t0 = time.perf_counter()
-        leaves, manifest = read_weights(path, self.keys, jax.tree.leaves(self.engine.param_shardings),
+        leaves, manifest = read_weights(path, self.keys, jax.tree.leaves(self.push_shardings),
                                         key=self.fallback_key, version=version)
         got = verify(leaves, checksums, self.keys, version)
         if got != manifest:
             raise RuntimeError(f"weight push fallback {path}: manifest checksums differ from the trainer's")
         t1 = time.perf_counter()
-        self._apply(jax.tree.unflatten(jax.tree.structure(self.engine.param_shardings), leaves), version, timeout_s)
+        self._apply(jax.tree.unflatten(jax.tree.structure(self.push_shardings), leaves), version, timeout_s)
         return {"ok": True, "transport": "disk", "checksums": got, "load_s": t1 - t0,
-                "apply_s": time.perf_counter() - t1}
+                "apply_s": time.perf_counter() - t1, "bytes": sum(int(x.nbytes) for x in leaves)}
 
     def _apply(self, params: Any, version: int, timeout_s: float) -> None:
+        if self.lora is not None:  # pushed adapters -> base + adapters, or the merged copy
+            params = self.lora.params(params)
         if self.generator is None:
             self._initial = (params, int(version))
         else:

@@ -202,6 +202,8 @@ class TrainerFollower:
         self.model_cfg = self.run_dir = self.tokenizer_dir = self.mesh = None
         self.params = self.state = self.trainer = self.ckpt = None
         self.sender = self.server = self.dtype = None
+        self.base_ref = None  # LoRA on an unchanged model.path: checkpoints refer to the base (run_state)
+        self.adapters_only = False  # LoRA: pushes carry the adapters (configure_push)
 
     # -- dispatch -----------------------------------------------------------------------------
     def handle(self, method: str, args: tuple, reply: Callable[[bool, Any], None]) -> None:
@@ -236,11 +238,12 @@ class TrainerFollower:
     def _op_setup(self, spec: dict[str, Any]) -> dict[str, Any]:
         import jax
 
-        from jaxrl_async.run_state import initial_params
+        from jaxrl_async.run_state import base_reference, initial_params
 
         self.model_cfg, self.run_dir, self.tokenizer_dir = spec["model_cfg"], spec["run_dir"], spec["tokenizer_dir"]
         self.mesh = trainer_mesh(self.cfg)
         _, self.params = initial_params(self.cfg, self.model_cfg, mesh=self.mesh)
+        self.base_ref = base_reference(self.cfg, self.model_cfg)
         self.log(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} of "
                  f"{jax.device_count()} trainer devices (mesh {dict(self.mesh.shape)})")
         return {"pid": os.getpid(), "host": socket.gethostname(), "process_index": jax.process_index()}
@@ -258,8 +261,16 @@ class TrainerFollower:
     def _op_warm_start(self, examples: Sequence[Any]) -> None:
         from jaxrl_async.trainer.sft import run_sft
 
-        self.params, _ = run_sft(self.params, self.model_cfg, examples, self.cfg.trainer.sft, mesh=self.mesh,
-                                 seed=self.cfg.seed, progress=False)
+        if self.model_cfg.lora is None:
+            self.params, _ = run_sft(self.params, self.model_cfg, examples, self.cfg.trainer.sft, mesh=self.mesh,
+                                     seed=self.cfg.seed, progress=False)
+            return
+        from jaxrl_async.models import lora  # LoRA: the warm start trains the base (as the leader's _initial_state)
+
+        adapters, base = lora.split(self.params)
+        base, _ = run_sft(base, self.model_cfg.replace(lora=None), examples, self.cfg.trainer.sft, mesh=self.mesh,
+                          seed=self.cfg.seed, progress=False)
+        self.params = lora.join(adapters, base)
 
     def _op_init_state(self) -> None:
         self.state = self.trainer.init_state(self.params)
@@ -268,7 +279,7 @@ class TrainerFollower:
     def _op_restore(self) -> int:
         from jaxrl_async.rl_loop import _state_from_items, restore_train_state  # (via rl_loop: tests wrap it there)
 
-        r = restore_train_state(self.ckpt, self.trainer, self.params)
+        r = restore_train_state(self.ckpt, self.trainer, self.params, base_ref=self.base_ref)
         self.state = _state_from_items(r.arrays)
         self.params = None
         return int(r.step)
@@ -276,12 +287,18 @@ class TrainerFollower:
     def _op_train(self, trajs: Sequence[Any], version: int) -> None:
         self.state, _ = self.trainer.train_batch(self.state, trajs, policy_version=version)
 
-    def _op_configure_push(self, plans: Sequence[Any], dtype: str) -> str:
+    def _pushed(self) -> Any:
+        from jaxrl_async.models import lora
+
+        return lora.split(self.state.params)[0] if self.adapters_only else self.state.params
+
+    def _op_configure_push(self, plans: Sequence[Any], dtype: str, adapters_only: bool = False) -> str:
         import jax
 
         from jaxrl_async.distributed.transfer import WireSender, start_server
 
-        self.sender = WireSender(plans, [x.sharding for x in jax.tree.leaves(self.state.params)])
+        self.adapters_only = bool(adapters_only)
+        self.sender = WireSender(plans, [x.sharding for x in jax.tree.leaves(self._pushed())])
         self.dtype = jax.numpy.dtype(dtype)
         if self.server is None:
             self.server = start_server(self.transfer_host)
@@ -290,7 +307,7 @@ class TrainerFollower:
     def _op_push(self, version: int) -> None:
         from jaxrl_async.distributed.controller import prepare_wire
 
-        wire, _ = prepare_wire(self.sender, self.state.params, self.dtype)
+        wire, _ = prepare_wire(self.sender, self._pushed(), self.dtype)
         with self._cv:
             self._wires[int(version)] = wire
             self._cv.notify_all()
@@ -298,7 +315,14 @@ class TrainerFollower:
     def _op_save(self, meta: Any, buffered: list) -> None:
         from jaxrl_async.run_state import _state_items
 
-        self.ckpt.save(_state_items(self.state), meta, trajectories=buffered)
+        self.ckpt.save(_state_items(self.state, self.base_ref), meta, trajectories=buffered)
+
+    def _op_base_fingerprint(self, dtype: str) -> None:
+        import jax
+
+        from jaxrl_async.distributed.lora_remote import trainer_base_fingerprint
+
+        trainer_base_fingerprint(self.state.params, jax.numpy.dtype(dtype))  # a collective: the leader runs it too
 
     def _op_wait_checkpoint(self) -> None:
         self.ckpt.wait()

@@ -350,6 +350,11 @@ class WireReceiver:
         self._reshard = (jax.jit(lambda xs: [x + jnp.zeros((), x.dtype) for x in xs],
                                  out_shardings=[self.dst[i] for i in vg]) if vg else None)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes one pull moves (every distinct shard once): the push size as the transfer counts it."""
+        return int(sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in self.specs))
+
     def pull(self, conns: Any, uuid: int, timeout_s: float, owners: Sequence[int] | None = None) -> list[jax.Array]:
         """Pull every shard of push ``uuid``: ``conns`` is one connection, or one per trainer process
         with ``owners`` (``WireSender.owners``) saying which process serves each shard."""
