@@ -325,3 +325,19 @@ def test_multi_turn_routing_is_merged_over_the_turns_last_routing_winning():
     assert (single.routing[:-1] == 1).all() and (single.routing[-1] == -1).all()
     no_routing = types.SimpleNamespace(**{**vars(first), "routing": None})
     assert WTrajectory.from_turns([1, 2, 3], [no_routing], 1.0).routing is None
+
+
+def test_aux_loss_coefficient_defaults_to_the_models(top1):
+    """`trainer.router_aux_loss_coef` None takes the checkpoint's HF `router_aux_loss_coef`; a value overrides it;
+    dense models get 0."""
+    from jaxrl_async.components import trainer_config
+    from jaxrl_async.config import RunConfig, apply_overrides
+
+    cfg, _ = top1
+    assert cfg.router_aux_loss_coef == 0.001  # the tiny model's config.json
+    run = RunConfig()
+    assert trainer_config(run, cfg).router_aux_loss_coef == 0.001
+    assert trainer_config(apply_overrides(run, ["trainer.router_aux_loss_coef=0.02"]), cfg).router_aux_loss_coef == 0.02
+    assert trainer_config(run, cfg.replace(num_experts=0, num_experts_per_tok=0, model_type="qwen3")
+                          ).router_aux_loss_coef == 0.0
+    assert trainer_config(run).routing_replay is False
