@@ -172,7 +172,8 @@ def micro_batch_loss(params: Params, mb: PackedBatch, normaliser: jax.Array, pol
     stats = dict(stats)
     if moe_stats is not None:
         aux = moe_aux_loss(moe_stats)
-        share = moe_stats["tokens"][0] / (1.0 if route_tokens is None else route_tokens)
+        # the micro-batch's share of the minibatch's real tokens (None: this micro-batch is the whole minibatch)
+        share = 1.0 if route_tokens is None else moe_stats["tokens"][0] / route_tokens
         if aux_coef > 0:
             loss = loss + aux_coef * aux * share
         sg = jax.lax.stop_gradient

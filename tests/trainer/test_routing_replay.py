@@ -301,3 +301,43 @@ def test_moe_config_validates_and_dense_models_refuse_recording():
                     record_routing=True)
     with pytest.raises(ValueError, match="TrainerConfig.routing_replay: needs a mixture-of-experts model"):
         Trainer(dense, TrainerConfig(routing_replay=True))
+
+
+def test_multi_turn_routing_is_merged_over_the_turns_last_routing_winning():
+    """`Trajectory.from_turns`: turn 2's prefill routed turn 1's tokens and the inserted ones again; each position
+    keeps the last routing (the KV later tokens attended to), the last token stays unrecorded."""
+    import types
+
+    from jaxrl_async.rollout.workflow import Trajectory as WTrajectory
+
+    def sample(prompt, completion, fill):
+        r = np.full((len(prompt) + len(completion), 1, 2), fill, np.int16)
+        r[-1] = -1  # the last token is never fed back
+        return types.SimpleNamespace(prompt_ids=prompt, completion_ids=completion, logprobs=[-1.0] * len(completion),
+                                     versions=[0] * len(completion), finish_reason="stop", routing=r)
+
+    first = sample([1, 2, 3], [4, 5], 1)
+    second = sample([1, 2, 3, 4, 5, 9, 9], [6, 7, 8], 2)
+    t = WTrajectory.from_turns([1, 2, 3], [first, ([9, 9], False), second], 1.0)
+    assert t.routing.shape == (10, 1, 2)
+    assert (t.routing[:-1] == 2).all() and (t.routing[-1] == -1).all()
+    single = WTrajectory.from_turns([1, 2, 3], [first], 1.0)
+    assert (single.routing[:-1] == 1).all() and (single.routing[-1] == -1).all()
+    no_routing = types.SimpleNamespace(**{**vars(first), "routing": None})
+    assert WTrajectory.from_turns([1, 2, 3], [no_routing], 1.0).routing is None
+
+
+def test_aux_loss_coefficient_defaults_to_the_models(top1):
+    """`trainer.router_aux_loss_coef` None takes the checkpoint's HF `router_aux_loss_coef`; a value overrides it;
+    dense models get 0."""
+    from jaxrl_async.components import trainer_config
+    from jaxrl_async.config import RunConfig, apply_overrides
+
+    cfg, _ = top1
+    assert cfg.router_aux_loss_coef == 0.001  # the tiny model's config.json
+    run = RunConfig()
+    assert trainer_config(run, cfg).router_aux_loss_coef == 0.001
+    assert trainer_config(apply_overrides(run, ["trainer.router_aux_loss_coef=0.02"]), cfg).router_aux_loss_coef == 0.02
+    assert trainer_config(run, cfg.replace(num_experts=0, num_experts_per_tok=0, model_type="qwen3")
+                          ).router_aux_loss_coef == 0.0
+    assert trainer_config(run).routing_replay is False
