@@ -7,6 +7,8 @@ decode attention over the paged pool (`paged_attention.decode_attend`: the porta
 loop `blocked`, the reference `gather`, the TPU/GPU Pallas kernels; `attention="auto"` picks by
 platform, and the choice fixes the pool's layout, `self.layout`).
 
+The pure device functions it jits are in `engine_steps.py`.
+
 Compiled functions (params are arguments, so a weight swap never retraces; after `warmup`
 nothing recompiles, whatever the prompts, slots or sampling parameters):
 
@@ -64,16 +66,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_async.models.config import ModelConfig
-from jaxrl_async.models.transformer import Params, forward, logits_from_hidden
+from jaxrl_async.models.transformer import Params
 from jaxrl_async.rollout import kv_cache, paged_attention, sampling
 from jaxrl_async.rollout.engine_api import Engine, Prefix, PrefillRequest, SamplingParams, StepResult
+from jaxrl_async.rollout.engine_steps import (
+    SLOT_INTS, decode_step_fn, insert_fn, prefill_chunk_fn, prefill_fn, release_fn, sample_first_fn,
+)
 from jaxrl_async.sharding.activations import traced_with_activation_rules
 from jaxrl_async.sharding.mesh import make_mesh
 from jaxrl_async.sharding.rules import logical_to_spec, model_shardings
 
 logger = logging.getLogger(__name__)
 
-_SLOT_INTS = ("pos", "last_token", "num_generated", "max_new", "top_k", "sample_index", "done")
+_SLOT_INTS = SLOT_INTS
 
 
 # ---------------------------------------------------------------------------------------
@@ -127,146 +132,6 @@ class DecodeState:
 def _truncates(sp: SamplingParams) -> bool:
     """The request samples with top-k or top-p (`sampling.needs_truncation` of its parameters)."""
     return sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0)
-
-
-# ---------------------------------------------------------------------------------------
-# Pure device functions
-# ---------------------------------------------------------------------------------------
-def _routed_forward(record: bool, *args):
-    """`forward(*args)`, and with `record` the experts each token was routed to ([L, B, T, k] int16; else None)."""
-    if not record:
-        return forward(*args), None
-    from jaxrl_async.models.moe import routing_scope
-
-    with routing_scope(record=True) as scope:
-        out = forward(*args)
-    return out, scope.result["ids"].astype(jnp.int16)
-
-
-def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: ModelConfig, record_routing: bool = False):
-    """Run prompts packed into one row [1, T]: prompt i holds tokens [off_i, off_i + length[i]) with
-    off = the exclusive cumsum of `length` [N] (0 = an unused entry); causal attention within each prompt
-    only, positions restarting at 0 per prompt. Returns (k [L, T, K, E], v, logits [N, V] at each prompt's
-    last token). A scalar `length` is one prompt (logits [V]). `record_routing` (MoE): also the experts of
-    every token of the row, [T, L, k] int16."""
-    T = tokens.shape[1]
-    single = jnp.ndim(length) == 0
-    lengths = jnp.atleast_1d(length).astype(jnp.int32)
-    ends = jnp.cumsum(lengths)
-    offs = ends - lengths
-    t = jnp.arange(T, dtype=jnp.int32)
-    seg = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)  # prompt index of token t
-    valid = t < ends[-1]
-    seg_c = jnp.minimum(seg, lengths.shape[0] - 1)
-    positions = jnp.where(valid, t - offs[seg_c], 0)[None]
-    segment_ids = jnp.where(valid, seg + 1, 0)[None]
-    buf = jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
-    attend = kv_cache.prefill_attend(segment_ids, cfg.head_dim ** -0.5, cfg.attention, cfg.attention_block)
-    (hidden, (k, v)), ids = _routed_forward(record_routing, params, cfg, tokens, positions, attend, (buf, buf))
-    last = jnp.take(hidden[0], jnp.clip(ends - 1, 0, T - 1), axis=0)  # [N, D]
-    logits = logits_from_hidden(params, last)
-    if record_routing:
-        return k, v, (logits[0] if single else logits), jnp.swapaxes(ids[:, 0], 0, 1)
-    return k, v, (logits[0] if single else logits)
-
-
-def prefill_chunk_fn(params: Params, k_buf, v_buf, tokens: jax.Array, start: jax.Array, length: jax.Array, *,
-                     cfg: ModelConfig, record_routing: bool = False):
-    """One chunk [1, C] of a sequence longer than the largest prefill bucket (chunked prefill).
-
-    k_buf/v_buf [L, T, K, E] (T = chunks x C) hold the k/v of the chunks before `start`; returns them
-    with this chunk's added and the logits at position length - 1 (meaningful for the chunk holding it);
-    `record_routing`: also the chunk's experts [C, L, k] int16.
-    """
-    C = tokens.shape[1]
-    positions = (start + jnp.arange(C, dtype=jnp.int32))[None]
-    attend = kv_cache.chunk_prefill_attend(start, length, cfg.head_dim ** -0.5, C)
-    (hidden, (k_buf, v_buf)), ids = _routed_forward(record_routing, params, cfg, tokens, positions, attend,
-                                                    (k_buf, v_buf))
-    last = jax.lax.dynamic_index_in_dim(hidden[0], jnp.clip(length - 1 - start, 0, C - 1), axis=0, keepdims=True)
-    if record_routing:
-        return k_buf, v_buf, logits_from_hidden(params, last)[0], jnp.swapaxes(ids[:, 0], 0, 1)
-    return k_buf, v_buf, logits_from_hidden(params, last)[0]
-
-
-def sample_first_fn(logits: jax.Array, rows, temperature, top_k, top_p, seed, sample_index, position, *,
-                    truncation: bool = True):
-    """First tokens of the samples of one prefill call: sample j draws from logits[rows[j]] ([N, V]) with
-    its own parameters (all [n]); `truncation`: see `sampling.sample`."""
-    return sampling.sample(jnp.take(logits, rows, axis=0), temperature, top_k, top_p, seed, sample_index, position,
-                           truncation=truncation)
-
-
-def insert_fn(arrays, k, v, dest_pages, dest_offsets, page_row, slot, ints, floats, seed, stop_row, replica, *,
-              layout: paged_attention.PoolLayout, mesh: Mesh | None = None, pages_axis: str | None = None,
-              kv_axis=None):
-    """Write the prompt k/v to (`dest_pages`, `dest_offsets`: local page ids of decode replica `replica`) and set
-    slot `slot`'s row (ints in _SLOT_INTS order)."""
-    out = dict(arrays)
-    out.update(paged_attention.write_prefix_on_replica(
-        layout, {key: arrays[key] for key in layout.keys}, k, v, dest_pages, dest_offsets, replica, mesh=mesh,
-        pages_axis=pages_axis, kv_axis=kv_axis))
-    out["page_table"] = arrays["page_table"].at[slot].set(page_row)
-    for i, name in enumerate(_SLOT_INTS):
-        val = ints[i] if name != "done" else ints[i] != 0
-        out[name] = arrays[name].at[slot].set(val.astype(arrays[name].dtype))
-    out["temperature"] = arrays["temperature"].at[slot].set(floats[0])
-    out["top_p"] = arrays["top_p"].at[slot].set(floats[1])
-    out["seed"] = arrays["seed"].at[slot].set(seed)
-    out["stop_ids"] = arrays["stop_ids"].at[slot].set(stop_row)
-    out["live"] = arrays["live"].at[slot].set(True)
-    return out
-
-
-def release_fn(arrays, slot, *, null_page: int):
-    out = dict(arrays)
-    out["live"] = arrays["live"].at[slot].set(False)
-    out["done"] = arrays["done"].at[slot].set(False)
-    out["page_table"] = arrays["page_table"].at[slot].set(null_page)
-    return out
-
-
-def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int,
-                   null_page: int, attention: str = "blocked", block_pages: int = 8, kernel_options=None,
-                   pages_axis: str | None = None, truncation: bool = True, record_routing: bool = False):
-    """One token for every slot. new_pages [S]: page to map at index pos // page_size (-1: none).
-
-    attention: the decode attention (`paged_attention.DECODE_ATTENTION`; its pool layout names the pool
-    arrays); "blocked" reads blocks of `block_pages` pages up to the longest active slot. Page ids are local
-    to the slot's decode replica (`pages_axis`: the pool's pages split over it; `null_page` = pages per replica).
-
-    Returns (arrays, (tokens, logprobs, valid, done)); see the module doc for the bookkeeping. `record_routing`
-    (MoE): the step tuple has a fifth entry, the experts of the token each slot fed, [S, L, k] int16.
-    """
-    S, maxp = arrays["page_table"].shape
-    null = null_page
-    rows = jnp.arange(S)
-    pos = arrays["pos"]
-    active = arrays["live"] & ~arrays["done"]
-    j = jnp.minimum(pos // page_size, maxp - 1)
-    pt = arrays["page_table"]
-    pt = pt.at[rows, j].set(jnp.where(new_pages >= 0, new_pages, pt[rows, j]))
-    write_pages = jnp.where(active, pt[rows, j], null)
-    attend = paged_attention.decode_attend(attention, pt, pos, active, write_pages, page_size, cfg.head_dim ** -0.5,
-                                           block_pages=block_pages, kernel_options=kernel_options,
-                                           pages_axis=pages_axis)
-    keys = paged_attention.layout_for(attention).keys
-    (hidden, pools), ids = _routed_forward(record_routing, params, cfg, arrays["last_token"][:, None], pos[:, None],
-                                           attend, tuple(arrays[k] for k in keys))
-    logits = logits_from_hidden(params, hidden[:, 0])
-    tokens, logprobs = sampling.sample(logits, arrays["temperature"], arrays["top_k"], arrays["top_p"],
-                                       arrays["seed"], arrays["sample_index"], pos + 1, truncation=truncation)
-    num_generated = arrays["num_generated"] + active.astype(jnp.int32)
-    new_pos = jnp.where(active, pos + 1, pos)
-    finished = (sampling.is_stop(tokens, arrays["stop_ids"]) | (num_generated >= arrays["max_new"])
-                | (new_pos + 1 >= max_seq))
-    done = arrays["done"] | (active & finished)
-    out = dict(arrays, **dict(zip(keys, pools)), page_table=pt, pos=new_pos, num_generated=num_generated,
-               last_token=jnp.where(active, tokens, arrays["last_token"]), done=done)
-    step = (jnp.where(active, tokens, 0), jnp.where(active, logprobs, 0.0), active, active & finished)
-    if record_routing:
-        step += (jnp.swapaxes(ids[:, :, 0], 0, 1),)
-    return out, step
 
 
 # ---------------------------------------------------------------------------------------
