@@ -82,6 +82,9 @@ class ModelConfig:
     # training / scoring / prefill attention (`models/attention.py`): auto, xla, blockwise, splash, gpu_flash
     attention: str = "auto"
     attention_block: int = 512  # query and key block of "blockwise" (tokens)
+    # grouped matmul of the MoE experts (`models/moe.py`): auto (megablox on TPU, tiled on GPU, else ragged_dot),
+    # ragged, tiled, megablox
+    moe_kernel: str = "auto"
     # LoRA adapters (`models/lora.py`: LoraSpec, or its dict): adds `layers/{target}_lora_{a,b}` to the params
     lora: Any = None
 
@@ -135,6 +138,8 @@ class ModelConfig:
             bad("dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         if self.param_dtype not in _DTYPES:
             bad("param_dtype", f"must be one of {_DTYPES}, got {self.param_dtype!r}")
+        if self.moe_kernel not in ("auto", "ragged", "tiled", "megablox"):  # moe.MOE_KERNELS
+            bad("moe_kernel", f"must be one of auto, ragged, tiled, megablox, got {self.moe_kernel!r}")
         from jaxrl_async.models.remat import REMAT_POLICIES
 
         if self.remat not in REMAT_POLICIES:

@@ -90,7 +90,7 @@ def test_fp32_packed_logits_match_transformers(moe):
     assert worst <= 1e-4, worst
 
 
-def _dense_swiglu(x, ids, w, wg, wu, wd):
+def _dense_swiglu(x, ids, w, wg, wu, wd, impl=None):
     """Reference MoE MLP: every expert on every token, weighted by the routing weights of the chosen ones."""
     every = jnp.stack([(jax.nn.silu(x @ wg[e]) * (x @ wu[e])) @ wd[e] for e in range(wg.shape[0])], axis=1)
     dense_w = jnp.zeros((x.shape[0], wg.shape[0])).at[jnp.arange(x.shape[0])[:, None], ids].set(w)
