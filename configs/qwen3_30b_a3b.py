@@ -14,7 +14,9 @@ hidden 2048 and 128 experts (4 or 8 trainer devices). Full-weight training needs
 and 13 M adapter parameters; a push carries only the adapters.
 
 Layout ``h100x8-tp2``: generator devices 0-3 (2 replicas x tensor 2: each holds half of every expert's width),
-trainer 4-7 (FSDP 4). Plan compiled for H100 (``[aot-gpu]`` extra; figures in benchmarks/RESULTS.md)::
+trainer 4-7 (FSDP 4). Plan compiled for H100 (``[aot-gpu]`` extra; benchmarks/RESULTS.md): generator peak 53.8
+of 72 GiB (bf16 weights 28.5, KV pool 24.0 for 256 slots), trainer 26.7 GiB (bf16 base 14.3, step temporaries
+12.2); the same recipe with full weights needs 162 GiB per trainer device::
 
     python -m jaxrl_async.plan --config configs/qwen3_30b_a3b.py --compile-for target
 """
