@@ -183,7 +183,7 @@ def moe_mlp(p, h: jax.Array, cfg, expert_ids: jax.Array | None = None) -> tuple[
     """The MoE MLP of one layer: h [B, T, D] -> (out [B, T, D], expert ids [B, T, k], router logits [B, T, X])."""
     B, T, D = h.shape
     ids, weights, logits = routing(h, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob, expert_ids)
-    out = expert_swiglu(h, ids, weights, p, grouped_matmul_impl(getattr(cfg, "moe_kernel", "auto")))
+    out = expert_swiglu(h, ids, weights, p, grouped_matmul_impl(cfg.moe_kernel))
     return constrain(out, "batch", "length", "activation_embed"), ids, logits
 
 
