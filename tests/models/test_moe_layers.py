@@ -1,7 +1,7 @@
 """Qwen3-MoE models with dense MLP layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step`):
 two stacks of layers (`layers`: sparse, `dense_layers`: dense) run as a schedule of same-kind runs, checked
 against transformers (logits padded and packed, export, generate), on sharded meshes, with LoRA on the
-attention, and in the FLOP count."""
+attention, in the FLOP count and through a run checkpoint."""
 
 from __future__ import annotations
 
@@ -188,3 +188,26 @@ def test_lora_on_attention_covers_both_stacks(mixed):
         a = names[f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight"]
         np.testing.assert_array_equal(a, np.asarray(adapters[stack]["q_lora_a"][s]).reshape(-1, 2).T)
     assert len(names) == cfg.num_layers * 2 * 2
+
+
+def test_checkpoint_round_trip_keeps_both_stacks_and_the_layer_kinds(mixed, tmp_path):
+    """The run checkpoint (Orbax, `checkpoint.Checkpointer`) stores the model config as its HF config: the
+    layer kinds survive, and both stacks restore exactly onto a sharded target."""
+    from jaxrl_async.checkpoint import Checkpointer, TrainMeta, abstract_like, rng_to_json
+    from jaxrl_async.sharding import make_mesh, model_shardings
+
+    _, d, _ = mixed
+    mesh = make_mesh({"fsdp": 4, "expert": 2})
+    cfg, params = load_hf(d, shardings=lambda c: model_shardings(c, mesh, "trainer"))
+    meta = TrainMeta(step=3, policy_version=3, rng={"train": rng_to_json(jax.random.key(0))}, data_state={},
+                     staleness={}, config={})
+    run = str(tmp_path / "run")
+    with Checkpointer(run, model_config=cfg) as ck:
+        ck.save({"params": params}, meta)
+        ck.wait()
+    r = Checkpointer(run, model_config=cfg).restore(targets={"params": abstract_like(params)})
+    assert r.model_config == cfg and r.model_config.layer_stacks() == cfg.layer_stacks()
+    for stack in ("layers", "dense_layers"):
+        for k, v in params[stack].items():
+            np.testing.assert_array_equal(np.asarray(r.arrays["params"][stack][k]), np.asarray(v))
+            assert r.arrays["params"][stack][k].sharding == v.sharding
