@@ -143,16 +143,17 @@ def peft_adapter_tensors(params, cfg) -> dict:
 
     from jaxrl_async.models import lora as lora_lib
 
-    adapters = jax.device_get(lora_lib.split(params)[0])["layers"]
+    stacks = jax.device_get(lora_lib.split(params)[0])
     out = {}
-    for t in cfg.lora.targets:
-        ka, kb = lora_lib.adapter_keys(t)
-        a, b = np.asarray(adapters[ka], np.float32), np.asarray(adapters[kb], np.float32)
-        r = cfg.lora.rank
-        for i in range(cfg.num_layers):
-            name = f"base_model.model.model.layers.{i}.{lora_lib.HF_MODULES[t]}"
-            out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
-            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
+    for stack, adapters in stacks.items():
+        for t in cfg.lora.targets:
+            ka, kb = lora_lib.adapter_keys(t)
+            a, b = np.asarray(adapters[ka], np.float32), np.asarray(adapters[kb], np.float32)
+            r = cfg.lora.rank
+            for s, i in enumerate(cfg.layer_stacks()[stack]):  # slice s of the stack is model layer i
+                name = f"base_model.model.model.layers.{i}.{lora_lib.HF_MODULES[t]}"
+                out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[s].reshape(-1, r).T)
+                out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[s].reshape(r, -1).T)
     return out
 
 

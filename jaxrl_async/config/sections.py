@@ -94,6 +94,9 @@ class ModelConfigSection:
     # elsewhere blockwise from 512 tokens per row (xla below)
     attention: Literal["auto", "xla", "blockwise", "splash", "gpu_flash"] = "auto"
     attention_block: int = 512
+    # grouped matmul of mixture-of-experts layers (models/moe.py): auto = megablox on TPU, tiled on GPU,
+    # elsewhere ragged (jax.lax.ragged_dot)
+    moe_kernel: Literal["auto", "ragged", "tiled", "megablox"] = "auto"
     init_seed: int = 0
     lora: LoraSection = LoraSection()
     # mixture of experts (model_type qwen3_moe, random init; a checkpoint's config.json carries its own)
@@ -104,7 +107,7 @@ class ModelConfigSection:
 
     def numerics(self) -> dict[str, Any]:
         return dict(dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, scan_layers=self.scan_layers,
-                    attention=self.attention, attention_block=self.attention_block)
+                    attention=self.attention, attention_block=self.attention_block, moe_kernel=self.moe_kernel)
 
     def model_config(self, vocab_size: int, *, bos_token_id: int | None = None, eos_token_id: Any = None,
                      pad_token_id: int | None = None):

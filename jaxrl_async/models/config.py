@@ -11,9 +11,10 @@ Supported architectures (selected by `model_type`):
 | qwen3      | Qwen3ForCausalLM    | RMSNorm on q and k per head (q_norm, k_norm)  |
 | qwen2      | Qwen2ForCausalLM    | bias on q, k, v projections                   |
 | llama      | LlamaForCausalLM    | optional "llama3" RoPE scaling, attention_bias|
-| qwen3_moe  | Qwen3MoeForCausalLM | qwen3 attention; every MLP a mixture of       |
-|            |                     | experts (`models/moe.py`: top-k routing,      |
-|            |                     | dropless grouped matmuls)                     |
+| qwen3_moe  | Qwen3MoeForCausalLM | qwen3 attention; MLPs mixtures of experts     |
+|            |                     | (`models/moe.py`: top-k routing, dropless     |
+|            |                     | grouped matmuls), dense ones where            |
+|            |                     | `mlp_only_layers`/`decoder_sparse_step` say   |
 
 Qwen2.5 checkpoints use `model_type: qwen2`.
 """
@@ -69,6 +70,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.0
+    # dense MLP layers among the sparse ones (transformers' rule): layer i is sparse iff i is not in
+    # `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; dense layers use `intermediate_size`
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     # numerical policy
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of the parameters (master weights in training)
@@ -77,6 +82,9 @@ class ModelConfig:
     # training / scoring / prefill attention (`models/attention.py`): auto, xla, blockwise, splash, gpu_flash
     attention: str = "auto"
     attention_block: int = 512  # query and key block of "blockwise" (tokens)
+    # grouped matmul of the MoE experts (`models/moe.py`): auto (megablox on TPU, tiled on GPU, else ragged_dot),
+    # ragged, tiled, megablox
+    moe_kernel: str = "auto"
     # LoRA adapters (`models/lora.py`: LoraSpec, or its dict): adds `layers/{target}_lora_{a,b}` to the params
     lora: Any = None
 
@@ -85,6 +93,8 @@ class ModelConfig:
             from jaxrl_async.models.lora import LoraSpec
 
             object.__setattr__(self, "lora", LoraSpec(**self.lora))
+        if not isinstance(self.mlp_only_layers, tuple):  # hashable (a static argument of jitted functions)
+            object.__setattr__(self, "mlp_only_layers", tuple(sorted(int(i) for i in self.mlp_only_layers)))
         self.validate()
 
     # -- validation -------------------------------------------------------------------
@@ -112,12 +122,24 @@ class ModelConfig:
                     f"{self.num_experts_per_tok}")
             if self.moe_intermediate_size <= 0:
                 bad("moe_intermediate_size", f"must be a positive int, got {self.moe_intermediate_size}")
+            if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step <= 0:
+                bad("decoder_sparse_step", f"must be a positive int, got {self.decoder_sparse_step!r}")
+            out = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+            if out:
+                bad("mlp_only_layers", f"{out} are not layer indices (0..{self.num_layers - 1})")
+            if not self.sparse_layer_ids:
+                bad("mlp_only_layers", f"no sparse layer left (decoder_sparse_step={self.decoder_sparse_step}, "
+                    f"mlp_only_layers={list(self.mlp_only_layers)}): use a dense model_type")
+        elif self.decoder_sparse_step != 1 or self.mlp_only_layers:
+            bad("mlp_only_layers", "dense layers among sparse ones need num_experts > 0")
         if self.head_dim % 2:
             bad("head_dim", f"must be even for RoPE, got {self.head_dim}")
         if self.dtype not in _DTYPES:
             bad("dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         if self.param_dtype not in _DTYPES:
             bad("param_dtype", f"must be one of {_DTYPES}, got {self.param_dtype!r}")
+        if self.moe_kernel not in ("auto", "ragged", "tiled", "megablox"):  # moe.MOE_KERNELS
+            bad("moe_kernel", f"must be one of auto, ragged, tiled, megablox, got {self.moe_kernel!r}")
         from jaxrl_async.models.remat import REMAT_POLICIES
 
         if self.remat not in REMAT_POLICIES:
@@ -161,6 +183,36 @@ class ModelConfig:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
+    def is_sparse_layer(self, i: int) -> bool:
+        """Layer i's MLP is a mixture of experts (transformers' Qwen3-MoE rule)."""
+        return bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def sparse_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_sparse_layer(i))
+
+    def layer_stacks(self) -> dict[str, tuple[int, ...]]:
+        """Stacked parameter groups -> the model layers they hold, in order: ``layers`` (every layer of a
+        dense model; the sparse layers of a mixture of experts) and ``dense_layers`` (a mixture of experts'
+        dense-MLP layers, only when it has some). Slice s of a stack is layer ``ids[s]``."""
+        if not self.num_experts:
+            return {"layers": tuple(range(self.num_layers))}
+        sparse = self.sparse_layer_ids
+        dense = tuple(i for i in range(self.num_layers) if i not in sparse)
+        return {"layers": sparse, **({"dense_layers": dense} if dense else {})}
+
+    def layer_schedule(self) -> tuple[tuple[str, int, int, int], ...]:
+        """Runs of consecutive same-kind layers: (stack, first slice in the stack, count, first layer)."""
+        where = {i: (name, s) for name, ids in self.layer_stacks().items() for s, i in enumerate(ids)}
+        runs: list[list] = []
+        for i in range(self.num_layers):
+            name, s = where[i]
+            if runs and runs[-1][0] == name:
+                runs[-1][2] += 1
+            else:
+                runs.append([name, s, 1, i])
+        return tuple(tuple(r) for r in runs)
+
     def num_params(self) -> int:
         d, f, h, k, hd, v, L = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
                                 self.head_dim, self.vocab_size, self.num_layers)
@@ -169,18 +221,17 @@ class ModelConfig:
         attn += d if self.o_bias else 0
         attn += 2 * hd if self.qk_norm else 0
         mlp = 3 * d * f + ((2 * f + d) if self.mlp_bias else 0)
-        if self.num_experts:
-            mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
-        per_layer = attn + mlp + 2 * d
+        n_sparse = len(self.sparse_layer_ids)
+        moe = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
         emb = v * d * (1 if self.tie_word_embeddings else 2)
-        return L * per_layer + emb + d
+        return L * (attn + 2 * d) + (L - n_sparse) * mlp + n_sparse * moe + emb + d
 
     def num_active_params(self) -> int:
         """Parameters a token uses (MoE: the router and its top-k experts; dense: all)."""
         if not self.num_experts:
             return self.num_params()
         idle = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * self.moe_intermediate_size
-        return self.num_params() - self.num_layers * idle
+        return self.num_params() - len(self.sparse_layer_ids) * idle
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -218,18 +269,15 @@ class ModelConfig:
             raise UnsupportedModelError(f"{source}: use_sliding_window=true is not supported")
         moe = {}
         if mt == "qwen3_moe":
-            step, dense_layers = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
-            if step != 1 or dense_layers:
-                raise UnsupportedModelError(
-                    f"{source}: dense MLP layers among the sparse ones (decoder_sparse_step={step}, mlp_only_layers="
-                    f"{dense_layers}) are not supported: every layer must be a mixture of experts")
             n_exp = hf.get("num_experts", hf.get("num_local_experts"))
             if n_exp is None:
                 raise ValueError(f"{source}: missing required field 'num_experts'")
             moe = dict(num_experts=int(n_exp), num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
                        moe_intermediate_size=int(hf["moe_intermediate_size"]),
                        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+                       decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                       mlp_only_layers=tuple(sorted(int(i) for i in hf.get("mlp_only_layers") or ())))
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (silu only)")
@@ -306,7 +354,8 @@ class ModelConfig:
         if self.model_type == "qwen3_moe":
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                       router_aux_loss_coef=self.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[],
+                       router_aux_loss_coef=self.router_aux_loss_coef,
+                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
                        use_sliding_window=False, output_router_logits=False)
         if self.model_type == "qwen2":
             out["use_sliding_window"] = False

@@ -50,12 +50,18 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
+def _layer_ids(row: Row, cfg: ModelConfig) -> tuple[int, ...]:
+    """HF layer index of each slice of ``row``'s stacked array."""
+    return cfg.layer_stacks()[row.ours[0]]
+
+
 def _hf_names(row: Row, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(HF tensor name, index into our array) of every tensor of ``row``."""
     if row.per_expert:
-        return [(row.hf.format(i=i, j=j), (i, j)) for i in range(cfg.num_layers) for j in range(cfg.num_experts)]
+        return [(row.hf.format(i=i, j=j), (s, j)) for s, i in enumerate(_layer_ids(row, cfg))
+                for j in range(cfg.num_experts)]
     if row.per_layer:
-        return [(row.hf.format(i=i), (i,)) for i in range(cfg.num_layers)]
+        return [(row.hf.format(i=i), (s,)) for s, i in enumerate(_layer_ids(row, cfg))]
     return [(row.hf, ())]
 
 
@@ -120,15 +126,16 @@ def load_hf(model_dir: str, shardings: Any = None, cfg: ModelConfig | None = Non
 
 
 def _load_leaf(reader: SafetensorsReader, row: Row, cfg: ModelConfig, shape, sharding: Sharding, dtype):
+    ids = _layer_ids(row, cfg) if row.per_layer else ()
     if row.per_expert:
         def cb(index):
-            layers, experts = range(*index[0].indices(shape[0])), range(*index[1].indices(shape[1]))
+            layers, experts = ids[index[0]], range(*index[1].indices(shape[1]))
             return np.stack([np.stack([
                 np.asarray(row.to_ours(reader.get(row.hf.format(i=i, j=j)), cfg)[index[2:]]).astype(dtype)
                 for j in experts]) for i in layers])
     elif row.per_layer:
         def cb(index):
-            layers = range(*index[0].indices(shape[0]))
+            layers = ids[index[0]]
             parts = [np.asarray(row.to_ours(reader.get(row.hf.format(i=i)), cfg)[index[1:]]).astype(dtype)
                      for i in layers]
             return np.stack(parts)

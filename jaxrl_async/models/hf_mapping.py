@@ -1,7 +1,9 @@
 """Hugging Face <-> jaxrl_async parameter name mapping (Qwen3 / Qwen2 / Llama).
 
 One row per tensor kind: (our path, HF name template, to_ours, to_hf). Per-layer rows use
-`{i}` in the HF name and map to slice i of our stacked `layers/*` arrays. Shapes, with
+`{i}` in the HF name and map to slice i of our stacked `layers/*` arrays (for a Qwen3-MoE model with
+dense layers among the sparse ones: slice s of stack `layers` or `dense_layers` is HF layer
+`cfg.layer_stacks()[stack][s]`). Shapes, with
 D hidden, H heads, K kv heads, E head_dim, F intermediate, V vocab:
 
 | ours (per layer)      | HF                                          | transform (HF -> ours)          |
@@ -92,50 +94,60 @@ def _bias_hf(x, cfg):
     return x.reshape(-1)
 
 
-def mapping(cfg: ModelConfig) -> list[Row]:
+def _stack_rows(cfg: ModelConfig, stack: str, sparse: bool) -> list[Row]:
+    """The per-layer rows of one stack of decoder layers (``ModelConfig.layer_stacks``)."""
     L = "model.layers.{i}."
     rows = [
-        Row(("embed",), "model.embed_tokens.weight", _ident, _ident),
-        Row(("final_norm",), "model.norm.weight", _ident, _ident),
-        Row(("layers", "attn_norm"), L + "input_layernorm.weight", _ident, _ident),
-        Row(("layers", "mlp_norm"), L + "post_attention_layernorm.weight", _ident, _ident),
-        Row(("layers", "q"), L + "self_attn.q_proj.weight", _proj_in("num_heads"), _proj_in_hf),
-        Row(("layers", "k"), L + "self_attn.k_proj.weight", _proj_in("num_kv_heads"), _proj_in_hf),
-        Row(("layers", "v"), L + "self_attn.v_proj.weight", _proj_in("num_kv_heads"), _proj_in_hf),
-        Row(("layers", "o"), L + "self_attn.o_proj.weight", _o_in, _o_hf),
+        Row((stack, "attn_norm"), L + "input_layernorm.weight", _ident, _ident),
+        Row((stack, "mlp_norm"), L + "post_attention_layernorm.weight", _ident, _ident),
+        Row((stack, "q"), L + "self_attn.q_proj.weight", _proj_in("num_heads"), _proj_in_hf),
+        Row((stack, "k"), L + "self_attn.k_proj.weight", _proj_in("num_kv_heads"), _proj_in_hf),
+        Row((stack, "v"), L + "self_attn.v_proj.weight", _proj_in("num_kv_heads"), _proj_in_hf),
+        Row((stack, "o"), L + "self_attn.o_proj.weight", _o_in, _o_hf),
     ]
-    if cfg.num_experts:
+    if sparse:
         rows += [
-            Row(("layers", "router"), L + "mlp.gate.weight", _t, _t),
-            Row(("layers", "moe_gate"), L + "mlp.experts.{j}.gate_proj.weight", _t, _t),
-            Row(("layers", "moe_up"), L + "mlp.experts.{j}.up_proj.weight", _t, _t),
-            Row(("layers", "moe_down"), L + "mlp.experts.{j}.down_proj.weight", _t, _t),
+            Row((stack, "router"), L + "mlp.gate.weight", _t, _t),
+            Row((stack, "moe_gate"), L + "mlp.experts.{j}.gate_proj.weight", _t, _t),
+            Row((stack, "moe_up"), L + "mlp.experts.{j}.up_proj.weight", _t, _t),
+            Row((stack, "moe_down"), L + "mlp.experts.{j}.down_proj.weight", _t, _t),
         ]
     else:
         rows += [
-            Row(("layers", "gate"), L + "mlp.gate_proj.weight", _t, _t),
-            Row(("layers", "up"), L + "mlp.up_proj.weight", _t, _t),
-            Row(("layers", "down"), L + "mlp.down_proj.weight", _t, _t),
+            Row((stack, "gate"), L + "mlp.gate_proj.weight", _t, _t),
+            Row((stack, "up"), L + "mlp.up_proj.weight", _t, _t),
+            Row((stack, "down"), L + "mlp.down_proj.weight", _t, _t),
         ]
     if cfg.qkv_bias:
         rows += [
-            Row(("layers", "q_bias"), L + "self_attn.q_proj.bias", _bias_in("num_heads"), _bias_hf),
-            Row(("layers", "k_bias"), L + "self_attn.k_proj.bias", _bias_in("num_kv_heads"), _bias_hf),
-            Row(("layers", "v_bias"), L + "self_attn.v_proj.bias", _bias_in("num_kv_heads"), _bias_hf),
+            Row((stack, "q_bias"), L + "self_attn.q_proj.bias", _bias_in("num_heads"), _bias_hf),
+            Row((stack, "k_bias"), L + "self_attn.k_proj.bias", _bias_in("num_kv_heads"), _bias_hf),
+            Row((stack, "v_bias"), L + "self_attn.v_proj.bias", _bias_in("num_kv_heads"), _bias_hf),
         ]
     if cfg.o_bias:
-        rows.append(Row(("layers", "o_bias"), L + "self_attn.o_proj.bias", _ident, _ident))
+        rows.append(Row((stack, "o_bias"), L + "self_attn.o_proj.bias", _ident, _ident))
     if cfg.qk_norm:
         rows += [
-            Row(("layers", "q_norm"), L + "self_attn.q_norm.weight", _ident, _ident),
-            Row(("layers", "k_norm"), L + "self_attn.k_norm.weight", _ident, _ident),
+            Row((stack, "q_norm"), L + "self_attn.q_norm.weight", _ident, _ident),
+            Row((stack, "k_norm"), L + "self_attn.k_norm.weight", _ident, _ident),
         ]
-    if cfg.mlp_bias:
+    if cfg.mlp_bias and not sparse:
         rows += [
-            Row(("layers", "gate_bias"), L + "mlp.gate_proj.bias", _ident, _ident),
-            Row(("layers", "up_bias"), L + "mlp.up_proj.bias", _ident, _ident),
-            Row(("layers", "down_bias"), L + "mlp.down_proj.bias", _ident, _ident),
+            Row((stack, "gate_bias"), L + "mlp.gate_proj.bias", _ident, _ident),
+            Row((stack, "up_bias"), L + "mlp.up_proj.bias", _ident, _ident),
+            Row((stack, "down_bias"), L + "mlp.down_proj.bias", _ident, _ident),
         ]
+    return rows
+
+
+def mapping(cfg: ModelConfig) -> list[Row]:
+    """Every row; per-layer rows of stack ``ours[0]`` map slice s to HF layer ``cfg.layer_stacks()[ours[0]][s]``."""
+    rows = [
+        Row(("embed",), "model.embed_tokens.weight", _ident, _ident),
+        Row(("final_norm",), "model.norm.weight", _ident, _ident),
+    ]
+    for stack in cfg.layer_stacks():
+        rows += _stack_rows(cfg, stack, sparse=bool(cfg.num_experts) and stack == "layers")
     if not cfg.tie_word_embeddings:
         rows.append(Row(("lm_head",), "lm_head.weight", _t, _t))
     return rows

@@ -103,21 +103,29 @@ def is_adapter_key(name: str) -> bool:
     return name.endswith("_lora_a") or name.endswith("_lora_b")
 
 
+#: the stacks of decoder layers that can carry adapters (``ModelConfig.layer_stacks``)
+STACKS = ("layers", "dense_layers")
+
+
 def split(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(adapters, base): ``{"layers": {..._lora_a/b}}`` and the rest of the tree (same leaves, no copy)."""
-    layers = params["layers"]
-    adapters = {"layers": {k: v for k, v in layers.items() if is_adapter_key(k)}}
-    base = {**params, "layers": {k: v for k, v in layers.items() if not is_adapter_key(k)}}
+    """(adapters, base): ``{"layers": {..._lora_a/b}}`` (and ``"dense_layers"`` for a mixture of experts with
+    dense layers) and the rest of the tree (same leaves, no copy)."""
+    adapters, base = {}, dict(params)
+    for stack in STACKS:
+        if stack in params:
+            layers = params[stack]
+            adapters[stack] = {k: v for k, v in layers.items() if is_adapter_key(k)}
+            base[stack] = {k: v for k, v in layers.items() if not is_adapter_key(k)}
     return adapters, base
 
 
 def join(adapters: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
     """Inverse of ``split``."""
-    return {**base, "layers": {**base["layers"], **adapters["layers"]}}
+    return {**base, **{stack: {**base[stack], **a} for stack, a in adapters.items()}}
 
 
 def has_adapters(params: Mapping[str, Any]) -> bool:
-    return any(is_adapter_key(k) for k in params.get("layers", {}))
+    return any(is_adapter_key(k) for stack in STACKS for k in params.get(stack, {}))
 
 
 def init_adapter(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype: Any = jnp.float32) -> jax.Array:
@@ -186,11 +194,14 @@ def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, target: str, scale: 
 def merge(params: Mapping[str, Any], spec: LoraSpec) -> dict[str, Any]:
     """The base tree with every adapter folded into its weight (no adapter leaves left)."""
     adapters, base = split(params)
-    layers = dict(base["layers"])
-    for t in spec.targets:
-        ka, kb = adapter_keys(t)
-        layers[t] = merged_weight(layers[t], adapters["layers"][ka], adapters["layers"][kb], t, spec.scale)
-    return {**base, "layers": layers}
+    out = dict(base)
+    for stack, a in adapters.items():
+        layers = dict(base[stack])
+        for t in spec.targets:
+            ka, kb = adapter_keys(t)
+            layers[t] = merged_weight(layers[t], a[ka], a[kb], t, spec.scale)
+        out[stack] = layers
+    return out
 
 
 def adapter_bytes(params: Mapping[str, Any]) -> int:
@@ -203,10 +214,15 @@ def init_adapters(cfg: Any, key: jax.Array, dtype: Any = jnp.float32) -> dict[st
     ``transformer.param_table`` (A as PEFT, B = 0), independent of the base's initialisation."""
     from jaxrl_async.models.transformer import param_table
 
-    specs = {k: v for k, v in param_table(cfg)["layers"].items() if is_adapter_key(k)}
-    keys = jax.random.split(key, len(specs))
-    out = {}
-    for k, (name, spec) in zip(keys, sorted(specs.items())):
-        out[name] = (init_adapter(k, spec.shape, spec.fan_in, dtype) if spec.init == "lora_a"
-                     else jnp.zeros(spec.shape, dtype))
-    return {"layers": out}
+    table = param_table(cfg)
+    result = {}
+    for stack in (s for s in STACKS if s in table):  # "layers" first: a dense model's draws are unchanged
+        specs = {k: v for k, v in table[stack].items() if is_adapter_key(k)}
+        key, sub = jax.random.split(key) if stack != "layers" else (key, key)
+        keys = jax.random.split(sub, len(specs))
+        out = {}
+        for k, (name, spec) in zip(keys, sorted(specs.items())):
+            out[name] = (init_adapter(k, spec.shape, spec.fan_in, dtype) if spec.init == "lora_a"
+                         else jnp.zeros(spec.shape, dtype))
+        result[stack] = out
+    return result

@@ -33,12 +33,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jaxrl_async.sharding.activations import constrain
+from jaxrl_async.sharding.activations import active_activation_rules, constrain
+
+logger = logging.getLogger(__name__)
+
+#: ``ModelConfig.moe_kernel`` values: ``auto`` picks by platform (``grouped_matmul_impl``)
+MOE_KERNELS = ("auto", "ragged", "tiled", "megablox")
 
 
 def routing(h: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool,
@@ -64,14 +71,28 @@ def routing(h: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool,
 GROUP_TILE = 256
 
 
-def grouped_matmul_impl() -> str:
-    """``ragged`` (``jax.lax.ragged_dot``: native on TPU, where it compiles to a grouped matmul with no
-    temporaries) or ``tiled`` on GPUs: XLA:GPU lowers ``ragged_dot`` densely (a deviceless H100 compile of one
-    [65536 x 2048] x [128 x 2048 x 768] ragged_dot needs 32 GiB of temporaries: every row against every
-    expert), so GPUs run ``tiled_grouped_matmul``. The platform is the active mesh's, else the default."""
+_LOGGED: set = set()
+
+
+def grouped_matmul_impl(kernel: str = "auto") -> str:
+    """The grouped matmul of ``kernel`` (``ModelConfig.moe_kernel``); ``auto`` picks by the platform of the
+    active mesh, else the default backend: ``megablox`` on TPU (the Pallas TPU grouped-matmul kernel,
+    ``jax.experimental.pallas.ops.tpu.megablox``: gmm forward, gmm + tgmm backward), ``tiled`` on GPUs
+    (XLA:GPU lowers ``ragged_dot`` densely: a deviceless H100 compile of one [65536 x 2048] x
+    [128 x 2048 x 768] ragged_dot needs 32 GiB of temporaries, every row against every expert), ``ragged``
+    (``jax.lax.ragged_dot``) elsewhere. ``megablox`` off TPU runs the kernel in Pallas interpret mode (tests).
+    The choice is logged once per (kernel, platform)."""
     from jaxrl_async.models.attention_kernels import kernel_platform
 
-    return "tiled" if kernel_platform() in ("gpu", "cuda") else "ragged"
+    platform = kernel_platform()
+    impl = kernel
+    if kernel == "auto":
+        impl = "tiled" if platform in ("gpu", "cuda") else "megablox" if platform == "tpu" else "ragged"
+    if (kernel, platform) not in _LOGGED:
+        _LOGGED.add((kernel, platform))
+        logger.info("MoE grouped matmul: %s (moe_kernel=%s, platform %s)%s", impl, kernel, platform,
+                    " in Pallas interpret mode" if impl == "megablox" and platform != "tpu" else "")
+    return impl
 
 
 def tiled_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype,
@@ -103,11 +124,49 @@ def tiled_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, 
     return jnp.take(out, dest, axis=0)
 
 
+def _tile(dim: int, cap: int) -> int:
+    """A tile of ``dim``: the whole dimension up to ``cap``, else the largest of cap, cap/2, ..., 128 dividing
+    it (else ``cap``: the kernel masks an irregular last tile)."""
+    if dim <= cap:
+        return dim
+    t = cap
+    while t >= 128:
+        if dim % t == 0:
+            return t
+        t //= 2
+    return cap
+
+
+def megablox_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                            tiling: tuple[int, int, int] = (512, 1024, 1024)) -> jax.Array:
+    """``ragged_dot(rows, w, group_sizes)`` with the Pallas TPU kernel (megablox ``gmm``, custom VJP: ``gmm``
+    for the rows' gradient, ``tgmm`` for the weights'). Rows are padded to a multiple of the row tile (the
+    padding belongs to no group and is cut off). rows [M, K], w [X, K, F] -> float32 [M, F]."""
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+
+    from jaxrl_async.models.attention_kernels import _at_precision, kernel_platform
+
+    M, K = rows.shape
+    F = w.shape[-1]
+    tm = min(tiling[0], -(-M // 128) * 128)
+    Mp = -(-M // tm) * tm
+    lhs = jnp.pad(rows, ((0, Mp - M), (0, 0))) if Mp != M else rows
+    tiles, interpret = (tm, _tile(K, tiling[1]), _tile(F, tiling[2])), kernel_platform() != "tpu"
+    # Mosaic takes bf16 operands only at the default precision (a caller's "highest" would ask for an fp32
+    # contraction of bf16 vectors and fail to compile); fp32 operands get a full fp32 matmul
+    precision = "highest" if rows.dtype == jnp.float32 else "default"
+    gmm = _at_precision(lambda x, y, g: megablox.gmm(x, y, g, jnp.float32, tiles, None, None, False, interpret),
+                        precision)
+    return gmm(lhs, w.astype(rows.dtype), group_sizes.astype(jnp.int32))[:M]
+
+
 def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: str | None = None) -> jax.Array:
     """[M, K] rows sorted by group x w [X, K, F] -> float32 [M, F] (see ``grouped_matmul_impl``)."""
     impl = impl or grouped_matmul_impl()
     if impl == "tiled":
         return tiled_grouped_matmul(rows, w, group_sizes, jnp.float32)
+    if impl == "megablox":
+        return megablox_grouped_matmul(rows, w, group_sizes)
     return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
 
 
@@ -140,9 +199,33 @@ def moe_mlp(p, h: jax.Array, cfg, expert_ids: jax.Array | None = None) -> tuple[
         ids, weights, logits = _scoped_routing(p, h, cfg, scope, *layer)
     else:
         ids, weights, logits = routing(h, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob, expert_ids)
-    out = grouped_swiglu(h.reshape(B * T, D), ids.reshape(B * T, -1), weights.reshape(B * T, -1),
-                         p["moe_gate"], p["moe_up"], p["moe_down"])
-    return constrain(out.reshape(B, T, D), "batch", "length", "activation_embed"), ids, logits
+    out = expert_swiglu(h, ids, weights, p, grouped_matmul_impl(cfg.moe_kernel))
+    return constrain(out, "batch", "length", "activation_embed"), ids, logits
+
+
+def expert_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, p, impl: str) -> jax.Array:
+    """``grouped_swiglu`` of h [B, T, D] with ids/weights [B, T, k] and the layer's expert weights. The
+    megablox kernel is a Mosaic custom call that GSPMD cannot partition: under an active mesh it runs inside
+    ``shard_map``, tokens split as the residual stream's batch and length (each device sorts and computes its
+    own tokens) and the expert weights all-gathered per layer (as FSDP gathers any weight; the ``expert`` and
+    ``tensor`` axes are gathered too: no expert parallelism on this path)."""
+    B, T, D = h.shape
+
+    def local(h, ids, weights, wg, wu, wd):
+        b, t, _ = h.shape
+        out = grouped_swiglu(h.reshape(b * t, D), ids.reshape(b * t, -1), weights.reshape(b * t, -1), wg, wu, wd,
+                             impl)
+        return out.reshape(b, t, D)
+
+    active = active_activation_rules()
+    if impl != "megablox" or active is None:
+        return local(h, ids, weights, p["moe_gate"], p["moe_up"], p["moe_down"])
+    from jaxrl_async.sharding.rules import logical_to_spec
+
+    mesh, rules = active
+    tok = logical_to_spec(("batch", "length", None), h.shape, rules, mesh)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, P(), P(), P()), out_specs=tok, check_vma=False)
+    return fn(h, ids, weights, p["moe_gate"], p["moe_up"], p["moe_down"])
 
 
 def load_balancing_loss(logits: jax.Array, expert_ids: jax.Array, mask: jax.Array | None = None) -> jax.Array:

@@ -8,7 +8,9 @@ Design
   sharding trees and the Hugging Face mapping (`hf_mapping.py`) are all derived from it.
 * Layers are stored *stacked* (leading `layers` axis). The forward runs them with
   `jax.lax.scan` (fast compile, `cfg.scan_layers=True`) or a Python loop over static slices;
-  both use the same layer function, with optional `jax.checkpoint` (remat).
+  both use the same layer function, with optional `jax.checkpoint` (remat). A Qwen3-MoE model with
+  dense layers among its sparse ones has two stacks (`layers`: sparse, `dense_layers`: dense) and runs
+  them as a static schedule of same-kind runs (`ModelConfig.layer_schedule`), each scanned.
 * The hot paths (trainer, generator) call the pure function `forward(params, cfg, ...)` on a
   plain dict of arrays (`nnx.state(model, nnx.Param).to_pure_dict()`), so new weights are
   just new arguments: no retrace, no NNX graph traversal per step.
@@ -28,6 +30,8 @@ F intermediate (mlp), V vocab, L layers.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import dataclasses
 from typing import Any
@@ -61,10 +65,10 @@ class ParamSpec:
     fan_in: int = 0  # "lora_a" only: input features of the adapted projection
 
 
-def param_table(cfg: ModelConfig) -> dict[str, Any]:
-    """Nested dict of ParamSpec mirroring the parameter tree."""
-    D, F, H, K, E, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                           cfg.head_dim, cfg.vocab_size, cfg.num_layers)
+def _layer_specs(cfg: ModelConfig, L: int, sparse: bool) -> dict[str, ParamSpec]:
+    """The rows of one stack of L decoder layers: attention and norms, and a dense SwiGLU MLP or (``sparse``)
+    a mixture of experts (`models/moe.py`)."""
+    D, F, H, K, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layers = {
         "attn_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
         "q": ParamSpec((L, D, H, E), ("layers", "embed", "heads", "head_dim"), "normal"),
@@ -72,10 +76,17 @@ def param_table(cfg: ModelConfig) -> dict[str, Any]:
         "v": ParamSpec((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
         "o": ParamSpec((L, H, E, D), ("layers", "heads", "head_dim", "embed"), "normal"),
         "mlp_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
-        "gate": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
-        "up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
-        "down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
     }
+    if sparse:
+        X, Fm = cfg.num_experts, cfg.moe_intermediate_size
+        layers["router"] = ParamSpec((L, D, X), ("layers", "embed", "expert_router"), "normal")
+        layers["moe_gate"] = ParamSpec((L, X, D, Fm), ("layers", "expert", "embed", "mlp"), "normal")
+        layers["moe_up"] = ParamSpec((L, X, D, Fm), ("layers", "expert", "embed", "mlp"), "normal")
+        layers["moe_down"] = ParamSpec((L, X, Fm, D), ("layers", "expert", "mlp", "embed"), "normal")
+    else:
+        layers["gate"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal")
+        layers["up"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal")
+        layers["down"] = ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal")
     if cfg.qkv_bias:
         layers["q_bias"] = ParamSpec((L, H, E), ("layers", "heads", "head_dim"), "zeros")
         layers["k_bias"] = ParamSpec((L, K, E), ("layers", "kv_heads", "head_dim"), "zeros")
@@ -85,27 +96,27 @@ def param_table(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.qk_norm:
         layers["q_norm"] = ParamSpec((L, E), ("layers", "head_dim"), "ones")
         layers["k_norm"] = ParamSpec((L, E), ("layers", "head_dim"), "ones")
-    if cfg.num_experts:  # mixture of experts (`models/moe.py`) instead of the dense SwiGLU
-        X, Fm = cfg.num_experts, cfg.moe_intermediate_size
-        for name in ("gate", "up", "down"):
-            del layers[name]
-        layers["router"] = ParamSpec((L, D, X), ("layers", "embed", "expert_router"), "normal")
-        layers["moe_gate"] = ParamSpec((L, X, D, Fm), ("layers", "expert", "embed", "mlp"), "normal")
-        layers["moe_up"] = ParamSpec((L, X, D, Fm), ("layers", "expert", "embed", "mlp"), "normal")
-        layers["moe_down"] = ParamSpec((L, X, Fm, D), ("layers", "expert", "mlp", "embed"), "normal")
-    if cfg.mlp_bias:
+    if cfg.mlp_bias and not sparse:
         layers["gate_bias"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
         layers["up_bias"] = ParamSpec((L, F), ("layers", "mlp"), "zeros")
         layers["down_bias"] = ParamSpec((L, D), ("layers", "norm"), "zeros")
-    table: dict[str, Any] = {
-        "embed": ParamSpec((V, D), ("vocab", "embed"), "normal"),
-        "layers": layers,
-        "final_norm": ParamSpec((D,), ("norm",), "ones"),
-    }
-    if not cfg.tie_word_embeddings:
-        table["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
     if cfg.lora is not None:
         layers.update(lora_param_table(cfg, layers))
+    return layers
+
+
+def param_table(cfg: ModelConfig) -> dict[str, Any]:
+    """Nested dict of ParamSpec mirroring the parameter tree. The decoder layers are stacked per kind
+    (``cfg.layer_stacks()``, MaxText style): ``layers`` holds every layer of a dense model and the
+    mixture-of-experts layers of a Qwen3-MoE model, ``dense_layers`` the dense-MLP layers of a Qwen3-MoE
+    model that has some (``mlp_only_layers`` / ``decoder_sparse_step``)."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    table: dict[str, Any] = {"embed": ParamSpec((V, D), ("vocab", "embed"), "normal")}
+    for name, ids in cfg.layer_stacks().items():
+        table[name] = _layer_specs(cfg, len(ids), sparse=bool(cfg.num_experts) and name == "layers")
+    table["final_norm"] = ParamSpec((D,), ("norm",), "ones")
+    if not cfg.tie_word_embeddings:
+        table["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
     return table
 
 
@@ -264,7 +275,7 @@ def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: A
         out = out + p["o_bias"].astype(dt)
     x = constrain(x + out, *RESIDUAL_AXES)
     h = rms_norm(x, p["mlp_norm"], eps)
-    if cfg.num_experts:
+    if "router" in p:  # a mixture-of-experts layer (a Qwen3-MoE model's dense layers have gate/up/down)
         from jaxrl_async.models.moe import moe_mlp
 
         y, _, _ = moe_mlp(p, h, cfg)
@@ -288,33 +299,49 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(dt), *RESIDUAL_AXES)
     cos, sin = rope_cos_sin(cfg, positions)
 
-    layer_axes = logical_axes(cfg)["layers"]
+    axes = logical_axes(cfg)
 
-    def body(carry, xs):
-        x, state = carry
-        p, i = xs
-        # the layer's weights keep their own (FSDP) sharding inside the loop: each is all-gathered where it
-        # is used and its gradient reduce-scattered per layer (without this, GSPMD accumulated full-size
-        # float32 gradients of every layer in the scan's backward: 7 GiB for one MLP matrix of 8B)
-        p = {k: constrain(w, *layer_axes[k][1:]) if k in layer_axes else w for k, w in p.items()}
-        # LoRA dropout masks per layer (training steps only; else a no-op); the MoE routing outputs of the
-        # layer under a `moe.routing_scope` (None without one: nothing extra is traced)
-        with lora_dropout_layer(i), moe_layer_scope(i) as routed:
-            x, state = decoder_layer(p, x, cos, sin, cfg, attend, state, i)
-        return (x, state), routed
+    def make_body(layer_axes, routed_stack: bool):
+        def body(carry, xs):
+            x, state = carry
+            p, i, j = xs
+            # the layer's weights keep their own (FSDP) sharding inside the loop: each is all-gathered where it
+            # is used and its gradient reduce-scattered per layer (without this, GSPMD accumulated full-size
+            # float32 gradients of every layer in the scan's backward: 7 GiB for one MLP matrix of 8B)
+            p = {k: constrain(w, *layer_axes[k][1:]) if k in layer_axes else w for k, w in p.items()}
+            # LoRA dropout masks per layer (training steps only; else a no-op); the MoE routing outputs of a sparse
+            # layer under a `moe.routing_scope`, indexed by its slice j of the sparse stack (None without a
+            # scope: nothing extra is traced)
+            with lora_dropout_layer(i), (moe_layer_scope(j) if routed_stack else contextlib.nullcontext()) as routed:
+                x, state = decoder_layer(p, x, cos, sin, cfg, attend, state, i)
+            return (x, state), routed
 
-    body = remat(body, cfg.remat)
-    layers = params["layers"]
-    if cfg.scan_layers:
-        (x, state), routed = jax.lax.scan(body, (x, state), (layers, jnp.arange(cfg.num_layers)))
-    else:
-        outs = []
-        for i in range(cfg.num_layers):
-            p_i = jax.tree.map(lambda a: a[i], layers)
-            (x, state), r = body((x, state), (p_i, i))
-            outs.append(r)
-        routed = None if outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
-    moe_publish(routed)  # per-layer routing outputs, stacked over layers, to the active routing scope
+        return remat(body, cfg.remat)
+
+    # MoE routing is recorded / replayed per sparse layer: slice j of the `layers` stack (every layer of an
+    # all-sparse model; dense-MLP layers route nothing)
+    routed_name = "layers" if cfg.num_experts else None
+    bodies = {name: make_body(axes[name], name == routed_name) for name in cfg.layer_stacks()}
+    routed_runs = []
+    # runs of consecutive same-kind layers (one run over all layers unless a mixture of experts has dense
+    # layers among its sparse ones), each scanned over its slice of its stack or unrolled
+    for name, s0, n, i0 in cfg.layer_schedule():
+        stack, body = params[name], bodies[name]
+        if cfg.scan_layers:
+            xs = stack if n == jax.tree.leaves(stack)[0].shape[0] else jax.tree.map(lambda a: a[s0:s0 + n], stack)
+            (x, state), routed = jax.lax.scan(body, (x, state), (xs, jnp.arange(i0, i0 + n), jnp.arange(s0, s0 + n)))
+        else:
+            outs = []
+            for j in range(n):
+                p_j = jax.tree.map(lambda a: a[s0 + j], stack)
+                (x, state), r = body((x, state), (p_j, i0 + j, s0 + j))
+                outs.append(r)
+            routed = None if outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        if name == routed_name and routed is not None:
+            routed_runs.append(routed)
+    # per-sparse-layer routing outputs, stacked in the sparse stack's order, to the active routing scope
+    moe_publish(None if not routed_runs else routed_runs[0] if len(routed_runs) == 1
+                else jax.tree.map(lambda *a: jnp.concatenate(a), *routed_runs))
     return constrain(rms_norm(x, params["final_norm"], cfg.rms_norm_eps), *RESIDUAL_AXES), state
 
 
@@ -447,6 +474,9 @@ class Transformer(nnx.Module):
         self.embed = wrap(params["embed"], axes["embed"])
         self.final_norm = wrap(params["final_norm"], axes["final_norm"])
         self.layers = nnx.Dict({k: wrap(params["layers"][k], axes["layers"][k]) for k in axes["layers"]})
+        if "dense_layers" in axes:  # a mixture of experts' dense-MLP layers
+            self.dense_layers = nnx.Dict({k: wrap(params["dense_layers"][k], axes["dense_layers"][k])
+                                          for k in axes["dense_layers"]})
         if "lm_head" in axes:
             self.lm_head = wrap(params["lm_head"], axes["lm_head"])
 

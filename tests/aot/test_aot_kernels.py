@@ -176,3 +176,38 @@ def test_moe_grouped_matmul_on_h100_is_not_dense():
     assert temps["ragged"] >= dense and temps["tiled"] < dense / 8, temps
     with activation_rules(make_mesh((2,), ("fsdp",), devices=aot.h100_devices(2)), "trainer"):
         assert grouped_matmul_impl() == "tiled"
+
+
+#: a 2-layer mixture of experts (8 experts, top 2, width 256) with layer 0 dense (`mlp_only_layers`); attention
+#: xla (the only other Mosaic kernel would be splash: here the MoE kernels are counted alone)
+MOE_MODEL = ModelConfig(model_type="qwen3_moe", vocab_size=1024, hidden_size=512, intermediate_size=1024, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=128, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=256, mlp_only_layers=(0,), dtype="bfloat16", remat="full",
+                        attention="xla")
+
+
+def _mosaic_calls(hlo: str) -> list[str]:
+    """The last op_name component of every Mosaic custom call (``pallas_call``: a Pallas kernel such as megablox;
+    ``ragged-dot-*``: XLA:TPU's own lowering of ``ragged_dot``, also a Mosaic kernel)."""
+    import re
+
+    out = []
+    for line in hlo.split("\n"):
+        if 'custom_call_target="tpu_custom_call"' in line:
+            m = re.search(r'op_name="([^"]*)"', line)
+            out.append(m.group(1).split("/")[-1] if m else "")
+    return out
+
+
+@needs_tpu
+@pytest.mark.parametrize("kernel", ["megablox", "auto"])
+def test_moe_train_step_with_megablox_compiles_for_tpu(kernel):
+    """The MoE train step with the Pallas TPU grouped matmul (megablox gmm forward, gmm + tgmm backward, inside
+    shard_map over the fsdp x tensor mesh) compiles deviceless for a v5e slice: its Mosaic kernels are in the
+    compiled HLO and no ragged_dot is left; `auto` picks megablox on TPU. (`ragged` compiles XLA:TPU's own
+    ragged-dot Mosaic kernels instead; those need the native precision for bf16, hence the context.)"""
+    calls = _mosaic_calls(_compile_step(_mesh("tpu"), MOE_MODEL.replace(moe_kernel=kernel), (1, 4, 512)).as_text())
+    assert calls.count("pallas_call") >= 3 * 3 and not [c for c in calls if "ragged" in c], calls  # 3 fwd, 6 bwd
+    with jax.default_matmul_precision("default"):
+        ragged = _mosaic_calls(_compile_step(_mesh("tpu"), MOE_MODEL.replace(moe_kernel="ragged"), (1, 4, 512)).as_text())
+    assert "pallas_call" not in ragged and any(c.startswith("ragged-dot") for c in ragged), ragged

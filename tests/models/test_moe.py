@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from jaxrl_async.models import ModelConfig, apply, load_hf, sequence_logprobs
-from jaxrl_async.models.config import UnsupportedModelError, preset
+from jaxrl_async.models.config import preset
 from jaxrl_async.models.hf_io import save_hf
 from jaxrl_async.models.moe import grouped_swiglu, load_balancing_loss, routing
 from jaxrl_async.testing import decode_prompts, make_tiny_hf_model
@@ -47,10 +47,16 @@ def test_config_and_presets(moe):
     assert round(p235.num_params() / 1e9) == 235 and round(p235.num_active_params() / 1e9) == 22
 
 
-def test_dense_layers_among_sparse_ones_are_refused(tmp_path):
-    d = make_tiny_hf_model(str(tmp_path / "mixed"), "qwen3_moe", mlp_only_layers=[1])
-    with pytest.raises(UnsupportedModelError, match="mlp_only_layers"):
-        ModelConfig.from_hf(d)
+def test_layer_kinds_are_validated():
+    """Dense layers among sparse ones are supported (tests/models/test_moe_layers.py); a schedule without a
+    sparse layer, or out-of-range dense layers, is refused naming the field."""
+    cfg = preset("qwen3-30b-a3b").replace(num_layers=4)
+    with pytest.raises(ValueError, match="ModelConfig.mlp_only_layers: no sparse layer"):
+        cfg.replace(mlp_only_layers=(0, 1, 2, 3))
+    with pytest.raises(ValueError, match=r"ModelConfig.mlp_only_layers: \[7\] are not layer indices"):
+        cfg.replace(mlp_only_layers=[7])
+    with pytest.raises(ValueError, match="ModelConfig.decoder_sparse_step"):
+        cfg.replace(decoder_sparse_step=0)
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -84,7 +90,7 @@ def test_fp32_packed_logits_match_transformers(moe):
     assert worst <= 1e-4, worst
 
 
-def _dense_swiglu(x, ids, w, wg, wu, wd):
+def _dense_swiglu(x, ids, w, wg, wu, wd, impl=None):
     """Reference MoE MLP: every expert on every token, weighted by the routing weights of the chosen ones."""
     every = jnp.stack([(jax.nn.silu(x @ wg[e]) * (x @ wu[e])) @ wd[e] for e in range(wg.shape[0])], axis=1)
     dense_w = jnp.zeros((x.shape[0], wg.shape[0])).at[jnp.arange(x.shape[0])[:, None], ids].set(w)

@@ -104,15 +104,19 @@ def _train(cfg, params, trajs, replay):
     return {k: float(v) for k, v in ms[0].items() if np.ndim(v) == 0}
 
 
-def test_recorded_routing_equals_the_trainers_and_travels_aligned_with_the_tokens(tmp_path):
+@pytest.mark.parametrize("layers", [{}, {"num_hidden_layers": 4, "mlp_only_layers": [1]}],
+                         ids=["all_sparse", "dense_among_sparse"])
+def test_recorded_routing_equals_the_trainers_and_travels_aligned_with_the_tokens(tmp_path, layers):
     """Same weights: the experts recorded at prefill (packed rows, several prompts) and at decode are the trainer
     forward's for every token but the last (never fed back: -1); behaviour log-probs within 1e-5; the trainer's
-    mismatch metric is 0."""
-    cfg, params = load_hf(make_tiny_hf_model(str(tmp_path), "qwen3_moe"))
+    mismatch metric is 0. With a dense-MLP layer among the sparse ones routing is per sparse layer."""
+    cfg, params = load_hf(make_tiny_hf_model(str(tmp_path), "qwen3_moe", **layers))
+    n_sparse = len(cfg.sparse_layer_ids)
+    assert n_sparse == cfg.num_layers - (1 if layers else 0)
     samples = _generate(cfg, params, _prompts(cfg))
     for s in samples:
         toks = s.prompt_ids + s.completion_ids
-        assert s.routing.shape == (len(toks), cfg.num_layers, cfg.num_experts_per_tok)
+        assert s.routing.shape == (len(toks), n_sparse, cfg.num_experts_per_tok)
         assert (s.routing[-1] == -1).all() and (s.routing[:-1] >= 0).all()
         own = _trainer_ids(cfg, params, toks)[:-1]
         np.testing.assert_array_equal(np.sort(own, -1), np.sort(s.routing[:-1], -1))
@@ -120,7 +124,7 @@ def test_recorded_routing_equals_the_trainers_and_travels_aligned_with_the_token
     assert m["behave_prox_abs_max"] <= 1e-5
     assert m["moe/topk_mismatch_frac"] == 0.0
     n_rec = sum(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
-    assert m["moe/recorded_tokens"] == n_rec * cfg.num_layers  # (token, layer) pairs
+    assert m["moe/recorded_tokens"] == n_rec * n_sparse  # (token, sparse layer) pairs
 
 
 def test_replay_uses_the_recorded_experts_and_closes_the_gap(top1):
