@@ -21,8 +21,9 @@ lengths are ``pos + 1`` for active slots and 1 for free or finished ones (their 
 On a mesh every path runs per shard (``jax.shard_map``): slots over ``data`` where the decode batch is
 split, kv heads over ``tensor`` where the pool's are, and, when the slots split over ``data``, the pool's
 pages too: each decode replica owns a range of pages (local page ids, its own allocator in
-`kv_cache.ReplicaAllocators`), so per-device KV bytes = pool / data and no page crosses devices. The portable paths run anywhere; a kernel path
-traced for another platform runs in Pallas interpret mode (``gpu_paged``, for tests) or is refused.
+`kv_cache.ReplicaAllocators`), so per-device KV bytes = pool / data and no page crosses devices. The
+portable paths run anywhere; a kernel path traced for another platform runs in Pallas interpret mode
+(``gpu_paged``, for tests) or is refused.
 """
 
 from __future__ import annotations
