@@ -138,6 +138,7 @@ def test_generator_process_lora_unmerged_parity_push_bytes_and_resume(tmp_path):
     assert draws[0] == draws[1]
 
 
+@pytest.mark.slow  # a variant of the unmerged test above (~25-40 s): run with -m slow
 def test_generator_process_lora_merged_on_model_path_bf16_base(tmp_path):
     """merged decode; the base read from model.path by both processes and stored in bfloat16 by the trainer
     (the generator casts along the same chain: the fingerprints agree)."""
@@ -158,6 +159,7 @@ def test_generator_process_lora_merged_on_model_path_bf16_base(tmp_path):
     _check_run(run, log, base_bytes=base_bytes)
 
 
+@pytest.mark.slow  # a variant of the unmerged test above (~25-40 s): run with -m slow
 def test_generator_process_lora_warm_started_base_travels_once(tmp_path):
     """An SFT warm start trains the base in the trainer (no generator can rebuild it): the initial push
     carries base + adapters once (checksummed), every later push the adapters only (also through the disk
@@ -170,6 +172,7 @@ def test_generator_process_lora_warm_started_base_travels_once(tmp_path):
     _check_run(run, log, first_push="full", disk=(2,))
 
 
+@pytest.mark.slow  # a variant of the unmerged test above (~25-40 s): run with -m slow
 def test_trainer_group_lora_adapter_pushes_from_both_processes(tmp_path):
     """LoRA on model.path with a trainer group of 2 processes: both read the base onto their shards and place
     the adapters without a collective, the base fingerprint is a collective of both, each process registers
