@@ -20,7 +20,7 @@ from jaxrl_async.models import ModelConfig, apply, load_hf, sequence_logprobs
 from jaxrl_async.models.config import preset
 from jaxrl_async.models.hf_io import save_hf
 from jaxrl_async.models.moe import grouped_swiglu, load_balancing_loss, routing
-from jaxrl_async.testing import decode_prompts, make_tiny_hf_model
+from jaxrl_async.testing import check_engine_against_hf_and_trainer, make_tiny_hf_model
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "no_norm_topk"])
@@ -153,33 +153,8 @@ def test_sharded_import_over_experts_equals_one_device(moe, shape, rules):
 
 
 def test_generator_greedy_matches_transformers_and_logprobs_match_the_trainer(moe):
-    from jaxrl_async.rollout.engine import PagedEngine
-
     d, hf = moe
-    cfg, params = load_hf(d)
-    engine = PagedEngine(cfg, max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,), page_size=8,
-                         num_pages=64)
-    p = engine.place_params(params)
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 12, 20)]
-    max_new = 10
-    for temp in (0.0, 0.7):
-        outs = decode_prompts(engine, p, prompts, temperature=temp, max_new_tokens=max_new)
-        for slot, prompt in enumerate(prompts):
-            gen, lps = outs[slot]
-            if temp == 0.0:
-                with torch.no_grad():
-                    ref = hf.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new,
-                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-                assert gen == ref, (slot, gen, ref)
-            seq, seg = np.zeros((1, 64), np.int32), np.zeros((1, 64), np.int32)
-            n = len(prompt) + len(gen)
-            seq[0, :n], seg[0, :n] = prompt + gen, 1
-            ref_lp, _ = sequence_logprobs(params, cfg, jnp.asarray(seq), jnp.asarray(seg),
-                                          temperature=temp if temp > 0 else 1.0)
-            if temp > 0:
-                diff = np.abs(np.asarray(ref_lp)[0, len(prompt):n] - np.asarray(lps)).max()
-                assert diff <= 1e-5, (slot, diff)
+    check_engine_against_hf_and_trainer(*load_hf(d), hf)
 
 
 def test_parameter_gradients_equal_the_dense_reference(moe, monkeypatch):

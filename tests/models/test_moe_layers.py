@@ -15,9 +15,9 @@ import pytest
 import torch
 import transformers
 
-from jaxrl_async.models import ModelConfig, apply, load_hf, sequence_logprobs
+from jaxrl_async.models import ModelConfig, apply, load_hf
 from jaxrl_async.models.hf_io import save_hf
-from jaxrl_async.testing import decode_prompts, make_tiny_hf_model
+from jaxrl_async.testing import check_engine_against_hf_and_trainer, make_tiny_hf_model
 
 # layer 1 dense by `mlp_only_layers` (runs sparse, dense, sparse x 2); every other layer sparse by
 # `decoder_sparse_step` = 2 (dense, sparse, dense, sparse: runs of one)
@@ -114,32 +114,8 @@ def test_export_roundtrip_identical_logits(mixed, tmp_path):
 
 
 def test_generator_greedy_matches_transformers_and_logprobs_match_the_trainer(mixed):
-    from jaxrl_async.rollout.engine import PagedEngine
-
     _, d, hf = mixed
-    cfg, params = load_hf(d)
-    engine = PagedEngine(cfg, max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,), page_size=8,
-                         num_pages=64)
-    p = engine.place_params(params)
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 12, 20)]
-    max_new = 10
-    for temp in (0.0, 0.7):
-        outs = decode_prompts(engine, p, prompts, temperature=temp, max_new_tokens=max_new)
-        for slot, prompt in enumerate(prompts):
-            gen, lps = outs[slot]
-            if temp == 0.0:
-                with torch.no_grad():
-                    ref = hf.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new,
-                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-                assert gen == ref, (slot, gen, ref)
-                continue
-            seq, seg = np.zeros((1, 64), np.int32), np.zeros((1, 64), np.int32)
-            n = len(prompt) + len(gen)
-            seq[0, :n], seg[0, :n] = prompt + gen, 1
-            ref_lp, _ = sequence_logprobs(params, cfg, jnp.asarray(seq), jnp.asarray(seg), temperature=temp)
-            diff = np.abs(np.asarray(ref_lp)[0, len(prompt):n] - np.asarray(lps)).max()
-            assert diff <= 1e-5, (slot, diff)
+    check_engine_against_hf_and_trainer(*load_hf(d), hf)
 
 
 @pytest.mark.parametrize("shape,rules", [({"expert": 4, "fsdp": 2}, "trainer"), ({"expert": 2, "tensor": 4}, "trainer"),
