@@ -148,3 +148,24 @@ def check_engine_against_hf_and_trainer(cfg, params, hf) -> None:
             ref_lp, _ = sequence_logprobs(params, cfg, jnp.asarray(seq), jnp.asarray(seg), temperature=temp)
             diff = np.abs(np.asarray(ref_lp)[0, len(prompt):n] - np.asarray(lps)).max()
             assert diff <= 1e-5, (slot, diff)
+
+
+def grouped_matmul_against_ragged_dot(fn, sizes, K: int, F: int, seed: int = 7):
+    """Run a grouped matmul `fn(rows [M, K], w [X, K, F], group_sizes)` and `jax.lax.ragged_dot` on the same random
+    fp32 inputs (group sizes `sizes`, X = len(sizes)): returns (out, ref, (d rows, d w) of fn, of ragged_dot) for a
+    random cotangent, jitted; the MoE kernel tests assert their own tolerances on them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(sizes, np.int32)
+    M, X = int(sizes.sum()), len(sizes)
+    rows = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((X, K, F)), jnp.float32)
+    g = jnp.asarray(sizes)
+    cot = jnp.asarray(rng.standard_normal((M, F)), jnp.float32)
+    ref = jax.lax.ragged_dot(rows, w, g)
+    out = jax.jit(lambda r, w: fn(r, w, g))(rows, w)
+    grad = lambda f: jax.grad(lambda r, w: (f(r, w, g) * cot).sum(), argnums=(0, 1))(rows, w)  # noqa: E731
+    return out, ref, grad(fn), grad(jax.lax.ragged_dot)

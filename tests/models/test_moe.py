@@ -20,7 +20,9 @@ from jaxrl_async.models import ModelConfig, apply, load_hf, sequence_logprobs
 from jaxrl_async.models.config import preset
 from jaxrl_async.models.hf_io import save_hf
 from jaxrl_async.models.moe import grouped_swiglu, load_balancing_loss, routing
-from jaxrl_async.testing import check_engine_against_hf_and_trainer, make_tiny_hf_model
+from jaxrl_async.testing import (
+    check_engine_against_hf_and_trainer, grouped_matmul_against_ragged_dot, make_tiny_hf_model,
+)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "no_norm_topk"])
@@ -196,17 +198,8 @@ def test_tiled_grouped_matmul_equals_ragged_dot_values_and_gradients(tile):
     tiles) equals ragged_dot in fp32, and so do the gradients of rows and weights."""
     from jaxrl_async.models.moe import tiled_grouped_matmul
 
-    rng = np.random.default_rng(7)
-    sizes = np.array([0, 13, 1, 0, 40, 6], np.int32)
-    M, K, F, X = int(sizes.sum()), 8, 5, len(sizes)
-    rows = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((X, K, F)), jnp.float32)
-    g = jnp.asarray(sizes)
-    cot = jnp.asarray(rng.standard_normal((M, F)), jnp.float32)
-    ref = jax.lax.ragged_dot(rows, w, g)
-    out = jax.jit(lambda r, w: tiled_grouped_matmul(r, w, g, jnp.float32, tile))(rows, w)
+    out, ref, gt, gr = grouped_matmul_against_ragged_dot(
+        lambda r, w, g: tiled_grouped_matmul(r, w, g, jnp.float32, tile), [0, 13, 1, 0, 40, 6], K=8, F=5)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
-    gr = jax.grad(lambda r, w: (jax.lax.ragged_dot(r, w, g) * cot).sum(), argnums=(0, 1))(rows, w)
-    gt = jax.grad(lambda r, w: (tiled_grouped_matmul(r, w, g, jnp.float32, tile) * cot).sum(), argnums=(0, 1))(rows, w)
     for a, b in zip(gr, gt):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)

@@ -13,24 +13,15 @@ import pytest
 from jaxrl_async.models import load_hf, sequence_logprobs
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.moe import grouped_matmul, grouped_matmul_impl, megablox_grouped_matmul
-from jaxrl_async.testing import make_tiny_hf_model
+from jaxrl_async.testing import grouped_matmul_against_ragged_dot, make_tiny_hf_model
 
 
 @pytest.mark.parametrize("tiling", [(512, 1024, 1024), (128, 8, 128)], ids=["default", "k_tiles"])
 def test_megablox_equals_ragged_dot_values_and_gradients(tiling):
     """Empty groups, a group spanning row tiles, rows not a multiple of the tile (padded), K split into tiles."""
-    rng = np.random.default_rng(7)
-    sizes = np.array([0, 130, 1, 0, 40, 6], np.int32)
-    M, K, F, X = int(sizes.sum()), 16, 24, len(sizes)
-    rows = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((X, K, F)), jnp.float32)
-    g = jnp.asarray(sizes)
-    cot = jnp.asarray(rng.standard_normal((M, F)), jnp.float32)
-    ref = jax.lax.ragged_dot(rows, w, g)
-    out = jax.jit(lambda r, w: megablox_grouped_matmul(r, w, g, tiling))(rows, w)
+    out, ref, gm, gr = grouped_matmul_against_ragged_dot(lambda r, w, g: megablox_grouped_matmul(r, w, g, tiling),
+                                                         [0, 130, 1, 0, 40, 6], K=16, F=24)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    gr = jax.grad(lambda r, w: (jax.lax.ragged_dot(r, w, g) * cot).sum(), argnums=(0, 1))(rows, w)
-    gm = jax.grad(lambda r, w: (megablox_grouped_matmul(r, w, g, tiling) * cot).sum(), argnums=(0, 1))(rows, w)
     for a, b in zip(gr, gm):
         assert np.abs(np.asarray(a)).max() > 0
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
