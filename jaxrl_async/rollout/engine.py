@@ -78,8 +78,6 @@ from jaxrl_async.sharding.rules import logical_to_spec, model_shardings
 
 logger = logging.getLogger(__name__)
 
-_SLOT_INTS = SLOT_INTS
-
 
 # ---------------------------------------------------------------------------------------
 # State containers
@@ -270,7 +268,7 @@ class PagedEngine(Engine):
         pt = self._named(("batch", None), (S, self.max_pages_per_seq))
         self.state_shardings = {
             **pool_sh, "page_table": pt, "stop_ids": row2,
-            **{n: self.slot_sharding for n in _SLOT_INTS + ("live", "temperature", "top_p", "seed")},
+            **{n: self.slot_sharding for n in SLOT_INTS + ("live", "temperature", "top_p", "seed")},
         }
         self.replicated = NamedSharding(self.mesh, P())
 

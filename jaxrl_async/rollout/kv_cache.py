@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import grouped_attention
@@ -94,10 +94,6 @@ class KVCacheSpec:
         """Bytes of one page (k and v, all layers) on one device: 2 * L * page * K/shards * E * itemsize."""
         k_local = self.num_kv_heads // kv_head_shards
         return 2 * self.num_layers * self.page_size * k_local * self.head_dim * jnp.dtype(self.dtype).itemsize
-
-
-def pool_sharding(spec: KVCacheSpec, mesh: Mesh, rules: Any = "generator") -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(POOL_AXES, spec.pool_shape, rules, mesh))
 
 
 def kv_head_shards(spec_or_heads: KVCacheSpec | int, mesh: Mesh, rules: Any = "generator") -> int:
