@@ -85,4 +85,4 @@ def engine_from_section(e: "EngineConfig", gen_model_cfg: "ModelConfig", mesh: "
                        max_sequence_length=e.max_sequence_length, max_prefill_length=e.max_prefill_length,
                        page_size=e.page_size, num_pages=e.num_pages if num_pages is None else num_pages,
                        cache_memory_fraction=e.cache_memory_fraction, reserve_weight_push=True,  # RL: pushes arrive
-                       record_routing=record_routing)
+                       record_routing=record_routing, compact_decode=e.compact_decode)

@@ -3,7 +3,7 @@
     python -m jaxrl_async.generate --model DIR --input prompts.jsonl --output out.jsonl \\
         [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--n N] [--seed S] \\
         [--max-concurrent B] [--dtype float32|bfloat16] [--no-chat-template] [--truncate-prompts] \\
-        [--stop STR ...] [--ignore-eos] [--max-prompt-length L] [--page-size P] [--num-pages N]
+        [--stop STR ...] [--ignore-eos] [--max-prompt-length L] [--page-size P] [--num-pages N] [--no-compact-decode]
 
 Input rows: {"prompt": "..."} or {"prompt_ids": [...]}, optionally with an "id" (string or integer).
 A text prompt becomes one user message rendered by the tokenizer's chat template when the model
@@ -186,6 +186,10 @@ def build_parser():
                     help="longest prompt (largest prefill bucket; default: the longest of the file)")
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from device memory)")
+    ap.add_argument("--no-compact-decode", dest="compact_decode", action="store_false",
+                    help="always decode with the full batch of --max-concurrent rows, so that a row's tokens never "
+                         "depend on the rest of the batch (default: batches of 1/2 or 1/4 of it while the live "
+                         "sequences fit, compiled at first need; rounding-level differences can flip a sampled token)")
     return ap
 
 
@@ -267,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = PagedEngine(cfg, max_concurrent_decodes=args.max_concurrent,
                          max_sequence_length=min(max_prompt + args.max_new_tokens, cfg.max_position_embeddings),
                          max_prefill_length=max_prompt, prefill_buckets=buckets, page_size=args.page_size,
-                         num_pages=args.num_pages)
+                         num_pages=args.num_pages, compact_decode=args.compact_decode)
     params = engine.place_params(params)
     # compile up front, the decode step on a second thread beside the prefill path (instead of one program after
     # the other at first use); a packed prefill row holds up to max_prefill_pack prompts x n samples
@@ -284,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     total = len(rows) * args.n
-    with Generator(engine, params, tokenizer=tokenizer) as gen:
-        handles = [gen.submit(r.prompt_ids, sampling(r.row), request_id=str(r.row)) for r in rows]
+    gen = Generator(engine, params, tokenizer=tokenizer)
+    # every request is queued before the decode thread starts: the admissions, hence the decode batches (and the
+    # compacted ones), are the same in every run of the same input, so the output is reproducible
+    handles = [gen.submit(r.prompt_ids, sampling(r.row), request_id=str(r.row)) for r in rows]
+    with gen:
         with tqdm(total=total, desc="generate", unit="sample", file=sys.stderr, disable=None) as bar:
             shown = 0
             while gen.error is None and not all(h.done() for h in handles):
@@ -304,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     n_tok = sum(len(s.completion_ids) for o in outputs for s in o.samples)
     print(f"generated {total} sample(s), {n_tok} tokens in {elapsed:.1f} s after {t_compile:.1f} s of compilation "
           f"({n_tok / (elapsed + t_compile):.1f} tok/s incl. compilation; decode {stats.tokens_per_s:.1f} tok/s, "
-          f"slot utilisation {stats.slot_utilisation:.2f}) -> {args.output}", file=sys.stderr)
+          f"slot utilisation {stats.slot_utilisation:.2f}, {engine.compact_steps} compacted decode steps) -> "
+          f"{args.output}", file=sys.stderr)
     return 0
 
 

@@ -178,6 +178,9 @@ class EngineConfig:
     num_pages: int | None = None
     cache_memory_fraction: float = 0.9
     max_prefills_per_step: int | None = None
+    # decode batches of S/2 and S/4 rows when the live slots fit (engine.py: "Compacted decode"); off: a row's
+    # tokens never depend on the rest of the batch (bitwise), which the eta = 0 exact-resume guarantee relies on
+    compact_decode: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -155,3 +155,19 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     if record_routing:
         step += (jnp.swapaxes(ids[:, :, 0], 0, 1),)
     return out, step
+
+
+def decode_rows_fn(params: Params, arrays, new_pages, rows, *, pool_keys: tuple[str, ...], **kw):
+    """`decode_step_fn` on the slots `rows` [R] only (R < S): a compacted decode batch when most slots are free.
+
+    `rows` holds every live slot (so every active one), padded with free slots (repeats allowed: a free slot is
+    inactive, its step changes nothing, so every copy writes back the same values). The slots' rows of the state
+    are gathered, stepped, and scattered back; the KV pools are shared as they are (page ids do not move). The
+    step outputs come back as [S] arrays (zeros / False outside `rows`), the same as the full step's, and every
+    row's token and log-prob equal the full step's (sampling is per row: `sampling.sample`)."""
+    sub = {k: (v if k in pool_keys else jnp.take(v, rows, axis=0)) for k, v in arrays.items()}
+    sub_out, step = decode_step_fn(params, sub, jnp.take(new_pages, rows), **kw)
+    out = {k: (sub_out[k] if k in pool_keys else arrays[k].at[rows].set(sub_out[k])) for k in arrays}
+    S = new_pages.shape[0]
+    return out, tuple(jnp.zeros((S,) + x.shape[1:], x.dtype).at[rows].set(x) for x in step)
+

@@ -445,6 +445,42 @@ def test_kv_pool_split_per_data_replica(fam):
         make_engine(cfg, mesh=mesh, num_pages=9)
 
 
+@pytest.mark.parametrize("data", [1, 2])
+def test_compacted_decode_equals_the_full_batch(fam, data):
+    """When the live slots fit in half / a quarter of the decode batch (per replica), the step runs a compacted
+    program on those slots only: every request's tokens and log-probs equal the full-batch engine's, through
+    admissions, finishes at different lengths, greedy / sampled / top-k rows (both sampling programs); at most
+    one program per size and sampler; on a data=2 mesh each replica compacts its own slots."""
+    family, cfg, params, engine, hf = fam
+    if family != "qwen3":
+        pytest.skip("engine-level property; one family suffices")
+    mesh = make_mesh({"data": data, "tensor": 1}, devices=jax.devices()[:data])
+    kw = dict(mesh=mesh, max_concurrent_decodes=8, num_pages=32)
+    full = make_engine(cfg, compact_decode=False, **kw)
+    comp = make_engine(cfg, compact_decode=True, compact_min_rows=1, **kw)
+    per = 8 // data
+    assert full.compact_sizes == () and comp.compact_sizes == (per // 2, per // 4)
+    rng = np.random.default_rng(21)
+    reqs = [(p, SamplingParams(temperature=float(rng.choice([0.0, 1.0])), top_k=5 if i == 9 else 0,
+                               max_new_tokens=int(rng.integers(1, MAX_NEW + 1)), seed=int(rng.integers(0, 2**32))))
+            for i, p in enumerate(prompts(14, seed=22))]
+    p_full, p_comp = full.place_params(params), comp.place_params(params)
+    stats_full, stats_comp = {}, {}
+    toks_f, lps_f, _ = run(full, p_full, reqs, stats=stats_full)
+    toks_c, lps_c, _ = run(comp, p_comp, reqs, stats=stats_comp)
+    assert stats_full["preemptions"] == stats_comp["preemptions"] == 0
+    assert toks_c == toks_f
+    for a, b in zip(lps_c, lps_f):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert comp.compact_steps > 0 and full.compact_steps == 0
+    counts = comp.compile_counts()
+    assert 1 <= counts["generate_compact"] <= 4, counts
+    run(comp, p_comp, reqs[:5])  # a second workload: no other program, and still at most one per size and sampler
+    again = comp.compile_counts()
+    assert again["generate_compact"] <= 4 and {k: v for k, v in again.items() if k != "generate_compact"} == {
+        k: v for k, v in counts.items() if k != "generate_compact"}
+
+
 def test_lean_sampling_programs_until_a_request_truncates(fam):
     """Slots sampling without top-k/top-p run the decode step and first-token sampler compiled without the
     truncation machinery; the full programs compile only when a truncating request is running."""
