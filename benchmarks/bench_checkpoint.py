@@ -1,7 +1,7 @@
 """Checkpoint save/restore timing on CPU for a mid-size Qwen3-shaped model + adamw state."""
-import os, sys, time, shutil
+import os, time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4"); os.environ["JAX_PLATFORMS"]="cpu"
-import jax, jax.numpy as jnp, numpy as np, optax
+import jax, numpy as np, optax
 from jaxrl_async.checkpoint import Checkpointer, CheckpointConfig, TrainMeta, abstract_like
 from jaxrl_async.models import ModelConfig, param_shapes
 from jaxrl_async.sharding import make_mesh, model_shardings
