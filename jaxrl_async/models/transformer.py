@@ -188,24 +188,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-@jax.custom_jvp
-def silu(x: jax.Array) -> jax.Array:
-    """x * sigmoid(x) as torch computes it (``x / (1 + exp(-x))`` in float32, one rounding to x's dtype):
-    ``jax.nn.silu`` (x times a rounded sigmoid) differed from torch in the last bit for a quarter of fp32
-    inputs, this form for 0.4 % (NOTES.md, "Logit parity with transformers"). The derivative is written out:
-    autodiff of the quotient gives inf / inf = nan where exp(-x) overflows (x < -88)."""
-    xf = x.astype(jnp.float32)
-    return (xf / (1.0 + jnp.exp(-xf))).astype(x.dtype)
-
-
-@silu.defjvp
-def _silu_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    xf = x.astype(jnp.float32)
-    s = jax.nn.sigmoid(xf)
-    return silu(x), (t.astype(jnp.float32) * (s * (1.0 + xf * (1.0 - s)))).astype(t.dtype)
-
-
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies theta^(-2i/E), with llama3 scaling when configured (float32, as HF)."""
     E = cfg.head_dim
@@ -304,7 +286,7 @@ def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: A
         g = g + p["gate_bias"].astype(dt)
         u = u + p["up_bias"].astype(dt)
     g, u = constrain(g, *MLP_AXES), constrain(u, *MLP_AXES)
-    y = checkpoint_name(_proj(p, "down", silu(g) * u, "btf", "btd", cfg), "mlpwo")
+    y = checkpoint_name(_proj(p, "down", jax.nn.silu(g) * u, "btf", "btd", cfg), "mlpwo")
     if cfg.mlp_bias:
         y = y + p["down_bias"].astype(dt)
     return constrain(x + y, *RESIDUAL_AXES), state
