@@ -169,3 +169,80 @@ def grouped_matmul_against_ragged_dot(fn, sizes, K: int, F: int, seed: int = 7):
     out = jax.jit(lambda r, w: fn(r, w, g))(rows, w)
     grad = lambda f: jax.grad(lambda r, w: (f(r, w, g) * cot).sum(), argnums=(0, 1))(rows, w)  # noqa: E731
     return out, ref, grad(fn), grad(jax.lax.ragged_dot)
+
+
+def float64_rope_tables(cfg, positions):
+    """cos, sin (numpy float64, HF layout) of the float32 rope angles that every float32 implementation
+    computes (position * inv_freq, rounded once): the exact tables, free of either side's float32 cos/sin."""
+    import numpy as np
+
+    from jaxrl_async.models.transformer import rope_inv_freq
+
+    ang = (np.asarray(positions).astype(np.float32)[..., None] * rope_inv_freq(cfg)).astype(np.float32)
+    ang = np.concatenate([ang, ang], -1).astype(np.float64)
+    return np.cos(ang), np.sin(ang)
+
+
+def ours_in_float64(params, cfg, tokens):
+    """Our `apply` evaluated in float64 (logits [B, T, V] numpy float64; positions 0..T-1, one sequence per
+    row), a measuring device for formula checks against transformers in float64 (NOTES.md, "Logit parity with
+    transformers"): the model code pins float32 statistics and accumulators (norms, softmax, logits), which
+    this swaps to float64 by replacing `jnp.float32` in the model modules for the call; rope tables are
+    `float64_rope_tables`. Not thread-safe (it patches module globals)."""
+    import copy
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_async.models import attention, lora, transformer
+
+    class _F64(types.ModuleType):
+        def __getattr__(self, name):
+            return jnp.float64 if name == "float32" else getattr(jnp, name)
+
+    B, T = np.asarray(tokens).shape
+    cos, sin = float64_rope_tables(cfg, np.broadcast_to(np.arange(T), (B, T)))
+    cfg64 = copy.copy(cfg)
+    object.__setattr__(cfg64, "dtype", "float64")  # past ModelConfig's validation (float32 | bfloat16)
+    mods = (transformer, attention, lora)
+    saved = [m.jnp for m in mods], transformer.rope_cos_sin
+    with jax.enable_x64(True):
+        try:
+            for m in mods:
+                m.jnp = _F64("jnp64")
+            transformer.rope_cos_sin = lambda c, p: (jnp.asarray(cos), jnp.asarray(sin))
+            p64 = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+            return np.asarray(transformer.apply(p64, cfg64, jnp.asarray(tokens)), np.float64)
+        finally:
+            for m, j in zip(mods, saved[0]):
+                m.jnp = j
+            transformer.rope_cos_sin = saved[1]
+
+
+def hf_in_float64(model, cfg):
+    """A transformers Qwen3 / Qwen2 / Llama model (or a PEFT model around one) converted to float64 in place,
+    with the two float32 islands of its code removed: RMSNorm (casts its input to float32) and the rotary
+    embedding (float32 cos/sin whatever the model dtype), replaced by `float64_rope_tables`. Returns the model;
+    call it with position ids 0..T-1 (the default). Instance-level patches: other models are untouched."""
+    import numpy as np
+    import torch
+
+    if getattr(model.config, "_attn_implementation", None) == "eager":
+        raise ValueError("hf_in_float64: eager attention runs its softmax in float32; load with sdpa")
+    model.double()
+
+    def rms(self, h):
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name.endswith("RMSNorm"):
+            mod.forward = rms.__get__(mod)
+        elif name.endswith("RotaryEmbedding"):
+            def rope(x, position_ids):
+                return tuple(torch.tensor(t) for t in float64_rope_tables(cfg, np.asarray(position_ids)))
+
+            mod.forward = rope
+    return model

@@ -90,6 +90,33 @@ def test_peft_adapter_loads_with_peft_and_reproduces_the_logits(run, tmp_path, w
     np.testing.assert_allclose(_logits(model.merge_and_unload()), ours, atol=1e-5, rtol=0)
 
 
+def test_peft_export_computes_our_function_in_float64(run, tmp_path):
+    """The export's exact content, free of float32 rounding: PEFT on the exported base, run in float64, equals
+    our forward run in float64 to float64 rounding (a wrong scale, a transposed or missing adapter or a formula
+    difference shows far above that: on the embedded default's export, alpha off by 1e-4 relative gives 7.8e-4).
+    In float32 the two differ by rounding amplified by the model's
+    conditioning (the embedded default's trained model: 2e-5, NOTES.md, "Logit parity with transformers")."""
+    import peft
+    import torch
+
+    from jaxrl_async.testing import hf_in_float64, ours_in_float64
+
+    runs, _, ours32 = run
+    out = str(tmp_path / "peft")
+    assert main(["--run-dir", runs["own_base"], "--out", out, "--lora", "peft"]) == 0
+    restored = Checkpointer(runs["own_base"], read_only=True).restore(items=["params"], targets={"params": "host"},
+                                                                      restore_trajectories=False)
+    cfg, params = restored.model_config, restored.arrays["params"]
+    model = hf_in_float64(peft.PeftModel.from_pretrained(_hf_model(os.path.join(out, "base")), out).eval(), cfg)
+    with torch.no_grad():
+        theirs = model(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+    assert theirs.dtype == np.float64
+    ours = ours_in_float64(params, cfg, TOKENS)
+    np.testing.assert_allclose(ours, theirs, atol=1e-12, rtol=0)
+    # a tolerance float32 rounding alone exceeds by orders of magnitude
+    assert np.abs(ours32 - ours).max() > 1e-8
+
+
 def test_save_hf_refuses_unmerged_adapters(run, tmp_path):
     runs, _, _ = run
     restored = Checkpointer(runs["own_base"], read_only=True).restore(items=["params"], targets={"params": "host"},
