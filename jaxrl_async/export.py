@@ -194,12 +194,6 @@ def _peft_expert_tensors(adapters, spec, s: int, prefix: str) -> dict:
     return out
 
 
-def _has_dense_mlp(cfg) -> bool:
-    """Whether the model has dense-MLP layers (gate_proj/up_proj/down_proj modules): every layer of a dense
-    model, the ``dense_layers`` stack of a mixture of experts."""
-    return not cfg.num_experts or "dense_layers" in cfg.layer_stacks()
-
-
 def save_peft_adapter(params, cfg, out_dir: str, *, base_model_name_or_path: str | None = None,
                       tokenizer_dir: str | None = None, dtype: str | None = None,
                       max_shard_bytes: int = 2 * 2**30) -> list[str]:
@@ -215,6 +209,14 @@ def save_peft_adapter(params, cfg, out_dir: str, *, base_model_name_or_path: str
     from jaxrl_async.models.hf_io import copy_tokenizer, save_hf
     from jaxrl_async.models.safetensors_io import write_safetensors
 
+    dense_mlp = sorted(set(cfg.lora.targets) & {"gate", "up", "down"})
+    if cfg.num_experts and "dense_layers" in cfg.layer_stacks() and dense_mlp:
+        # PEFT (0.21) on transformers 5 rewrites gate_proj/up_proj/down_proj target_modules of a Qwen3-MoE model
+        # into its experts' fused target_parameters (its v4 -> v5 conversion), so the adapters of the dense-MLP
+        # layers could not be loaded as such (checked: it refuses gate_proj without up_proj, and drops them)
+        raise UserError(f"--lora peft: model.lora.targets {dense_mlp} on a mixture of experts with dense-MLP layers "
+                        "(mlp_only_layers): PEFT maps gate_proj/up_proj/down_proj of Qwen3-MoE onto the experts, so "
+                        "those layers' adapters cannot be expressed; export --lora merged")
     os.makedirs(out_dir, exist_ok=True)
     files = []
     if base_model_name_or_path is None:
@@ -231,7 +233,7 @@ def save_peft_adapter(params, cfg, out_dir: str, *, base_model_name_or_path: str
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
         "target_modules": sorted(lora_lib.HF_MODULES[t].rsplit(".", 1)[-1] for t in spec.targets
-                                 if t in ("q", "k", "v", "o") or _has_dense_mlp(cfg)),
+                                 if t in ("q", "k", "v", "o") or not cfg.num_experts),
         "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
         "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
         "rank_pattern": {}, "alpha_pattern": {},
