@@ -21,7 +21,8 @@ as a plain Hugging Face model; ``--lora peft`` writes a PEFT adapter directory (
 ``adapter_model.safetensors``, PEFT's tensor names and [r, in] / [out, r] layouts) that
 ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the base model, plus the base itself in
 ``DIR/base`` unless the run's base is a ``model.path`` checkpoint (then ``base_model_name_or_path``
-names it and nothing of the base is written).
+names it and nothing of the base is written). A mixture of experts' expert adapters go to PEFT's
+``target_parameters`` on transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` (``_peft_expert_tensors``).
 """
 
 from __future__ import annotations
