@@ -245,8 +245,9 @@ def expert_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, p, impl: str
 
     def local(h, ids, weights, wg, wu, wd, arrays):
         b, t, _ = h.shape
+        kw = {} if arrays is None else {"lora": {**arrays, "scale": scale}}
         out = grouped_swiglu(h.reshape(b * t, D), ids.reshape(b * t, -1), weights.reshape(b * t, -1), wg, wu, wd,
-                             impl, None if arrays is None else {**arrays, "scale": scale})
+                             impl, **kw)
         return out.reshape(b, t, D)
 
     active = active_activation_rules()

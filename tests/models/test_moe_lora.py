@@ -172,9 +172,8 @@ def test_model_adapter_gradients_equal_the_dense_reference(monkeypatch):
 
     g = jax.jit(jax.grad(loss))(adapters)["layers"]
 
-    def dense_swiglu(x, ids, w, wg, wu, wd, impl=None, lora=None):
-        return _dense_reference(x, ids, w, wg, wu, wd, {k: v for k, v in (lora or {}).items() if k != "scale"},
-                                (lora or {}).get("scale", 1.0))
+    def dense_swiglu(x, ids, w, wg, wu, wd, impl=None, *, lora):
+        return _dense_reference(x, ids, w, wg, wu, wd, {k: v for k, v in lora.items() if k != "scale"}, lora["scale"])
 
     monkeypatch.setattr(moe_lib, "grouped_swiglu", dense_swiglu)
     g_ref = jax.jit(jax.grad(loss))(adapters)["layers"]
@@ -248,3 +247,21 @@ def test_megablox_with_expert_adapters_under_a_mesh_equals_ragged():
         a, b = np.asarray(g_ref["layers"][key]), np.asarray(g_mb["layers"][key])
         assert np.abs(a).max() > 1e-3
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_run_config_refuses_dropout_on_expert_adapters_naming_the_field():
+    """PEFT's target_parameters take no dropout, nor do ours: the run config's one-line error names
+    model.lora.dropout; attention-only adapters on the same model keep their dropout."""
+    import dataclasses
+
+    from jaxrl_async.config import ConfigError, LoraSection, validate
+    from jaxrl_async.default_config import get_config
+
+    cfg = get_config()
+    moe = dataclasses.replace(cfg.model, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32)
+    bad = dataclasses.replace(cfg, model=dataclasses.replace(moe, lora=LoraSection(rank=4, dropout=0.1)))
+    with pytest.raises(ConfigError, match=r"model\.lora\.dropout: 0\.1: the expert adapters"):
+        validate(bad, 2)
+    ok = LoraSection(rank=4, dropout=0.1, targets=("q", "v"))
+    validate(dataclasses.replace(cfg, model=dataclasses.replace(moe, lora=ok)), 2)
