@@ -3,6 +3,7 @@ adapters unmerged (low-rank matmuls next to the base) vs merged (one weight copy
 
     python benchmarks/bench_lora.py --model default --rank 8 --repeats 5
     python benchmarks/bench_lora.py --model qwen3-0.6b --rank 32 --repeats 3
+    python benchmarks/bench_lora.py --model moe-small --rank 8 --moe-kernel tiled   # expert adapters too
 
 Layout (simulated CPU devices, one process): trainer mesh fsdp=2 (fp32 master weights; with LoRA the base
 frozen in float32 and fp32 adapters), generator mesh data=1 x tensor=2 (weights in the compute dtype).
@@ -31,6 +32,11 @@ def _model_cfg(name: str, dtype: str):
     if name == "default":  # the embedded default's model (default_config.py; vocabulary of its tokenizer)
         return ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=512, dtype=dtype)
+    if name == "moe-small":  # a small Qwen3-MoE (16 experts, top 4): adapters on attention and every expert
+        return ModelConfig(model_type="qwen3_moe", vocab_size=512, hidden_size=256, intermediate_size=512,
+                           num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0,
+                           max_position_embeddings=512, num_experts=16, num_experts_per_tok=4,
+                           moe_intermediate_size=128, qk_norm=True, dtype=dtype)
     return preset(name).replace(dtype=dtype)
 
 
@@ -55,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json", default=None)
+    p.add_argument("--moe-kernel", default="auto", help="mixture of experts: the grouped matmul (model.moe_kernel)")
     args = p.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
     import jax
@@ -70,12 +77,14 @@ def main(argv=None) -> int:
     tmesh = make_mesh({"fsdp": 2}, devices=d[2:4])
     gmesh = make_mesh({"data": 1, "tensor": 2}, devices=d[:2])
     base_cfg = _model_cfg(args.model, args.dtype)
+    if base_cfg.num_experts:
+        base_cfg = base_cfg.replace(moe_kernel=args.moe_kernel)
     cfg = base_cfg.replace(lora=lora.LoraSpec(rank=args.rank, alpha=args.alpha))
     gdt = jnp.dtype(args.dtype)
     params = jax.device_put(init_params(cfg.replace(param_dtype="float32"), jax.random.key(0)),
                             model_shardings(cfg, tmesh, "trainer"))
     adapters, base = lora.split(params)
-    adapters = {"layers": {k: v + (0.01 if k.endswith("_b") else 0.0) for k, v in adapters["layers"].items()}}
+    adapters = {st: {k: v + (0.01 if k.endswith("_b") else 0.0) for k, v in a.items()} for st, a in adapters.items()}
     params = lora.join(adapters, base)
     n_base = sum(x.size for x in jax.tree.leaves(base))
     n_ad = sum(x.size for x in jax.tree.leaves(adapters))

@@ -3,15 +3,16 @@ of 8 H100, with LoRA on the attention projections.
 
 Recipe: ``jaxrl_async.recipes.qwen3_math_rl`` (AReaL's math-RL hyper-parameters; its docstring tabulates them)
 with the LoRA settings of ``configs/qwen3_8b_lora.py`` (rank 32, alpha 32, lr 1e-4, weight decay 0, frozen
-base in bfloat16, adapters unmerged in the generator) restricted to q, k, v, o: adapters on the experts are not
-implemented (``models/moe.py``).
+base in bfloat16, adapters unmerged in the generator) restricted to q, k, v, o (26.7 M adapter parameters;
+``model.lora.targets`` with gate/up/down would also adapt each of the 128 experts, PEFT's fused-expert form:
+1285 M adapter parameters at rank 32, 48x more; NOTES.md, LoRA).
 
 Why LoRA on one node: full-weight training keeps fp32 weights, AdamW moments and fp32 gradients, 16 bytes per
 parameter = 455 GiB for 30.5 B, and the generator needs the bf16 weights (57 GiB) plus one incoming push: more
 than the node's 8 x 72 GiB budget under any generator/trainer split, and the trainer's FSDP shards must divide
 hidden 2048 and 128 experts (4 or 8 trainer devices). Full-weight training needs more devices: see
 ``configs/qwen3_30b_a3b_v5p.py`` (TPU v5p-64). With LoRA the trainer holds the bf16 base (57 GiB over FSDP 4)
-and 13 M adapter parameters; a push carries only the adapters.
+and 26.7 M adapter parameters; a push carries only the adapters.
 
 Layout ``h100x8-tp2``: generator devices 0-3 (2 replicas x tensor 2: each holds half of every expert's width),
 trainer 4-7 (FSDP 4). Plan compiled for H100 (``[aot-gpu]`` extra; benchmarks/RESULTS.md): generator peak 53.8

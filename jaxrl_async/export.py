@@ -21,7 +21,8 @@ as a plain Hugging Face model; ``--lora peft`` writes a PEFT adapter directory (
 ``adapter_model.safetensors``, PEFT's tensor names and [r, in] / [out, r] layouts) that
 ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the base model, plus the base itself in
 ``DIR/base`` unless the run's base is a ``model.path`` checkpoint (then ``base_model_name_or_path``
-names it and nothing of the base is written).
+names it and nothing of the base is written). A mixture of experts' expert adapters go to PEFT's
+``target_parameters`` on transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` (``_peft_expert_tensors``).
 """
 
 from __future__ import annotations
@@ -145,15 +146,52 @@ def peft_adapter_tensors(params, cfg) -> dict:
 
     stacks = jax.device_get(lora_lib.split(params)[0])
     out = {}
+    r = cfg.lora.rank
     for stack, adapters in stacks.items():
         for t in cfg.lora.targets:
             ka, kb = lora_lib.adapter_keys(t)
+            if ka not in adapters:  # gate/up/down of a mixture-of-experts stack: the expert adapters below
+                continue
             a, b = np.asarray(adapters[ka], np.float32), np.asarray(adapters[kb], np.float32)
-            r = cfg.lora.rank
             for s, i in enumerate(cfg.layer_stacks()[stack]):  # slice s of the stack is model layer i
                 name = f"base_model.model.model.layers.{i}.{lora_lib.HF_MODULES[t]}"
                 out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[s].reshape(-1, r).T)
                 out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[s].reshape(r, -1).T)
+        for s, i in enumerate(cfg.layer_stacks()[stack]):
+            out.update(_peft_expert_tensors(adapters, cfg.lora, s, f"base_model.model.model.layers.{i}.mlp.experts"))
+    return out
+
+
+def _peft_expert_tensors(adapters, spec, s: int, prefix: str) -> dict:
+    """PEFT's adapters on transformers' fused expert parameters (``target_parameters``, ``lora.ParamWrapper``)
+    for slice ``s`` of a mixture-of-experts stack. Per parameter: ``lora_A.weight`` [X r, in] (row x r + k =
+    A[x][:, k]) and ``lora_B.weight`` [out, r X] (column k X + x = B[x][k, :]); PEFT computes expert x's
+    delta as scale * B[:, :, x] A[x] on the [X, out, in] parameter. gate_up_proj [X, 2F, D] holds gate's rows
+    then up's: an unadapted half has zero B rows. The wrappers nest in the order of ``target_parameters``
+    (gate_up first): the first one's tensors are named ``...mlp.experts.base_layer.lora_*`` when down is
+    wrapped around it."""
+    import numpy as np
+
+    from jaxrl_async.models import lora as lora_lib
+
+    groups = lora_lib.moe_groups(spec)
+    out = {}
+    for g in groups:
+        ka = f"{g}_lora_a"
+        if ka not in adapters:
+            continue
+        a = np.asarray(adapters[ka][s], np.float32)  # [X, in, r]
+        b = np.asarray(adapters[f"{g}_lora_b"][s], np.float32)  # [X, r, out] or [X, r, n, F]
+        if g == "moe_gate_up":
+            X, r, _, F = b.shape
+            full = np.zeros((X, r, 2, F), np.float32)
+            for j, t in enumerate(lora_lib.moe_halves(spec)):
+                full[:, :, ("gate", "up").index(t)] = b[:, :, j]
+            b = full.reshape(X, r, 2 * F)
+        X, r, o = b.shape
+        name = prefix + (".base_layer" if g == "moe_gate_up" and len(groups) == 2 else "")
+        out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a.transpose(0, 2, 1).reshape(X * r, -1))
+        out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b.transpose(2, 1, 0).reshape(o, r * X))
     return out
 
 
@@ -172,6 +210,14 @@ def save_peft_adapter(params, cfg, out_dir: str, *, base_model_name_or_path: str
     from jaxrl_async.models.hf_io import copy_tokenizer, save_hf
     from jaxrl_async.models.safetensors_io import write_safetensors
 
+    dense_mlp = sorted(set(cfg.lora.targets) & {"gate", "up", "down"})
+    if cfg.num_experts and "dense_layers" in cfg.layer_stacks() and dense_mlp:
+        # PEFT (0.21) on transformers 5 rewrites gate_proj/up_proj/down_proj target_modules of a Qwen3-MoE model
+        # into its experts' fused target_parameters (its v4 -> v5 conversion), so the adapters of the dense-MLP
+        # layers could not be loaded as such (checked: it refuses gate_proj without up_proj, and drops them)
+        raise UserError(f"--lora peft: model.lora.targets {dense_mlp} on a mixture of experts with dense-MLP layers "
+                        "(mlp_only_layers): PEFT maps gate_proj/up_proj/down_proj of Qwen3-MoE onto the experts, so "
+                        "those layers' adapters cannot be expressed; export --lora merged")
     os.makedirs(out_dir, exist_ok=True)
     files = []
     if base_model_name_or_path is None:
@@ -187,11 +233,14 @@ def save_peft_adapter(params, cfg, out_dir: str, *, base_model_name_or_path: str
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
-        "target_modules": sorted(lora_lib.HF_MODULES[t].rsplit(".", 1)[-1] for t in spec.targets),
+        "target_modules": sorted(lora_lib.HF_MODULES[t].rsplit(".", 1)[-1] for t in spec.targets
+                                 if t in ("q", "k", "v", "o") or not cfg.num_experts),
         "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
         "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
         "rank_pattern": {}, "alpha_pattern": {},
     }
+    if cfg.num_experts and lora_lib.moe_groups(spec):  # the experts' fused parameters, in PEFT's nesting order
+        config["target_parameters"] = [lora_lib.MOE_HF_PARAMS[g] for g in lora_lib.moe_groups(spec)]
     with open(os.path.join(out_dir, PEFT_CONFIG), "w") as fh:
         json.dump(config, fh, indent=2)
     if tokenizer_dir is not None:

@@ -160,9 +160,9 @@ class ModelConfig:
             if not isinstance(self.lora, LoraSpec):
                 bad("lora", f"must be a LoraSpec, a dict of its fields or None, got {self.lora!r}")
             on_mlp = sorted(set(self.lora.targets) & {"gate", "up", "down"})
-            if self.num_experts and on_mlp:
-                bad("lora", f"targets {on_mlp}: adapters on the experts of a mixture-of-experts MLP are not "
-                    "implemented; use the attention projections (q, k, v, o)")
+            if self.num_experts and on_mlp and self.lora.dropout > 0:
+                bad("lora.dropout", f"{self.lora.dropout}: the expert adapters of a mixture of experts (targets "
+                    f"{on_mlp}) take no dropout (as PEFT's target_parameters); set dropout 0 or target q/k/v/o only")
         if self.rope_type == "llama3":
             keys = dict(self.rope_scaling or ())
             for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):

@@ -16,6 +16,14 @@ Training (``trainer/train_step.py``) differentiates and optimises only the adapt
 (``split``); the base is frozen and may be stored in bfloat16 (``LoraSpec.base_dtype``). The
 generator either applies the adapters unmerged (the same layer code) or receives them merged into a
 generator-side copy of the base (``merge``); see NOTES.md (LoRA).
+
+Mixture-of-experts layers (``moe.py``) take gate/up/down adapters per expert, parametrised as PEFT adapts
+transformers' fused expert parameters (``target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"]``): ONE A shared by gate and up per expert, ``moe_gate_up_lora_a`` [L, X, D, r], and
+``moe_gate_up_lora_b`` [L, X, r, n, F] with one slice per adapted half (n = 1 or 2: gate, up in that order),
+and ``moe_down_lora_a`` [L, X, F, r] / ``moe_down_lora_b`` [L, X, r, D]. Expert x's update of gate is
+``scale * A[x] B[x, :, gate]``, so the PEFT export is a relayout (no rank change: PEFT's fused gate_up adapter
+has exactly this form). Logical axes carry ``expert``: they shard like the expert weights.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LoraSpec", "TARGETS", "split", "join", "merge", "adapter_keys", "init_adapter", "delta"]
+__all__ = ["LoraSpec", "TARGETS", "split", "join", "merge", "adapter_keys", "init_adapter", "delta",
+           "expert_adapters"]
 
 # target name -> (einsum subscripts of the base weight, number of leading input axes)
 # q [D, H, E], k/v [D, K, E], o [H, E, D], gate/up [D, F], down [F, D] (transformer.param_table)
@@ -43,6 +52,9 @@ HF_MODULES: dict[str, str] = {
     "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
     "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
 }
+# mixture-of-experts adapters (`moe.py`): target -> (adapter group, its HF fused expert parameter)
+MOE_GROUPS: dict[str, str] = {"gate": "moe_gate_up", "up": "moe_gate_up", "down": "moe_down"}
+MOE_HF_PARAMS: dict[str, str] = {"moe_gate_up": "mlp.experts.gate_up_proj", "moe_down": "mlp.experts.down_proj"}
 BASE_DTYPES = ("float32", "bfloat16")
 DECODE = ("unmerged", "merged")
 
@@ -124,6 +136,35 @@ def join(adapters: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]
     return {**base, **{stack: {**base[stack], **a} for stack, a in adapters.items()}}
 
 
+def moe_halves(spec: LoraSpec) -> tuple[str, ...]:
+    """The adapted halves of the experts' fused gate_up projection, in their order in ``moe_gate_up_lora_b``."""
+    return tuple(t for t in ("gate", "up") if t in spec.targets)
+
+
+def moe_groups(spec: LoraSpec) -> tuple[str, ...]:
+    """The expert adapter groups of ``spec`` (``moe_gate_up``, ``moe_down``), in PEFT's target_parameters order."""
+    return tuple(g for g in ("moe_gate_up", "moe_down") if any(MOE_GROUPS[t] == g for t in spec.targets
+                                                                 if t in MOE_GROUPS))
+
+
+def expert_adapters(p: Mapping[str, Any], spec: LoraSpec | None) -> dict[str, Any] | None:
+    """One MoE layer's expert adapters as ``moe.grouped_swiglu`` takes them (None when the layer has none):
+    ``{"gate_up_a": [X, D, r], "gate_b"/"up_b": [X, r, F], "down_a": [X, F, r], "down_b": [X, r, D]}`` (the
+    adapted ones only) and ``"scale"`` (a Python float)."""
+    if not any(k.startswith("moe_") and is_adapter_key(k) for k in p):
+        return None
+    if spec is None:
+        raise ValueError("parameters carry LoRA expert adapters but ModelConfig.lora is None")
+    out: dict[str, Any] = {"scale": spec.scale}
+    if "moe_gate_up_lora_a" in p:
+        out["gate_up_a"] = p["moe_gate_up_lora_a"]
+        for i, t in enumerate(moe_halves(spec)):
+            out[f"{t}_b"] = p["moe_gate_up_lora_b"][..., i, :]
+    if "moe_down_lora_a" in p:
+        out["down_a"], out["down_b"] = p["moe_down_lora_a"], p["moe_down_lora_b"]
+    return out
+
+
 def has_adapters(params: Mapping[str, Any]) -> bool:
     return any(is_adapter_key(k) for stack in STACKS for k in params.get(stack, {}))
 
@@ -191,6 +232,13 @@ def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, target: str, scale: 
     return (w.astype(jnp.float32) + scale * ab).astype(w.dtype)
 
 
+def merged_expert_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """W[l, x] + scale * A[l, x] B[l, x] for stacked expert weights w [L, X, in, out], a [L, X, in, r],
+    b [L, X, r, out]: float32, stored in W's dtype."""
+    ab = jnp.einsum("lxir,lxro->lxio", a.astype(jnp.float32), b.astype(jnp.float32))
+    return (w.astype(jnp.float32) + scale * ab).astype(w.dtype)
+
+
 def merge(params: Mapping[str, Any], spec: LoraSpec) -> dict[str, Any]:
     """The base tree with every adapter folded into its weight (no adapter leaves left)."""
     adapters, base = split(params)
@@ -199,7 +247,15 @@ def merge(params: Mapping[str, Any], spec: LoraSpec) -> dict[str, Any]:
         layers = dict(base[stack])
         for t in spec.targets:
             ka, kb = adapter_keys(t)
-            layers[t] = merged_weight(layers[t], a[ka], a[kb], t, spec.scale)
+            if ka in a:
+                layers[t] = merged_weight(layers[t], a[ka], a[kb], t, spec.scale)
+        if "moe_gate_up_lora_a" in a:  # a mixture-of-experts stack: per-expert adapters (module doc)
+            for i, t in enumerate(moe_halves(spec)):
+                layers[f"moe_{t}"] = merged_expert_weight(layers[f"moe_{t}"], a["moe_gate_up_lora_a"],
+                                                          a["moe_gate_up_lora_b"][..., i, :], spec.scale)
+        if "moe_down_lora_a" in a:
+            layers["moe_down"] = merged_expert_weight(layers["moe_down"], a["moe_down_lora_a"], a["moe_down_lora_b"],
+                                                      spec.scale)
         out[stack] = layers
     return out
 

@@ -171,9 +171,13 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, impl: 
 
 
 def grouped_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array, impl: str | None = None) -> jax.Array:
+                   w_down: jax.Array, impl: str | None = None, lora: dict | None = None) -> jax.Array:
     """Dropless expert computation. x [N, D], expert_ids/weights [N, k], w_gate/w_up [X, D, F], w_down [X, F, D]
-    -> [N, D]: sum over j of weights[:, j] * SwiGLU_{expert_ids[:, j]}(x), in x's dtype (float32 accumulation)."""
+    -> [N, D]: sum over j of weights[:, j] * SwiGLU_{expert_ids[:, j]}(x), in x's dtype (float32 accumulation).
+
+    ``lora`` (``models.lora.expert_adapters``): per-expert LoRA adapters, applied on the expert-sorted rows with
+    the same group sizes: gate/up += scale (rows A_gu[x]) B_{gate,up}[x] (one A shared by both halves, as PEFT's
+    fused gate_up adapter), down += scale (h A_d[x]) B_d[x]."""
     N, D = x.shape
     k = expert_ids.shape[-1]
     X = w_gate.shape[0]
@@ -185,10 +189,30 @@ def grouped_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_ga
     dt = x.dtype
     g = grouped_matmul(rows, w_gate, group_sizes, impl).astype(dt)
     u = grouped_matmul(rows, w_up, group_sizes, impl).astype(dt)
-    y = grouped_matmul(jax.nn.silu(g) * u, w_down, group_sizes, impl)
+    if lora is not None and "gate_up_a" in lora:
+        g, u = _expert_lora(rows, lora, "gate_up_a", ("gate_b", "up_b"), (g, u), group_sizes, impl)
+    h = jax.nn.silu(g) * u
+    y = grouped_matmul(h, w_down, group_sizes, impl).astype(dt)
+    if lora is not None and "down_a" in lora:
+        (y,) = _expert_lora(h, lora, "down_a", ("down_b",), (y,), group_sizes, impl)
     w = jnp.take(weights.reshape(-1), order).astype(dt)  # HF casts the routing weights to the compute dtype
-    y = y.astype(dt) * w[:, None]
+    y = y * w[:, None]
     return jnp.zeros((N, D), jnp.float32).at[token].add(y.astype(jnp.float32)).astype(dt)
+
+
+def _expert_lora(rows: jax.Array, lora: dict, a_key: str, b_keys: tuple[str, ...], ys: tuple, group_sizes, impl):
+    """ys[i] + scale (rows A[x]) B_i[x] for the adapted b_keys (the others pass through), on the expert-sorted
+    rows in their dtype; the barrier keeps XLA from fusing the low-rank dots into the base one (a zero B then
+    leaves ys bit-identical, as ``transformer._proj``)."""
+    dt = rows.dtype
+    xa = grouped_matmul(rows, lora[a_key], group_sizes, impl).astype(dt)
+    out = []
+    for y, kb in zip(ys, b_keys):
+        if kb in lora:
+            y = jax.lax.optimization_barrier(y) + lora["scale"] * grouped_matmul(xa, lora[kb], group_sizes,
+                                                                                  impl).astype(dt)
+        out.append(y)
+    return tuple(out)
 
 
 def moe_mlp(p, h: jax.Array, cfg, expert_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -199,33 +223,43 @@ def moe_mlp(p, h: jax.Array, cfg, expert_ids: jax.Array | None = None) -> tuple[
         ids, weights, logits = _scoped_routing(p, h, cfg, scope, *layer)
     else:
         ids, weights, logits = routing(h, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob, expert_ids)
-    out = expert_swiglu(h, ids, weights, p, grouped_matmul_impl(cfg.moe_kernel))
+    from jaxrl_async.models.lora import expert_adapters
+
+    out = expert_swiglu(h, ids, weights, p, grouped_matmul_impl(cfg.moe_kernel),
+                        lora=expert_adapters(p, getattr(cfg, "lora", None)))
     return constrain(out, "batch", "length", "activation_embed"), ids, logits
 
 
-def expert_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, p, impl: str) -> jax.Array:
-    """``grouped_swiglu`` of h [B, T, D] with ids/weights [B, T, k] and the layer's expert weights. The
+def expert_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, p, impl: str, lora: dict | None = None
+                  ) -> jax.Array:
+    """``grouped_swiglu`` of h [B, T, D] with ids/weights [B, T, k] and the layer's expert weights (+ their LoRA
+    adapters ``lora``, ``models.lora.expert_adapters``; under shard_map gathered like the weights). The
     megablox kernel is a Mosaic custom call that GSPMD cannot partition: under an active mesh it runs inside
     ``shard_map``, tokens split as the residual stream's batch and length (each device sorts and computes its
     own tokens) and the expert weights all-gathered per layer (as FSDP gathers any weight; the ``expert`` and
     ``tensor`` axes are gathered too: no expert parallelism on this path)."""
     B, T, D = h.shape
 
-    def local(h, ids, weights, wg, wu, wd):
+    scale = None if lora is None else lora["scale"]
+    arrays = None if lora is None else {k: v for k, v in lora.items() if k != "scale"}
+
+    def local(h, ids, weights, wg, wu, wd, arrays):
         b, t, _ = h.shape
+        kw = {} if arrays is None else {"lora": {**arrays, "scale": scale}}
         out = grouped_swiglu(h.reshape(b * t, D), ids.reshape(b * t, -1), weights.reshape(b * t, -1), wg, wu, wd,
-                             impl)
+                             impl, **kw)
         return out.reshape(b, t, D)
 
     active = active_activation_rules()
     if impl != "megablox" or active is None:
-        return local(h, ids, weights, p["moe_gate"], p["moe_up"], p["moe_down"])
+        return local(h, ids, weights, p["moe_gate"], p["moe_up"], p["moe_down"], arrays)
     from jaxrl_async.sharding.rules import logical_to_spec
 
     mesh, rules = active
     tok = logical_to_spec(("batch", "length", None), h.shape, rules, mesh)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, P(), P(), P()), out_specs=tok, check_vma=False)
-    return fn(h, ids, weights, p["moe_gate"], p["moe_up"], p["moe_down"])
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, P(), P(), P(), jax.tree.map(lambda _: P(), arrays)),
+                       out_specs=tok, check_vma=False)
+    return fn(h, ids, weights, p["moe_gate"], p["moe_up"], p["moe_down"], arrays)
 
 
 def load_balancing_loss(logits: jax.Array, expert_ids: jax.Array, mask: jax.Array | None = None) -> jax.Array:

@@ -123,15 +123,16 @@ def param_table(cfg: ModelConfig) -> dict[str, Any]:
 def lora_param_table(cfg: ModelConfig, layers: dict[str, ParamSpec]) -> dict[str, ParamSpec]:
     """Adapter rows (`models/lora.py`): for a target W [L, in..., out...] with axes (layers, in..., out...),
     A [L, in..., r] (axes of the inputs, rank unnamed) initialised like PEFT and B [L, r, out...] zeros."""
-    from jaxrl_async.models.lora import TARGETS, adapter_keys
+    from jaxrl_async.models.lora import MOE_GROUPS, TARGETS, adapter_keys
 
-    missing = [t for t in cfg.lora.targets if t not in layers]
-    if missing:  # e.g. gate/up/down of a mixture-of-experts model (no dense MLP weights)
+    sparse = "moe_gate" in layers  # a mixture-of-experts stack: gate/up/down adapt the experts (below)
+    missing = [t for t in cfg.lora.targets if t not in layers and not (sparse and t in MOE_GROUPS)]
+    if missing:
         raise ValueError(f"ModelConfig.lora.targets: {', '.join(missing)} has no weight in this model "
                          f"(layer weights: {', '.join(t for t in TARGETS if t in layers)})")
     r = cfg.lora.rank
-    rows = {}
-    for t in cfg.lora.targets:
+    rows = {} if not sparse else _expert_lora_rows(cfg, layers)
+    for t in (t for t in cfg.lora.targets if t in layers):
         w = layers[t]
         n_in = TARGETS[t][1]
         ka, kb = adapter_keys(t)
@@ -139,6 +140,27 @@ def lora_param_table(cfg: ModelConfig, layers: dict[str, ParamSpec]) -> dict[str
         rows[ka] = ParamSpec((w.shape[0], *w.shape[ins], r), (w.axes[0], *w.axes[ins], None), "lora_a",
                              fan_in=int(np.prod(w.shape[ins])))
         rows[kb] = ParamSpec((w.shape[0], r, *w.shape[outs]), (w.axes[0], None, *w.axes[outs]), "zeros")
+    return rows
+
+
+def _expert_lora_rows(cfg: ModelConfig, layers: dict[str, ParamSpec]) -> dict[str, ParamSpec]:
+    """Per-expert adapter rows of a mixture-of-experts stack (`models/lora.py` module doc: PEFT's fused-expert
+    form): ``moe_gate_up_lora_a`` [L, X, D, r] shared by the adapted halves, ``moe_gate_up_lora_b``
+    [L, X, r, n, F] (n = adapted halves of gate, up), ``moe_down_lora_a`` [L, X, F, r], ``moe_down_lora_b``
+    [L, X, r, D]; logical axes those of the expert weights (layers, expert, ...), the rank (and the half)
+    unnamed."""
+    from jaxrl_async.models.lora import moe_halves
+
+    r, rows = cfg.lora.rank, {}
+    halves = moe_halves(cfg.lora)
+    if halves:
+        (L, X, D, F), ax = layers["moe_gate"].shape, layers["moe_gate"].axes
+        rows["moe_gate_up_lora_a"] = ParamSpec((L, X, D, r), (*ax[:3], None), "lora_a", fan_in=D)
+        rows["moe_gate_up_lora_b"] = ParamSpec((L, X, r, len(halves), F), (*ax[:2], None, None, ax[3]), "zeros")
+    if "down" in cfg.lora.targets:
+        (L, X, F, D), ax = layers["moe_down"].shape, layers["moe_down"].axes
+        rows["moe_down_lora_a"] = ParamSpec((L, X, F, r), (*ax[:3], None), "lora_a", fan_in=F)
+        rows["moe_down_lora_b"] = ParamSpec((L, X, r, D), (*ax[:2], None, ax[3]), "zeros")
     return rows
 
 

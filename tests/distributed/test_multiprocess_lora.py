@@ -88,14 +88,14 @@ def _state(run_dir, step):
     return [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in jax.tree_util.tree_flatten_with_path(r.arrays)[0]]
 
 
-def _check_run(run_dir, log, base_bytes=None, first_push="adapters", disk=()):
+def _check_run(run_dir, log, base_bytes=None, first_push="adapters", disk=(), n_adapters=14):
     """``base_bytes``: the base's fp32 size when the checkpoint does not hold it (LoRA on model.path);
     ``first_push="full"``: the initial push carried the base too (a base only the trainer has); ``disk``:
     versions whose pull was corrupted on purpose (recovered from the disk fallback)."""
     state = dict(_state(run_dir, 4))
     adapters = {k: x for k, x in state.items() if k.startswith("['params']") and "_lora_" in k}
     base = {k: x for k, x in state.items() if k.startswith("['params']") and "_lora_" not in k}
-    assert len(adapters) == 14 and (base or base_bytes)
+    assert len(adapters) == n_adapters and (base or base_bytes)
     adapter_bytes = sum(x.nbytes for x in adapters.values())  # fp32 = the generator dtype of the tiny run
     assert adapter_bytes < (base_bytes or sum(x.nbytes for x in base.values())) / 2
     assert "later pushes carry the adapters only" in log if first_push == "full" else "fingerprints of" in log
@@ -109,7 +109,7 @@ def _check_run(run_dir, log, base_bytes=None, first_push="adapters", disk=()):
         want = adapter_bytes + sum(x.nbytes for x in base.values()) if first_push == "full" and p["version"] == 0 \
             else adapter_bytes
         assert p["bytes"] == want and g["bytes"] == want, (p["version"], p["bytes"], g["bytes"], want)
-        assert len(p["checksums"]) == (14 + len(base) if want != adapter_bytes else 14)
+        assert len(p["checksums"]) == (n_adapters + len(base) if want != adapter_bytes else n_adapters)
     # on-policy parity after updates: behaviour log-probs (generator) == recomputed (trainer), every step
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/loss" in r]
@@ -136,6 +136,18 @@ def test_generator_process_lora_unmerged_parity_push_bytes_and_resume(tmp_path):
     draws = [[(e["step"], e["draws"], e["lags"]) for e in read_data_ledger(str(d)).events("consume")]
              for d in (whole, resumed)]
     assert draws[0] == draws[1]
+
+
+@pytest.mark.slow  # a variant of the unmerged test above: run with -m slow
+def test_generator_process_moe_expert_lora_parity_and_push_bytes(tmp_path):
+    """A Qwen3-MoE run with adapters on attention and every expert (models/lora.py): the generator process
+    builds the base itself, every push is the adapter bytes on both sides, behaviour == recomputed log-probs."""
+    moe = ["model.model_type=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+           "model.moe_intermediate_size=32"]
+    run = tmp_path / "moe"
+    state = _check_run(run, _run(run, tmp_path, "moe", moe), n_adapters=12)  # q/k/v/o pairs + 2 expert pairs
+    assert {k for k in state if "moe_" in k and "_lora_" in k and k.startswith("['params']")} == {
+        f"['params']['layers']['moe_{g}_lora_{x}']" for g in ("gate_up", "down") for x in "ab"}
 
 
 @pytest.mark.slow  # a variant of the unmerged test above (~25-40 s): run with -m slow

@@ -27,3 +27,20 @@ def test_lora_eta0_resume_after_crash_is_bitwise_identical(tmp_path, jax_cache):
     assert any(not np.array_equal(final[k], mid[k]) for k in adapters)  # trained
     opt = [k for k in final if k.startswith("['opt_state']") and final[k].ndim > 0]
     assert opt and all("_lora_" in k for k in opt)  # AdamW moments of the adapters only
+
+
+MOE_LORA = [*LORA, "model.model_type=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+            "model.moe_intermediate_size=32"]
+
+
+@pytest.mark.slow
+def test_moe_expert_lora_eta0_resume_after_crash_is_bitwise_identical(tmp_path, jax_cache):
+    """The same with a mixture of experts whose adapters include every expert's gate/up/down."""
+    whole, resumed = run_whole_and_resumed_after_crash(tmp_path, jax_cache, MOE_LORA)
+    _assert_bitwise_equal_runs(whole, resumed, 4, 2)
+    final, mid = dict(_final_state(whole, 4)), dict(_final_state(whole, 2))
+    experts = [k for k in final if k.startswith("['params']") and "moe_" in k and "_lora_" in k]
+    assert len(experts) == 4  # moe_gate_up_lora_a/b, moe_down_lora_a/b
+    assert any(not np.array_equal(final[k], mid[k]) for k in experts)  # the expert adapters trained
+    base = [k for k in final if k.startswith("['params']") and "_lora_" not in k]
+    assert base and all(np.array_equal(final[k], mid[k]) for k in base)  # frozen

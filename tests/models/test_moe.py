@@ -183,13 +183,16 @@ def test_parameter_gradients_equal_the_dense_reference(moe, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
-def test_lora_on_expert_mlps_is_refused():
+def test_lora_on_expert_mlps_takes_no_dropout():
+    """Expert adapters exist (tests/models/test_moe_lora.py) but, as PEFT's target_parameters, without dropout:
+    the refusal names the field."""
     from jaxrl_async.models.lora import LoraSpec
 
     cfg = preset("qwen3-30b-a3b")
-    with pytest.raises(ValueError, match="experts"):
-        cfg.replace(lora=LoraSpec(rank=8, alpha=16.0, targets=("q", "gate")))
-    assert cfg.replace(lora=LoraSpec(rank=8, alpha=16.0, targets=("q", "v"))).lora.rank == 8
+    with pytest.raises(ValueError, match=r"^ModelConfig\.lora\.dropout: 0.1: the expert adapters"):
+        cfg.replace(lora=LoraSpec(rank=8, alpha=16.0, targets=("q", "gate"), dropout=0.1))
+    assert cfg.replace(lora=LoraSpec(rank=8, alpha=16.0, targets=("q", "v"), dropout=0.1)).lora.rank == 8
+    assert cfg.replace(lora=LoraSpec(rank=8, alpha=16.0, targets=("q", "gate"))).lora.targets == ("q", "gate")
 
 
 @pytest.mark.parametrize("tile", [1, 4, 16, 64])
