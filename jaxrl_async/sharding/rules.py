@@ -28,7 +28,9 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 # Trainer: FSDP over `fsdp` (and `data` for the batch), tensor parallel over `tensor`, context
 # (sequence) parallel over `context`.
 TRAINER_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
+    # the batch is split over `expert` too (MaxText): an expert shard's devices hold different tokens, which
+    # the MoE layers exchange (`moe.expert_parallel_swiglu`); everywhere else `expert` acts as data parallelism
+    ("batch", ("data", "fsdp", "expert")),
     # context parallelism: rows split over `context` (attention: `attention_kernels.context_parallel_attention`)
     ("length", ("context",)),
     ("vocab", ("tensor",)),
