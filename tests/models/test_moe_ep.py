@@ -3,7 +3,8 @@ inside `shard_map` (all-gather over the expert group, local experts, reduce-scat
 gradients equal the one-device grouped matmul on trainer (expert x fsdp, expert x tensor) and generator
 (data x expert) meshes, with uneven routing (experts without a token on a shard), top-1 and top-3; the compiled
 exchange never gathers the expert weights over `expert`; whole-model log-probs and gradients (a dense layer among
-sparse ones, norm_topk_prob both ways) and the paged generator on a data x expert mesh equal one device."""
+sparse ones, norm_topk_prob both ways), the trainer's whole step on an fsdp x expert mesh and the paged generator
+on a data x expert mesh equal one device."""
 
 from __future__ import annotations
 
@@ -167,3 +168,47 @@ def test_generator_on_a_data_x_expert_mesh_matches_transformers_and_the_trainer(
     check_engine_against_hf_and_trainer(*load_hf(d), hf, mesh=make_mesh({"data": 2, "expert": 2, "tensor": 1},
                                                                      devices=jax.devices()[:4]))
     assert calls
+
+
+def test_trainer_step_on_an_fsdp_x_expert_mesh_equals_one_device(monkeypatch):
+    """The trainer's whole step (packing rows over data x fsdp x expert, loss, gradients, AdamW) on an
+    fsdp 2 x expert 4 mesh: loss, gradient norm and updated parameters equal the one-device step (fp32)."""
+
+    from jaxrl_async.models.config import ModelConfig
+    from jaxrl_async.models.transformer import init_params
+    from jaxrl_async.rl.losses import PolicyLossConfig
+    from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, Trajectory
+
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, qk_norm=True, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=16)
+    params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), 0.1)
+    lr = 1e-2
+    tcfg = TrainerConfig(optimizer=OptimizerConfig(lr=lr, eps=1e-8, weight_decay=0.0, max_grad_norm=None),
+                         packing=PackingConfig(tokens_per_micro=8 * 16, row_len_buckets=(16,), max_seqs_per_row=1))
+    rng = np.random.default_rng(4)
+    trajs = []
+    for _ in range(8):
+        n = int(rng.integers(6, 17))
+        mask = (np.arange(n) >= 2).astype(np.int32)
+        trajs.append(Trajectory(tokens=rng.integers(0, cfg.vocab_size, n), loss_mask=mask,
+                                behaviour_logprobs=np.where(mask > 0, -rng.uniform(0.5, 4.0, n), 0.0),
+                                advantages=np.where(mask > 0, rng.normal(size=n), 0.0),
+                                versions=np.where(mask > 0, 2, -1)))
+    one = Trainer(cfg, tcfg, loss_cfg=PolicyLossConfig())
+    mesh = make_mesh({"fsdp": 2, "expert": 4})
+    ep = Trainer(cfg, tcfg, mesh, loss_cfg=PolicyLossConfig())
+    assert ep.cfg.packing.row_multiple == 8  # rows split over fsdp x expert
+    calls = []
+    monkeypatch.setattr(moe_lib, "expert_parallel_swiglu",
+                        lambda *a, **kw: calls.append(1) or expert_parallel_swiglu(*a, **kw))
+    s8, m8 = ep.train_batch(ep.init_state(params), trajs)
+    s1, m1 = one.train_batch(one.init_state(params), trajs)
+    assert calls
+    assert s8.params["layers"]["moe_gate"].sharding.spec[1] == "expert"
+    np.testing.assert_allclose(float(m8[0]["loss"]), float(m1[0]["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m8[0]["grad_norm"]), float(m1[0]["grad_norm"]), rtol=1e-5)
+    diff = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), s8.params, s1.params)
+    assert max(jax.tree.leaves(diff)) <= 1e-3 * lr, diff
+    moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), s1.params, params)
+    assert max(jax.tree.leaves(moved)) > 0.5 * lr
