@@ -173,7 +173,6 @@ def test_generator_on_a_data_x_expert_mesh_matches_transformers_and_the_trainer(
 def test_trainer_step_on_an_fsdp_x_expert_mesh_equals_one_device(monkeypatch):
     """The trainer's whole step (packing rows over data x fsdp x expert, loss, gradients, AdamW) on an
     fsdp 2 x expert 4 mesh: loss, gradient norm and updated parameters equal the one-device step (fp32)."""
-
     from jaxrl_async.models.config import ModelConfig
     from jaxrl_async.models.transformer import init_params
     from jaxrl_async.rl.losses import PolicyLossConfig
