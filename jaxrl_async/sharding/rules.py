@@ -54,9 +54,10 @@ TRAINER_RULES: Rules = (
     ("activation_mlp", ("tensor",)),
     # vocabulary projection: positions gathered over fsdp, logits split over the vocabulary on tensor
     # and fsdp (the FSDP-sharded unembedding is resharded, not all-gathered, and no device holds a
-    # full-vocabulary gradient)
+    # full-vocabulary gradient), and over expert (which splits the batch like fsdp: else its devices would
+    # compute the same logits)
     ("logits_batch", ("data",)),
-    ("activation_vocab", ("tensor", "fsdp")),
+    ("activation_vocab", ("tensor", "fsdp", "expert")),
 )
 
 # Generator: weights replicated over `data` (independent decode replicas), split over `tensor`.

@@ -183,7 +183,9 @@ def test_trainer_step_on_an_fsdp_x_expert_mesh_equals_one_device(monkeypatch):
                       num_experts_per_tok=2, moe_intermediate_size=16)
     params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), 0.1)
     lr = 1e-2
-    tcfg = TrainerConfig(optimizer=OptimizerConfig(lr=lr, eps=1e-8, weight_decay=0.0, max_grad_norm=None),
+    # AdamW's first update is lr g / (|g| + eps): eps 1e-6 (not 1e-8) keeps experts with near-zero gradients from
+    # turning fp32 summation-order noise (~1e-11) into update differences of 1e-3 lr
+    tcfg = TrainerConfig(optimizer=OptimizerConfig(lr=lr, eps=1e-6, weight_decay=0.0, max_grad_norm=None),
                          packing=PackingConfig(tokens_per_micro=8 * 16, row_len_buckets=(16,), max_seqs_per_row=1))
     rng = np.random.default_rng(4)
     trajs = []
@@ -208,6 +210,6 @@ def test_trainer_step_on_an_fsdp_x_expert_mesh_equals_one_device(monkeypatch):
     np.testing.assert_allclose(float(m8[0]["loss"]), float(m1[0]["loss"]), rtol=1e-5)
     np.testing.assert_allclose(float(m8[0]["grad_norm"]), float(m1[0]["grad_norm"]), rtol=1e-5)
     diff = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), s8.params, s1.params)
-    assert max(jax.tree.leaves(diff)) <= 1e-3 * lr, diff
+    assert max(jax.tree.leaves(diff)) <= 1e-3 * lr, [(jax.tree_util.keystr(k), v) for k, v in jax.tree.leaves_with_path(diff) if v > 1e-6]
     moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), s1.params, params)
     assert max(jax.tree.leaves(moved)) > 0.5 * lr
