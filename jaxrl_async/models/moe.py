@@ -213,11 +213,12 @@ def moe_mlp(p, h: jax.Array, cfg, expert_ids: jax.Array | None = None) -> tuple[
 
 
 def expert_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, p, impl: str) -> jax.Array:
-    """``grouped_swiglu`` of h [B, T, D] with ids/weights [B, T, k] and the layer's expert weights. The
-    megablox kernel is a Mosaic custom call that GSPMD cannot partition: under an active mesh it runs inside
-    ``shard_map``, tokens split as the residual stream's batch and length (each device sorts and computes its
-    own tokens) and the expert weights all-gathered per layer (as FSDP gathers any weight; the ``expert`` and
-    ``tensor`` axes are gathered too: no expert parallelism on this path)."""
+    """``grouped_swiglu`` of h [B, T, D] with ids/weights [B, T, k] and the layer's expert weights. When the
+    active mesh splits the experts (an ``expert`` axis), any kernel runs in the expert-parallel exchange
+    (``expert_parallel_swiglu``). Otherwise: the megablox kernel is a Mosaic custom call that GSPMD cannot
+    partition: under an active mesh it runs inside ``shard_map``, tokens split as the residual stream's batch and
+    length (each device sorts and computes its own tokens) and the expert weights all-gathered per layer (as FSDP
+    gathers any weight; ``tensor`` too)."""
     B, T, D = h.shape
 
     def local(h, ids, weights, wg, wu, wd):
