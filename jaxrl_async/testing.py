@@ -115,10 +115,11 @@ def decode_prompts(engine, params, prompts: list[list[int]], temperature: float,
     return outs
 
 
-def check_engine_against_hf_and_trainer(cfg, params, hf) -> None:
-    """Parity of a small paged engine with a transformers model `hf` and with the trainer: three prompts decoded
-    10 tokens greedily must equal `hf.generate` token for token, and at temperature 0.7 the behaviour log-probs
-    must equal `sequence_logprobs` within 1e-5 (asserts; the model tests' shared check)."""
+def check_engine_against_hf_and_trainer(cfg, params, hf, mesh=None) -> None:
+    """Parity of a small paged engine (on `mesh`, default one device) with a transformers model `hf` and with the
+    trainer: three prompts decoded 10 tokens greedily must equal `hf.generate` token for token, and at temperature
+    0.7 the behaviour log-probs must equal `sequence_logprobs` (one device) within 1e-5 (asserts; the model tests'
+    shared check)."""
     import jax.numpy as jnp
     import numpy as np
     import torch
@@ -126,8 +127,8 @@ def check_engine_against_hf_and_trainer(cfg, params, hf) -> None:
     from jaxrl_async.models import sequence_logprobs
     from jaxrl_async.rollout.engine import PagedEngine
 
-    engine = PagedEngine(cfg, max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,), page_size=8,
-                         num_pages=64)
+    engine = PagedEngine(cfg, mesh, max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,),
+                         page_size=8, num_pages=64)
     p = engine.place_params(params)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 12, 20)]

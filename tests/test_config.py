@@ -89,9 +89,24 @@ def test_overrides_from_the_issue_and_nested_components():
     (["rollout.engine.max_sequence_length=1024"], "rollout.engine.max_sequence_length: 1024 exceeds model.max_position_embeddings=512"),
     (["mesh.generator.shape=2,-1", "rollout.engine.num_pages=99"],
      "rollout.engine.num_pages: 99 pages do not split over the generator's 2 data replicas"),
+    # expert parallelism: an `expert` axis needs an MoE model whose experts it divides
+    (["mesh.trainer.axis_names=fsdp,expert", "mesh.trainer.shape=1,2"],
+     "mesh.trainer.axis_names: an 'expert' axis of size > 1 needs a mixture-of-experts model"),
+    (["model.model_type=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+      "model.moe_intermediate_size=16", "mesh.generator.axis_names=data,expert", "mesh.generator.shape=2,3"],
+     "mesh.generator.shape: the expert axis (3 shards) must divide the model's 4 experts"),
 ])
 def test_errors_name_the_field(overrides, message):
     assert message in err(lambda: validate(apply_overrides(RunConfig(), overrides), num_devices=8))
+
+
+def test_expert_axes_are_accepted_and_shard_the_trainer_batch():
+    moe = ["model.model_type=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+           "model.moe_intermediate_size=16"]
+    cfg = apply_overrides(RunConfig(), moe + ["mesh.generator.axis_names=data,expert", "mesh.generator.shape=3,2",
+                                              "mesh.trainer.axis_names=fsdp,expert", "mesh.trainer.shape=1,2"])
+    validate(cfg, num_devices=8)
+    assert trainer_data_parallel_size(cfg, 8) == 2  # the trainer's batch is split over `expert` too
 
 
 def test_wrong_types_from_a_config_file_are_caught():

@@ -59,10 +59,10 @@ def _resolve_shape(shape: tuple[int, ...], n: int, field: str) -> tuple[int, ...
 
 
 def trainer_data_parallel_size(cfg: RunConfig, num_devices: int) -> int:
-    """Product of the trainer mesh axes that shard the batch (``data``, ``fsdp``)."""
+    """Product of the trainer mesh axes that shard the batch (``data``, ``fsdp``, ``expert``)."""
     _, tr = resolve_device_split(cfg.mesh, num_devices)
     shape = _resolve_shape(cfg.mesh.trainer.shape, len(tr), "mesh.trainer.shape")
-    return math.prod(s for s, a in zip(shape, cfg.mesh.trainer.axis_names) if a in ("data", "fsdp"))
+    return math.prod(s for s, a in zip(shape, cfg.mesh.trainer.axis_names) if a in ("data", "fsdp", "expert"))
 
 
 def _require(cond: bool, field: str, message: str) -> None:
@@ -222,7 +222,7 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
             bad = [d for d in ax.devices if not 0 <= d < num_devices]
             _require(not bad and len(set(ax.devices)) == len(ax.devices) and ax.devices, f"mesh.{role}.devices",
                      f"must be distinct indices in [0, {num_devices}), got {ax.devices}")
-    allowed = {"generator": {"data", "tensor"}, "trainer": {"data", "fsdp", "tensor", "context"}}
+    allowed = {"generator": {"data", "tensor", "expert"}, "trainer": {"data", "fsdp", "tensor", "context", "expert"}}
     for role, names in allowed.items():
         extra = set(getattr(m, role).axis_names) - names
         _require(not extra, f"mesh.{role}.axis_names", f"unknown axes {sorted(extra)}; the {role} uses {sorted(names)}")
@@ -242,6 +242,15 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
                  f"{en.num_pages} pages do not split over the generator's {gdata} data replicas (each owns an "
                  f"equal range of the KV pool): use a multiple of {gdata}")
     tshape = _resolve_shape(m.trainer.shape, len(trn), "mesh.trainer.shape")
+    for role, shape in (("generator", gshape), ("trainer", tshape)):
+        names = getattr(m, role).axis_names
+        if "expert" in names and shape[names.index("expert")] > 1:
+            ep = shape[names.index("expert")]
+            experts = _num_experts(cfg)
+            _require(experts > 0, f"mesh.{role}.axis_names",
+                     "an 'expert' axis of size > 1 needs a mixture-of-experts model (qwen3_moe, num_experts > 0)")
+            _require(experts % ep == 0, f"mesh.{role}.shape",
+                     f"the expert axis ({ep} shards) must divide the model's {experts} experts")
     if "context" in m.trainer.axis_names:
         cp = tshape[m.trainer.axis_names.index("context")]
         bad = [b for b in cfg.trainer.packing.row_len_buckets if b % cp]
@@ -258,8 +267,13 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
 
 def _is_moe(cfg: RunConfig) -> bool:
     """Whether the run's model is a mixture of experts (its config.json, or the model section)."""
+    return _num_experts(cfg) > 0
+
+
+def _num_experts(cfg: RunConfig) -> int:
+    """The run's model's number of experts (its config.json, or the model section); 0 for a dense model."""
     if cfg.model.path is not None:
         with open(os.path.join(cfg.model.path, "config.json"), encoding="utf-8") as f:
             hf = json.load(f)
-        return bool(hf.get("num_experts", hf.get("num_local_experts", 0)))
-    return bool(cfg.model.model_config(vocab_size=8).num_experts)
+        return int(hf.get("num_experts", hf.get("num_local_experts", 0)) or 0)
+    return int(cfg.model.model_config(vocab_size=8).num_experts or 0)

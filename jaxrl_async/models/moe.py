@@ -15,6 +15,15 @@ Parameters (``transformer.param_table``, stacked over layers): ``router`` [L, D,
 layers, embed, expert_router), ``moe_gate``/``moe_up`` [L, X, D, F] and ``moe_down`` [L, X, F, D] (the
 ``expert`` logical axis: sharded over the ``expert`` mesh axis when a rule set has one).
 
+Expert parallelism (``expert_parallel_swiglu``): when the active mesh splits the experts over an ``expert`` axis
+(rule sets: logical ``expert`` -> mesh ``expert``; the trainer's ``batch`` is split over ``expert`` too, the
+generator's tokens are replicated over it), the expert MLP runs under ``jax.shard_map``: each device keeps its
+X / E experts (never gathered over ``expert``), all-gathers the tokens of its expert group with their routing,
+computes its experts over the (token, choice) pairs routed to them (grouped matmul with local group sizes; other
+pairs carry gate 0 in the static dropless buffer) and reduce-scatters the partial outputs back (psum where the
+tokens were not split). Dropless; gradients by the collectives' transposes. Chosen over an all-to-all (see NOTES:
+for top-k routing with E <= k expert shards it moves no more bytes, is static and needs no ragged collective).
+
 ``routing(...)`` exposes the choices (top-k expert ids and weights per token) so that callers can record
 them (the generator) or impose them (routing replay: ``expert_ids`` given, weights recomputed from this
 router's logits over those experts).
@@ -233,11 +242,12 @@ def moe_mlp(p, h: jax.Array, cfg, expert_ids: jax.Array | None = None) -> tuple[
 def expert_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, p, impl: str, lora: dict | None = None
                   ) -> jax.Array:
     """``grouped_swiglu`` of h [B, T, D] with ids/weights [B, T, k] and the layer's expert weights (+ their LoRA
-    adapters ``lora``, ``models.lora.expert_adapters``; under shard_map gathered like the weights). The
-    megablox kernel is a Mosaic custom call that GSPMD cannot partition: under an active mesh it runs inside
-    ``shard_map``, tokens split as the residual stream's batch and length (each device sorts and computes its
-    own tokens) and the expert weights all-gathered per layer (as FSDP gathers any weight; the ``expert`` and
-    ``tensor`` axes are gathered too: no expert parallelism on this path)."""
+    adapters ``lora``, ``models.lora.expert_adapters``). When the active mesh splits the experts (an ``expert``
+    axis), any kernel runs in the expert-parallel exchange (``expert_parallel_swiglu``; the adapters are split
+    over ``expert`` with their experts). Otherwise: the megablox kernel is a Mosaic custom call that GSPMD cannot
+    partition: under an active mesh it runs inside ``shard_map``, tokens split as the residual stream's batch and
+    length (each device sorts and computes its own tokens) and the expert weights (and adapters) all-gathered per
+    layer (as FSDP gathers any weight; ``tensor`` too)."""
     B, T, D = h.shape
 
     scale = None if lora is None else lora["scale"]
@@ -251,6 +261,17 @@ def expert_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, p, impl: str
         return out.reshape(b, t, D)
 
     active = active_activation_rules()
+    if active is not None and expert_parallel_size(*active, p["moe_gate"].shape[0]) > 1:
+        w = {name: p[name] for name in EXPERT_WEIGHT_AXES}
+        if arrays is None:
+            return expert_parallel_swiglu(h, ids, weights, w, *active, impl=impl)
+        w.update(arrays)
+
+        def local_fn(x, i, g, wl):
+            return grouped_swiglu(x, i, g, wl["moe_gate"], wl["moe_up"], wl["moe_down"], impl,
+                                  lora={**{n: wl[n] for n in arrays}, "scale": scale})
+        return expert_parallel_swiglu(h, ids, weights, w, *active, impl=impl, local_fn=local_fn,
+                                      weight_axes={n: EXPERT_ADAPTER_AXES[n] for n in arrays})
     if impl != "megablox" or active is None:
         return local(h, ids, weights, p["moe_gate"], p["moe_up"], p["moe_down"], arrays)
     from jaxrl_async.sharding.rules import logical_to_spec
@@ -260,6 +281,115 @@ def expert_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, p, impl: str
     fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, P(), P(), P(), jax.tree.map(lambda _: P(), arrays)),
                        out_specs=tok, check_vma=False)
     return fn(h, ids, weights, p["moe_gate"], p["moe_up"], p["moe_down"], arrays)
+
+
+# ---------------------------------------------------------------------------------------
+# Expert parallelism: experts sharded over the `expert` mesh axis, tokens exchanged under shard_map
+# ---------------------------------------------------------------------------------------
+#: expert weights of the EP path: key -> logical axes of one layer's slice (the ``embed`` dimension is
+#: gathered inside the exchange, as FSDP gathers any weight; ``expert`` and ``mlp`` stay split)
+EXPERT_WEIGHT_AXES = {"moe_gate": ("expert", "embed", "mlp"), "moe_up": ("expert", "embed", "mlp"),
+                      "moe_down": ("expert", "mlp", "embed")}
+
+
+#: the expert adapters (``models.lora.expert_adapters``) in the EP path: split over ``expert`` like their experts,
+#: the MLP width like the experts' (so a tensor-split down projection's low-rank term is a partial sum as its base
+#: product is), the rank dimension whole
+EXPERT_ADAPTER_AXES = {"gate_up_a": ("expert", "embed", None), "gate_b": ("expert", None, "mlp"),
+                       "up_b": ("expert", None, "mlp"), "down_a": ("expert", "mlp", None),
+                       "down_b": ("expert", None, "embed")}
+
+
+def expert_parallel_size(mesh, rules, num_experts: int) -> int:
+    """Expert shards of ``num_experts`` experts on ``mesh`` under ``rules`` (1: no expert parallelism)."""
+    from jaxrl_async.sharding.rules import logical_to_spec
+
+    spec = logical_to_spec(("expert",), (num_experts,), rules, mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    return size
+
+
+def expert_parallel_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, w: dict, mesh, rules,
+                           impl: str | None = None, local_fn=None, weight_axes: dict | None = None) -> jax.Array:
+    """Dropless expert parallelism: h [B, T, D], ids/weights [B, T, k] (the routing of every token), ``w`` the
+    layer's expert weights (``moe_gate``/``moe_up`` [X, D, F], ``moe_down`` [X, F, D], plus any other per-expert
+    leaf named in ``weight_axes``) with experts sharded over the rule set's ``expert`` mesh axes -> [B, T, D].
+
+    Under ``jax.shard_map`` each device holds X / E experts (E expert shards) and:
+      1. gathers the tokens (with their ids and gates) of its expert group (``all_gather`` over the expert axes
+         the residual stream's batch/length are split over; none on the generator, whose tokens are replicated
+         over ``expert`` like over ``tensor``);
+      2. computes its local experts over every gathered (token, choice) pair routed to them (``local_fn``, by
+         default ``grouped_swiglu`` with the local group sizes; pairs routed elsewhere join the last local group
+         with gate 0: the grouped matmul's buffer is the static dropless bound, N E k rows, nothing dropped);
+      3. sums the partial outputs over the expert shards and scatters them back to the tokens' owners
+         (``psum_scatter``; ``psum`` when the tokens were not gathered), and over ``tensor`` when the expert
+         width is split there (Megatron: gate/up by columns, down by rows).
+    ``all_gather`` and ``psum_scatter`` are each other's transposes: gradients flow through the exchange.
+    ``local_fn(x [M, D], local_ids [M, k], gates [M, k], local weights dict) -> [M, D]`` in the compute dtype
+    (each (token, choice) row's result is complete on the device that owns its expert; a token's k rows are
+    summed within a shard in float32 by ``grouped_swiglu``, across shards in the compute dtype).
+
+    Cost: the local grouped matmul runs over the static dropless buffer of every gathered (token, choice) pair,
+    E N k rows for N tokens per device (pairs routed elsewhere have gate 0), i.e. E times the routed rows for the
+    static-shape kernels (ragged_dot's dense lowerings, ``tiled``, megablox's grid); a kernel that skips the
+    zero-gate tail would recover it (open)."""
+    from jaxrl_async.sharding.rules import logical_to_spec
+
+    B, T, D = h.shape
+    k = ids.shape[-1]
+    X = w["moe_gate"].shape[0]
+    weight_axes = dict(EXPERT_WEIGHT_AXES, **(weight_axes or {}))
+    if local_fn is None:
+        local_fn = lambda x, i, g, wl: grouped_swiglu(x, i, g, wl["moe_gate"], wl["moe_up"],  # noqa: E731
+                                                      wl["moe_down"], impl)
+
+    def axes_of(entry):
+        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+    tok = logical_to_spec(("batch", "length", None), h.shape, rules, mesh)
+    w_specs = {}
+    for name, leaf in w.items():
+        spec = logical_to_spec(weight_axes[name], leaf.shape, rules, mesh)
+        w_specs[name] = P(*(None if ax == "embed" else s for ax, s in zip(weight_axes[name], spec)))
+    ep_axes = axes_of(w_specs["moe_gate"][0])
+    tp_axes = axes_of(w_specs["moe_gate"][2])
+    tok_axes = set(axes_of(tok[0])) | set(axes_of(tok[1]))
+    gather = tuple(a for a in ep_axes if a in tok_axes)  # token shards inside an expert group
+    E = 1
+    for a in ep_axes:
+        E *= mesh.shape[a]
+    Xl = X // E
+
+    def local(h, ids, weights, wl):
+        b, t, _ = h.shape
+        x, i, g = h.reshape(b * t, D), ids.reshape(b * t, k), weights.reshape(b * t, k)
+        if gather:
+            x, i, g = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, i, g))
+        if checked and rest:
+            # tokens replicated over the expert shards that split the work: marked varying explicitly (the
+            # cast's transpose sums their cotangents; left implicit, part of them was lost: h's gradient 0.84x)
+            x, g = (jax.lax.pcast(a, rest, to="varying") for a in (x, g))
+        first = jax.lax.axis_index(ep_axes) * Xl  # this device's experts: [first, first + Xl)
+        lid = i - first
+        mine = (lid >= 0) & (lid < Xl)
+        # partial sums are reduced in the compute dtype (local_fn's output; bf16 in training: half the bytes)
+        y = local_fn(x, jnp.where(mine, lid, Xl - 1), jnp.where(mine, g, jnp.zeros_like(g)), wl)
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        if rest:
+            y = jax.lax.psum(y, rest)
+        return y.astype(h.dtype).reshape(b, t, D)
+
+    rest = tuple(a for a in ep_axes if a not in gather) + tp_axes  # summed with psum (tokens not split there)
+    # the Pallas (megablox) call has no varying-axes typing: unchecked there (the unchecked transpose divides an
+    # unmapped output's cotangent by the devices it is replicated over and transposes psum to psum: same gradient)
+    checked = impl != "megablox"
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_specs), out_specs=tok, check_vma=checked)
+    return fn(h, ids, weights, w)
 
 
 def load_balancing_loss(logits: jax.Array, expert_ids: jax.Array, mask: jax.Array | None = None) -> jax.Array:

@@ -28,7 +28,9 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 # Trainer: FSDP over `fsdp` (and `data` for the batch), tensor parallel over `tensor`, context
 # (sequence) parallel over `context`.
 TRAINER_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
+    # the batch is split over `expert` too (MaxText): an expert shard's devices hold different tokens, which
+    # the MoE layers exchange (`moe.expert_parallel_swiglu`); everywhere else `expert` acts as data parallelism
+    ("batch", ("data", "fsdp", "expert")),
     # context parallelism: rows split over `context` (attention: `attention_kernels.context_parallel_attention`)
     ("length", ("context",)),
     ("vocab", ("tensor",)),
@@ -52,9 +54,10 @@ TRAINER_RULES: Rules = (
     ("activation_mlp", ("tensor",)),
     # vocabulary projection: positions gathered over fsdp, logits split over the vocabulary on tensor
     # and fsdp (the FSDP-sharded unembedding is resharded, not all-gathered, and no device holds a
-    # full-vocabulary gradient)
+    # full-vocabulary gradient), and over expert (which splits the batch like fsdp: else its devices would
+    # compute the same logits)
     ("logits_batch", ("data",)),
-    ("activation_vocab", ("tensor", "fsdp")),
+    ("activation_vocab", ("tensor", "fsdp", "expert")),
 )
 
 # Generator: weights replicated over `data` (independent decode replicas), split over `tensor`.
