@@ -25,14 +25,16 @@ def jax_cache(tmp_path_factory):
 
 
 def test_moe_policy_learns_with_routing_replay(tmp_path):
-    res = RLLoop(tiny_run_config(tmp_path / "run", eta=1, steps=12, **MOE)).run()
-    assert res.stopped_by == "completed" and res.steps == 12
+    # 16 steps of 16 samples: over 12 the rise was within sampling noise for some random streams (measured, seeds
+    # 0/2/3: the second half's mean reward is 0.23-0.33 above the first's after 16 steps, 0.0-0.2 after 12)
+    res = RLLoop(tiny_run_config(tmp_path / "run", eta=1, steps=16, **MOE)).run()
+    assert res.stopped_by == "completed" and res.steps == 16
     lags = [lag for _, _, lag in res.lag_by_group]
     assert max(lags) <= 1, collections.Counter(lags)
     _check_accounting(res, B=4)
     rows = [r for r in _rows(res.run_dir) if "train/loss" in r]
     rewards = [r["reward/mean"] for r in rows]
-    assert len(rewards) == 12 and np.mean(rewards[6:]) > np.mean(rewards[:6]) + 0.08, rewards
+    assert len(rewards) == 16 and np.mean(rewards[8:]) > np.mean(rewards[:8]) + 0.1, rewards
     last = rows[-1]
     for key in ("train/moe/load_max", "train/moe/load_min", "train/moe/load_max/layer0", "train/moe/router_entropy",
                 "train/moe/aux_loss", "train/moe/topk_mismatch_frac", "train/moe/unrouted_trajectories"):
