@@ -118,9 +118,14 @@ def _dense_reference(x, ids, w, wg, wu, wd, ad, scale):
     return jnp.einsum("nx,nxd->nd", dense_w, jnp.stack(outs, axis=1))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("keys", [("gate_up_a", "gate_b", "up_b", "down_a", "down_b"), ("gate_up_a", "up_b"),
-                                  ("down_a", "down_b")], ids=["all", "up", "down"])
+_ALL = ("gate_up_a", "gate_b", "up_b", "down_a", "down_b")
+_UP, _DOWN = ("gate_up_a", "up_b"), ("down_a", "down_b")
+
+
+# every kernel with every adapter; the target subsets on ragged in the suite, on tiled / megablox in `slow`
+@pytest.mark.parametrize("kernel,keys", [
+    pytest.param(k, keys, id=f"{name}-{k}", marks=[pytest.mark.slow] if name != "all" and k != "ragged" else [])
+    for name, keys in (("all", _ALL), ("up", _UP), ("down", _DOWN)) for k in KERNELS])
 def test_grouped_lora_equals_dense_reference_values_and_adapter_gradients(kernel, keys):
     """Skewed routing (one expert takes most rows, one none): the grouped forward with adapters equals the
     dense reference, and so do the gradients w.r.t. every adapter (fp32)."""
