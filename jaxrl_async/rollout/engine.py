@@ -42,12 +42,15 @@ pays for every free slot, and on long-tail workloads most slots are free for mos
 utilisation of 0.42 on the generation benchmark). When every decode replica's live slots (inserted, not
 released) fit in S/D/2 or S/D/4 rows (never below `compact_min_rows`), the step runs a program of that many
 rows per replica on exactly those slots (`engine_steps.decode_rows_fn`: the slots' state is gathered and
-scattered back, pages stay where they are), so its matmuls follow the live slots. Each size compiles once, the
-first time it would serve (`compact_in_background`: on a second thread while the full step keeps serving).
-The price is bitwise batch invariance: XLA:CPU rounds a row's matmuls differently at another batch size (logits
-move by ~1e-5), which can flip a sampled token where its uniform lies that close to a CDF boundary. A run stays
-reproducible when its schedule is (the same live slots at every step, compiled synchronously), and without
-compaction a row's result never depends on the rest of the batch.
+scattered back, pages stay where they are), so its matmuls follow the live slots. Each size compiles once, on a
+thread of its own: `warmup` starts the compiles once the full step is compiled (they overlap the prefill
+compiles and the first steps), else the first step that could use one. By default the step always takes the
+smallest size that fits, waiting for its compile if it still runs, so which steps compact depends on the live
+slots only; `compact_in_background` instead keeps the full step serving until the compile is done. The price is
+bitwise batch invariance: XLA:CPU rounds a row's matmuls differently at another batch size (logits move by
+~1e-5), which can flip a sampled token where its random draw lies that close to a boundary. A run stays
+reproducible when its schedule is (the same live slots at every step), and without compaction a row's result
+never depends on the rest of the batch.
 
 Paging: before each step the host gives every live slot whose next write position starts a
 new page one page; if the pool is short it first refreshes the `done` flags from the device
@@ -139,6 +142,13 @@ class HostSlots:
 class DecodeState:
     arrays: dict[str, jax.Array]
     host: HostSlots
+
+
+def _params_signature(params) -> tuple:
+    """What a compiled program is specific to in its weights: tree structure, shapes, dtypes, shardings (a LoRA
+    generator's params, a resharded weight set compile their own compacted steps)."""
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves)
 
 
 def _truncates(sp: SamplingParams) -> bool:
@@ -340,7 +350,7 @@ class PagedEngine(Engine):
                "insert": self._insert, "generate": self._steps[True], "generate_plain": self._steps[False],
                "release": self._release}
         counts = {k: f._cache_size() for k, f in fns.items()}
-        counts["generate_compact"] = sum(1 for c in self._compact.values() if isinstance(c, jax.stages.Compiled))
+        counts["generate_compact"] = sum(1 for c in self._compact.values() if c is not None)  # compiled or compiling
         return counts
 
     def place_params(self, params: Params) -> Params:
@@ -630,16 +640,15 @@ class PagedEngine(Engine):
         fits = [b for b in self.compact_sizes if b >= n]  # descending
         if not fits:
             return None
-        # a compiled program takes exactly the arguments it was compiled for: key it by the weights' structure,
-        # shapes, dtypes and shardings too (a LoRA generator's params, a resharded weight set)
-        leaves, treedef = jax.tree.flatten(params)
-        sig = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+        sig = _params_signature(params)
         if (sig, trunc, fits[-1]) not in self._compact:
             self._start_compact_compile(params, arrays, new_pages, (sig, trunc, fits[-1]))
-        for b in reversed(fits):  # the smallest ready
+        # synchronous (the default): always the smallest size that fits, waiting for its compile if it runs (the
+        # choice depends on the live slots only); in the background: the smallest one compiled by now
+        for b in reversed(fits):
             prog = self._compact.get((sig, trunc, b))
             if prog is not None and not isinstance(prog, jax.stages.Compiled):
-                prog = self._finish_compact_compile((sig, trunc, b))
+                prog = self._finish_compact_compile((sig, trunc, b), wait=not self.compact_in_background)
             if prog is not None:
                 rows = []
                 for r in range(D):
@@ -662,19 +671,15 @@ class PagedEngine(Engine):
         logger.info("PagedEngine: compiling the compacted decode step (%d rows per replica, %s sampler)%s", b,
                     "full" if trunc else "lean", " in the background" if self.compact_in_background else "")
         self._compact[key] = self._compact_pool.submit(lambda: fn.lower(*args, rows).compile())
-        if not self.compact_in_background:
-            self._finish_compact_compile(key, timeout=3600)
 
-    def _finish_compact_compile(self, key, timeout: float | None = None):
-        """The compiled program once its compile is done (None while it runs, or if it failed: logged, and the
-        full step keeps serving that size)."""
+    def _finish_compact_compile(self, key, wait: bool):
+        """The compiled program once its compile is done (`wait`: block for it, up to an hour); None while it runs
+        (not waiting), or if it failed (logged; the full step keeps serving that size)."""
         fut = self._compact[key]
-        if fut is None:
-            return None
-        if timeout is None and not fut.done():
+        if fut is None or (not wait and not fut.done()):
             return None
         try:
-            prog = fut.result(timeout=timeout)
+            prog = fut.result(timeout=3600)
         except Exception:  # noqa: BLE001 - a compile error must not stop generation: the full step still runs
             logger.exception("PagedEngine: the compacted decode step (%d rows per replica) failed to compile; the "
                              "full step serves that size", key[2])
@@ -733,6 +738,13 @@ class PagedEngine(Engine):
             for t in variants:  # no live slot: compiles the step, changes nothing
                 arrays, step = self._steps[t](params, arrays, no_pages)
             jax.block_until_ready(step)
+            # the compacted steps compile next, on their own thread, while generation starts (the first step that
+            # needs one waits for it if it is not done: compacting never depends on compile timing by default)
+            sig = _params_signature(params)
+            for t in variants:
+                for b in self.compact_sizes:
+                    if (sig, t, b) not in self._compact:
+                        self._start_compact_compile(params, arrays, no_pages, (sig, t, b))
 
         worker = None
         if parallel:
