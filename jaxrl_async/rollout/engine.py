@@ -18,8 +18,8 @@ nothing recompiles, whatever the prompts, slots or sampling parameters):
   insert        once per bucket                 (writes a prompt's k/v into the slot's pages)
   generate      once                            (static decode batch S; the decode attention's
                                                  live-length loop has a traced trip count)
-  compacted     at most `compact_levels` per sampling program, in the background at first need
-                                                (decode batches of S/2, S/4 rows per replica: below)
+  compacted     at most `compact_levels` per sampling program, on a thread of their own from the end of
+                                                `warmup` (decode batches of S/2, S/4 rows per replica: below)
   release       once
 
 Decode state (`DecodeState`) = device arrays (`arrays`, a dict pytree) + host bookkeeping
@@ -631,8 +631,9 @@ class PagedEngine(Engine):
 
     # -- compacted decode (module doc) -----------------------------------------------------------
     def _compacted(self, params: Params, arrays, new_pages, trunc: bool, live: np.ndarray):
-        """(program, rows) of the smallest compiled compacted size that holds every replica's live slots, or None
-        (then the full step runs). Starts the compile of the smallest size that fits if it was never asked for."""
+        """(program, rows) of the compacted step to run, or None (the full step runs): the smallest size that holds
+        every replica's live slots (with `compact_in_background`: the smallest such one compiled by now). Starts that
+        size's compile if nothing did yet."""
         D = self.kv_replicas
         per = self._S // D
         by_replica = live.reshape(D, per)
