@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_async.sharding.activations import active_activation_rules
+from jaxrl_async.sharding.rules import spec_axes_size
 
 Q_AXES = ("batch", "length", "activation_heads", "head_dim")
 KV_AXES = ("batch", "length", "activation_kv_heads", "head_dim")
@@ -182,16 +183,6 @@ def context_shards(seq_len: int) -> int:
     return mesh.shape[CONTEXT_AXIS]
 
 
-def _axes_size(mesh, entry) -> int:
-    if entry is None:
-        return 1
-    names = (entry,) if isinstance(entry, str) else tuple(entry)
-    size = 1
-    for n in names:
-        size *= mesh.shape[n]
-    return size
-
-
 def _balanced_pair(d: int, C: int) -> tuple[int, int]:
     """(even stripe, odd stripe) that device d computes under load balancing: stripes d and 2C-1-d."""
     a, b = d, 2 * C - 1 - d
@@ -247,7 +238,7 @@ def context_parallel_attention(impl: str, q, k, v, segment_ids, scale: float, bl
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
         interpret = kernel_platform() != "tpu"
-        h_local = H // _axes_size(mesh, q_spec[2])
+        h_local = H // spec_axes_size(mesh, q_spec[2])
         mask = sm.MultiHeadMask([sm.CausalMask((T, T), shard_count=C) for _ in range(h_local)])
         sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                               block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)

@@ -249,38 +249,31 @@ def expert_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, p, impl: str
     length (each device sorts and computes its own tokens) and the expert weights (and adapters) all-gathered per
     layer (as FSDP gathers any weight; ``tensor`` too)."""
     B, T, D = h.shape
+    adapters = {} if lora is None else {n: v for n, v in lora.items() if n != "scale"}
+    w = {**{name: p[name] for name in EXPERT_WEIGHT_AXES}, **adapters}  # expert weights + adapters, one dict
 
-    scale = None if lora is None else lora["scale"]
-    arrays = None if lora is None else {k: v for k, v in lora.items() if k != "scale"}
-
-    def local(h, ids, weights, wg, wu, wd, arrays):
-        b, t, _ = h.shape
-        kw = {} if arrays is None else {"lora": {**arrays, "scale": scale}}
-        out = grouped_swiglu(h.reshape(b * t, D), ids.reshape(b * t, -1), weights.reshape(b * t, -1), wg, wu, wd,
-                             impl, **kw)
-        return out.reshape(b, t, D)
+    def swiglu(x, i, g, wl):  # grouped_swiglu on rows with the weights (and adapters) in wl
+        kw = {"lora": {**{n: wl[n] for n in adapters}, "scale": lora["scale"]}} if adapters else {}
+        return grouped_swiglu(x, i, g, wl["moe_gate"], wl["moe_up"], wl["moe_down"], impl, **kw)
 
     active = active_activation_rules()
     if active is not None and expert_parallel_size(*active, p["moe_gate"].shape[0]) > 1:
-        w = {name: p[name] for name in EXPERT_WEIGHT_AXES}
-        if arrays is None:
-            return expert_parallel_swiglu(h, ids, weights, w, *active, impl=impl)
-        w.update(arrays)
+        return expert_parallel_swiglu(h, ids, weights, w, *active, impl=impl, local_fn=swiglu,
+                                      weight_axes={n: EXPERT_ADAPTER_AXES[n] for n in adapters})
 
-        def local_fn(x, i, g, wl):
-            return grouped_swiglu(x, i, g, wl["moe_gate"], wl["moe_up"], wl["moe_down"], impl,
-                                  lora={**{n: wl[n] for n in arrays}, "scale": scale})
-        return expert_parallel_swiglu(h, ids, weights, w, *active, impl=impl, local_fn=local_fn,
-                                      weight_axes={n: EXPERT_ADAPTER_AXES[n] for n in arrays})
+    def local(h, ids, weights, wl):
+        b, t, _ = h.shape
+        return swiglu(h.reshape(b * t, D), ids.reshape(b * t, -1), weights.reshape(b * t, -1), wl).reshape(b, t, D)
+
     if impl != "megablox" or active is None:
-        return local(h, ids, weights, p["moe_gate"], p["moe_up"], p["moe_down"], arrays)
+        return local(h, ids, weights, w)
     from jaxrl_async.sharding.rules import logical_to_spec
 
     mesh, rules = active
     tok = logical_to_spec(("batch", "length", None), h.shape, rules, mesh)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, P(), P(), P(), jax.tree.map(lambda _: P(), arrays)),
-                       out_specs=tok, check_vma=False)
-    return fn(h, ids, weights, p["moe_gate"], p["moe_up"], p["moe_down"], arrays)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, jax.tree.map(lambda _: P(), w)), out_specs=tok,
+                       check_vma=False)
+    return fn(h, ids, weights, w)
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,14 +295,9 @@ EXPERT_ADAPTER_AXES = {"gate_up_a": ("expert", "embed", None), "gate_b": ("exper
 
 def expert_parallel_size(mesh, rules, num_experts: int) -> int:
     """Expert shards of ``num_experts`` experts on ``mesh`` under ``rules`` (1: no expert parallelism)."""
-    from jaxrl_async.sharding.rules import logical_to_spec
+    from jaxrl_async.sharding.rules import logical_to_spec, spec_axes_size
 
-    spec = logical_to_spec(("expert",), (num_experts,), rules, mesh)[0]
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-    size = 1
-    for a in axes:
-        size *= mesh.shape[a]
-    return size
+    return spec_axes_size(mesh, logical_to_spec(("expert",), (num_experts,), rules, mesh)[0])
 
 
 def expert_parallel_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, w: dict, mesh, rules,
@@ -337,7 +325,7 @@ def expert_parallel_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, w: 
     E N k rows for N tokens per device (pairs routed elsewhere have gate 0), i.e. E times the routed rows for the
     static-shape kernels (ragged_dot's dense lowerings, ``tiled``, megablox's grid); a kernel that skips the
     zero-gate tail would recover it (open)."""
-    from jaxrl_async.sharding.rules import logical_to_spec
+    from jaxrl_async.sharding.rules import logical_to_spec, spec_axes, spec_axes_size
 
     B, T, D = h.shape
     k = ids.shape[-1]
@@ -347,22 +335,16 @@ def expert_parallel_swiglu(h: jax.Array, ids: jax.Array, weights: jax.Array, w: 
         local_fn = lambda x, i, g, wl: grouped_swiglu(x, i, g, wl["moe_gate"], wl["moe_up"],  # noqa: E731
                                                       wl["moe_down"], impl)
 
-    def axes_of(entry):
-        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
     tok = logical_to_spec(("batch", "length", None), h.shape, rules, mesh)
     w_specs = {}
     for name, leaf in w.items():
         spec = logical_to_spec(weight_axes[name], leaf.shape, rules, mesh)
         w_specs[name] = P(*(None if ax == "embed" else s for ax, s in zip(weight_axes[name], spec)))
-    ep_axes = axes_of(w_specs["moe_gate"][0])
-    tp_axes = axes_of(w_specs["moe_gate"][2])
-    tok_axes = set(axes_of(tok[0])) | set(axes_of(tok[1]))
+    ep_axes = spec_axes(w_specs["moe_gate"][0])
+    tp_axes = spec_axes(w_specs["moe_gate"][2])
+    tok_axes = set(spec_axes(tok[0])) | set(spec_axes(tok[1]))
     gather = tuple(a for a in ep_axes if a in tok_axes)  # token shards inside an expert group
-    E = 1
-    for a in ep_axes:
-        E *= mesh.shape[a]
-    Xl = X // E
+    Xl = X // spec_axes_size(mesh, w_specs["moe_gate"][0])
 
     def local(h, ids, weights, wl):
         b, t, _ = h.shape

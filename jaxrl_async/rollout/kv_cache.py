@@ -52,7 +52,7 @@ from jax.sharding import Mesh
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import grouped_attention
 from jaxrl_async.rollout.engine_api import OutOfPagesError
-from jaxrl_async.sharding.rules import logical_to_spec
+from jaxrl_async.sharding.rules import logical_to_spec, spec_axes_size
 
 POOL_AXES = ("layers", "cache_pages", "cache_page", "cache_kv_heads", "head_dim")
 CPU_FALLBACK_CAP_BYTES = 1 << 30
@@ -99,11 +99,7 @@ class KVCacheSpec:
 def kv_head_shards(spec_or_heads: KVCacheSpec | int, mesh: Mesh, rules: Any = "generator") -> int:
     """How many ways the kv-head axis of the pool is split on `mesh`."""
     heads = spec_or_heads.num_kv_heads if isinstance(spec_or_heads, KVCacheSpec) else int(spec_or_heads)
-    ps = logical_to_spec(("cache_kv_heads",), (heads,), rules, mesh)[0]
-    if ps is None:
-        return 1
-    names = (ps,) if isinstance(ps, str) else tuple(ps)
-    return math.prod(mesh.shape[n] for n in names)
+    return spec_axes_size(mesh, logical_to_spec(("cache_kv_heads",), (heads,), rules, mesh)[0])
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ rules are an error, so a typo never silently replicates a 32B model.
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import jax
@@ -88,6 +89,16 @@ GENERATOR_RULES: Rules = (
 )
 
 RULE_SETS: dict[str, Rules] = {"trainer": TRAINER_RULES, "generator": GENERATOR_RULES}
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one `PartitionSpec` entry (None, an axis name or a tuple of names)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_axes_size(mesh: Mesh, entry) -> int:
+    """How many ways one `PartitionSpec` entry splits its dimension on `mesh` (1: replicated)."""
+    return math.prod(mesh.shape[a] for a in spec_axes(entry))
 
 
 def get_rules(name_or_rules: str | Rules) -> Rules:

@@ -65,6 +65,7 @@ from jaxrl_async.models.moe import aux_loss as moe_aux_loss, routing_scope
 from jaxrl_async.models.transformer import Params, sequence_logprobs
 from jaxrl_async.sharding import activation_sharding, make_mesh, model_shardings
 from jaxrl_async.sharding.activations import traced_with_activation_rules
+from jaxrl_async.sharding.rules import spec_axes_size
 from jaxrl_async.trainer.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from jaxrl_async.trainer.packing import (
     DEVICE_FIELDS, PackedBatch, PackedMinibatch, PackingConfig, PackingError, Trajectory, pack, split_minibatches,
@@ -140,9 +141,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def _batch_axis_size(mesh: Mesh) -> int:
-    spec = batch_sharding(mesh).spec[1]
-    axes = () if spec is None else ((spec,) if isinstance(spec, str) else tuple(spec))
-    return math.prod(mesh.shape[a] for a in axes)
+    return spec_axes_size(mesh, batch_sharding(mesh).spec[1])
 
 
 def micro_batch_loss(params: Params, mb: PackedBatch, normaliser: jax.Array, policy_version: jax.Array, *,
