@@ -189,7 +189,7 @@ def build_parser():
     ap.add_argument("--no-compact-decode", dest="compact_decode", action="store_false",
                     help="always decode with the full batch of --max-concurrent rows, so that a row's tokens never "
                          "depend on the rest of the batch (default: batches of 1/2 or 1/4 of it while the live "
-                         "sequences fit, compiled at first need; rounding-level differences can flip a sampled token)")
+                         "sequences fit, compiled beside the first steps; rounding-level differences can flip a sampled token)")
     return ap
 
 
