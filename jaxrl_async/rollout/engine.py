@@ -75,6 +75,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 from typing import Sequence
 
 import jax
@@ -725,48 +726,83 @@ class PagedEngine(Engine):
 
         truncation: also compile the sampling programs with the top-k/top-p machinery (False: only the lean
         ones, for runs whose requests never truncate; a truncating request then compiles them at first use).
-        parallel: the decode step compiles on a second thread while this one compiles the prefill path (XLA
-        compiles release the GIL: on a 2-core CPU the decode step's compile, the largest, no longer waits for
-        the prefill programs').
+        parallel: every program compiles at once, ahead of time from abstract arguments on a pool of threads
+        (`_compile_ahead`: XLA compiles release the GIL, so one program's Python tracing and lowering overlap the
+        others' compiles), then each runs once on scratch states (cache hits); else one after the other.
         """
         max_samples = max_samples or self._S
         variants = (False, True) if truncation else (False,)
-        state = self.init_decode_state()
-
-        def decode_path(scratch: DecodeState) -> None:
-            arrays = scratch.arrays
-            no_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
-            for t in variants:  # no live slot: compiles the step, changes nothing
-                arrays, step = self._steps[t](params, arrays, no_pages)
-            jax.block_until_ready(step)
-            # the compacted steps compile next, on their own thread, while generation starts (the first step that
-            # needs one waits for it if it is not done: compacting never depends on compile timing by default)
-            sig = _params_signature(params)
-            for t in variants:
-                for b in self.compact_sizes:
-                    if (sig, t, b) not in self._compact:
-                        self._start_compact_compile(params, arrays, no_pages, (sig, t, b))
-
-        worker = None
+        # sample_first's padded row counts (`prefill_many`): max(a power of two >= n, max_prefill_pack), n <= max_samples
+        sample_rows = sorted({max(1 << (n - 1).bit_length(), self.max_prefill_pack)
+                              for n in [1 << i for i in range((max_samples - 1).bit_length())] + [max_samples]})
         if parallel:
-            import concurrent.futures
-
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-warmup")
-            worker = pool.submit(decode_path, self.init_decode_state())
-            pool.shutdown(wait=False)
+            self._compile_ahead(params, variants, sample_rows)
+        state = self.init_decode_state()
+        arrays = state.arrays
+        no_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
+        for t in variants:  # no live slot: runs the step, changes nothing
+            arrays, step = self._steps[t](params, arrays, no_pages)
+        jax.block_until_ready(step)
+        state = DecodeState(arrays, state.host)
         sps = [SamplingParams(temperature=1.0, max_new_tokens=2, top_k=t) for t in (0, 1)[:len(variants)]]
         for b in self.buckets:
             prefix = self.prefill(params, np.ones(b, np.int32), sps[0])
             state = self.insert(prefix, state, 0)
             state = self.release(state, 0)
         for sp in sps:
-            n = 1
-            while True:
-                self.prefill(params, [1], sp, num_samples=n)
-                if n >= max_samples:
-                    break
-                n *= 2
-        if worker is not None:
-            worker.result(timeout=3600)  # a compile; re-raises its error
-        else:
-            decode_path(self.init_decode_state())
+            for nb in sample_rows:  # one sample_first program per padded row count
+                self.prefill(params, [1], sp, num_samples=nb)
+        # the compacted steps compile on their own thread (started by `_compile_ahead` after the others) while
+        # generation starts; the first step that needs one waits for it (compacting never depends on compile timing)
+        sig = _params_signature(params)
+        for t in variants:
+            for b in self.compact_sizes:
+                if (sig, t, b) not in self._compact:
+                    self._start_compact_compile(params, state.arrays, no_pages, (sig, t, b))
+
+    def _compile_ahead(self, params: Params, variants: tuple[bool, ...], sample_rows: list[int]) -> None:
+        """Compile the programs `warmup` runs from abstract arguments, all at once on a pool of threads (the
+        decode step first: the largest), and start the compacted steps' compiles after them. The later calls
+        with concrete arguments of the same shapes and shardings reuse these compilations (JAX's in-memory
+        cache), which `tests/rollout/test_engine.py` checks by counting backend compiles."""
+        import concurrent.futures
+
+        cfg = self.cfg
+        sds = jax.ShapeDtypeStruct
+        committed = lambda x: sds(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        host = lambda shape, dt: sds(shape, np.dtype(dt))  # noqa: E731  (numpy arguments: uncommitted)
+        params_a = jax.tree.map(committed, params)
+        arrays_a = {k: sds(v.shape, v.dtype, sharding=self.state_shardings[k])
+                    for k, v in jax.eval_shape(self._init_arrays).items()}
+        new_pages_a = sds((self._S,), np.int32, sharding=self.slot_sharding)
+        jobs = [(self._steps[t], (params_a, arrays_a, new_pages_a)) for t in variants] + [(self._init, ())]
+        N = self.max_prefill_pack
+        for b in self.buckets:
+            tokens_a, lengths_a = host((1, b), np.int32), host((N,), np.int32)
+            k_a, v_a, logits_a, *_ = jax.eval_shape(self._prefill, params_a, tokens_a, lengths_a)
+            kv_sh = self._named(("layers", "length", "cache_kv_heads", "head_dim"),
+                                (cfg.num_layers, self.buckets[-1], cfg.num_kv_heads, cfg.head_dim))
+            kv_a = sds(k_a.shape, k_a.dtype, sharding=kv_sh)
+            jobs.append((self._prefill, (params_a, tokens_a, lengths_a)))
+            jobs.append((self._insert, (arrays_a, kv_a, kv_a, host((b,), np.int32), host((b,), np.int32),
+                                        host((self.max_pages_per_seq,), np.int32), host((), np.int32),
+                                        host((len(SLOT_INTS),), np.int32), host((2,), np.float32),
+                                        host((), np.uint32), host((self.max_stop_tokens,), np.int32),
+                                        host((), np.int32))))
+        logits_a = sds(logits_a.shape, logits_a.dtype, sharding=self.replicated)
+        for t in variants:
+            for nb in sample_rows:
+                col = lambda dt: host((nb,), dt)  # noqa: E731
+                jobs.append((self._sample_firsts[t], (logits_a, col(np.int32), col(np.float32), col(np.int32),
+                                                      col(np.float32), col(np.uint32), col(np.int32), col(np.int32))))
+        jobs.append((self._release, (arrays_a, host((), np.int32))))
+        workers = max(2, min(len(jobs), os.cpu_count() or 2))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engine-compile") as pool:
+            futures = [pool.submit(lambda fn=fn, a=a: fn.lower(*a).compile()) for fn, a in jobs]
+            for f in futures:
+                f.result(timeout=3600)  # re-raises a compile error
+        sig = _params_signature(params)
+        for t in variants:  # then the compacted steps, on their own thread, beside the rest of warmup and generation
+            for b in self.compact_sizes:
+                if (sig, t, b) not in self._compact:
+                    self._start_compact_compile(params, arrays_a, new_pages_a, (sig, t, b))

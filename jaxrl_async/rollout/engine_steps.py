@@ -15,6 +15,7 @@ from jaxrl_async.models.transformer import Params, forward, logits_from_hidden
 from jaxrl_async.rollout import kv_cache, paged_attention, sampling
 
 SLOT_INTS = ("pos", "last_token", "num_generated", "max_new", "top_k", "sample_index", "done")
+STEP_WRITES = ("page_table", "pos", "num_generated", "last_token", "done")  # the slot state a decode step changes
 
 
 # ---------------------------------------------------------------------------------------
@@ -149,8 +150,8 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     finished = (sampling.is_stop(tokens, arrays["stop_ids"]) | (num_generated >= arrays["max_new"])
                 | (new_pos + 1 >= max_seq))
     done = arrays["done"] | (active & finished)
-    out = dict(arrays, **dict(zip(keys, pools)), page_table=pt, pos=new_pos, num_generated=num_generated,
-               last_token=jnp.where(active, tokens, arrays["last_token"]), done=done)
+    out = dict(arrays, **dict(zip(keys, pools)), **dict(zip(STEP_WRITES, (
+        pt, new_pos, num_generated, jnp.where(active, tokens, arrays["last_token"]), done))))
     step = (jnp.where(active, tokens, 0), jnp.where(active, logprobs, 0.0), active, active & finished)
     if record_routing:
         step += (jnp.swapaxes(ids[:, :, 0], 0, 1),)
@@ -167,7 +168,9 @@ def decode_rows_fn(params: Params, arrays, new_pages, rows, *, pool_keys: tuple[
     row's token and log-prob equal the full step's (sampling is per row: `sampling.sample`)."""
     sub = {k: (v if k in pool_keys else jnp.take(v, rows, axis=0)) for k, v in arrays.items()}
     sub_out, step = decode_step_fn(params, sub, jnp.take(new_pages, rows), **kw)
-    out = {k: (sub_out[k] if k in pool_keys else arrays[k].at[rows].set(sub_out[k])) for k in arrays}
+    # only what a step changes is scattered back (fewer programs to compile and run)
+    out = {k: (sub_out[k] if k in pool_keys else arrays[k].at[rows].set(sub_out[k]) if k in STEP_WRITES
+               else arrays[k]) for k in arrays}
     S = new_pages.shape[0]
     return out, tuple(jnp.zeros((S,) + x.shape[1:], x.dtype).at[rows].set(x) for x in step)
 

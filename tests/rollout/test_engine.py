@@ -316,6 +316,37 @@ def test_no_recompilation_after_warmup(fam):
     assert engine.attention == "blocked" and before["generate"] == 1
 
 
+def test_warmup_compiles_each_program_once(fam):
+    """`warmup` compiles every program ahead of time from abstract arguments (in parallel); its runs on scratch
+    states, and a workload afterwards, reuse those compilations: each program's backend compile happens once."""
+    family, cfg, params, engine, hf = fam
+    if family != "qwen3":
+        pytest.skip("engine-level property; one family suffices")
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    compiles = collections.Counter()
+
+    def listen(event, duration, **kw):
+        if event == BACKEND_COMPILE_EVENT:
+            compiles[kw.get("fun_name", "?")] += 1
+
+    eng = make_engine(cfg, prefill_buckets=(8, 32), max_prefill_length=32)
+    p = eng.place_params(params)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        eng.warmup(p, max_samples=16)
+        after_warmup = dict(compiles)
+        run(eng, p, [(q, SamplingParams(temperature=1.0, top_k=int(i % 2) * 5, max_new_tokens=4, seed=i, n=1 + i % 3))
+                     for i, q in enumerate(prompts(6, seed=5))])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    programs = {name: n for name, n in compiles.items() if name.startswith("jit(") and "_fn" in name}
+    # 2 buckets x (prefill, insert); sample_first: 2 samplers x row counts {8, 16}; 2 decode steps; release
+    assert programs == {"jit(prefill_fn)": 2, "jit(insert_fn)": 2, "jit(sample_first_fn)": 4,
+                        "jit(decode_step_fn)": 2, "jit(release_fn)": 1}, programs
+    assert dict(compiles) == after_warmup, "the workload compiled something after warmup"
+
+
 def ragged_reference_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale):
     """jax's `ref_ragged_paged_attention` for one query per sequence, vectorised (the original loops in
     Python over a concrete num_seqs): same arguments and combined k/v format as the TPU kernel."""
