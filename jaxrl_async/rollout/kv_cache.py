@@ -21,7 +21,7 @@ shared page is immutable while referenced.
 
 Decode attention: `paged_decode_attend` (the reference) gathers each slot's pages into a contiguous
 ``[S, max_pages * page_size, K, E]`` view per layer and applies a length mask; `blocked_decode_attend`
-reads only the blocks up to the longest active slot (the portable default). The accelerator kernels
+reads only the blocks up to the longest active slot (the portable default, on the ``page_heads`` pool layout). The accelerator kernels
 and the pool layouts they need are in `paged_attention.py`.
 
 Automatic sizing (`auto_num_pages`)
@@ -396,15 +396,21 @@ def blocked_decode_attend(page_table: jax.Array, positions: jax.Array, write_pag
                           scale: float, num_blocks: jax.Array, block_pages: int):
     """`attend` for one decode token per slot that reads only the pages holding live tokens.
 
-    Same contract as `paged_decode_attend` (state = (k_pool, v_pool), same write), but the keys are
-    read in blocks of `block_pages` pages straight from the pool (a gather of [S, block_pages] page
-    ids per block) inside a `fori_loop` whose trip count `num_blocks` is *traced*
-    (`live_blocks`: the longest active slot's length in blocks). The loop keeps an online softmax
-    (running max / sum / weighted values in float32), so per-step KV traffic is slots x the longest
-    live length instead of slots x max_sequence_length, and the step compiles once whatever the
-    lengths. Pages past block `num_blocks` are never read. Scores and the softmax statistics are
-    float32 as in `grouped_attention`; with float32 pools the result equals the gather path up to
-    summation order (<= 1e-6).
+    Same contract as `paged_decode_attend` (same write, same result) on the ``page_heads`` pool layout:
+    state = (k_pool, v_pool) [L, P, K, page, E] (`paged_attention.PoolLayout`). The keys are read in blocks
+    of `block_pages` pages straight from the pool (a gather of [S, block_pages] page ids per block) inside a
+    `fori_loop` whose trip count `num_blocks` is *traced* (`live_blocks`: the longest active slot's length in
+    blocks). The loop keeps an online softmax (running max / sum / weighted values in float32), so per-step
+    KV traffic is slots x the longest live length instead of slots x max_sequence_length, and the step
+    compiles once whatever the lengths. Pages past block `num_blocks` are never read. Scores and the softmax
+    statistics are float32 as in `grouped_attention`; with float32 pools the result equals the gather path up
+    to summation order (<= 1e-6).
+
+    Why this layout: a gathered block [S, bp, K, page, E] already has the dots' batch dimensions (slot,
+    page, kv head) leading and the contracted one last, so both matmuls read it as gathered. On the ``split``
+    layout ([L, P, page, K, E]) XLA:CPU transposed every gathered block before its dots, which cost more
+    than the dots (measured in NOTES). The page ids are clamped on the [S, bp] table once (null entries:
+    the last page, finite and masked), so the gather itself does no bounds checks.
     """
     S, maxp = page_table.shape
     bp = max(1, min(int(block_pages), maxp))
@@ -415,30 +421,35 @@ def blocked_decode_attend(page_table: jax.Array, positions: jax.Array, write_pag
 
     def attend(q, k, v, layer_idx, state):
         k_pool, v_pool = state
-        k_pool = k_pool.at[layer_idx, write_pages, offsets].set(k[:, 0].astype(k_pool.dtype), mode="drop")
-        v_pool = v_pool.at[layer_idx, write_pages, offsets].set(v[:, 0].astype(v_pool.dtype), mode="drop")
+        k_pool = k_pool.at[layer_idx, write_pages, :, offsets].set(k[:, 0].astype(k_pool.dtype), mode="drop")
+        v_pool = v_pool.at[layer_idx, write_pages, :, offsets].set(v[:, 0].astype(v_pool.dtype), mode="drop")
+        Pn = k_pool.shape[1]
         pad_to = nblk * bp
         pt = page_table if pad_to == maxp else jnp.pad(page_table, ((0, 0), (0, pad_to - maxp)),
-                                                       constant_values=k_pool.shape[1])  # null pages
+                                                       constant_values=Pn)  # null pages
+        pt = jnp.minimum(pt, Pn - 1)  # in bounds: the gathers need no checks (entries past a length are masked)
         H, E = q.shape[2], q.shape[3]
-        K = k_pool.shape[3]
+        K = k_pool.shape[2]
         G = H // K
-        qg = q[:, 0].reshape(S, K, G, E)
+        qb = jnp.broadcast_to(q[:, 0].reshape(S, 1, K, G, E), (S, bp, K, G, E))
+        tok_in_block = (jnp.arange(bp)[:, None] * page_size + jnp.arange(page_size)[None, :])  # [bp, page]
+        batch = ((0, 1, 2), (0, 1, 2))  # slot, page of the block, kv head
 
         def body(b, carry):
-            m, l, acc = carry
+            m, l, acc = carry  # [S, K, G] x 2, [S, K, G, E]
             pages = jax.lax.dynamic_slice_in_dim(pt, b * bp, bp, axis=1)  # [S, bp]
-            kb = k_pool.at[layer_idx, pages].get(mode="clip").reshape(S, n, K, E).astype(q.dtype)
-            vb = v_pool.at[layer_idx, pages].get(mode="clip").reshape(S, n, K, E).astype(q.dtype)
-            s = jnp.einsum("skge,snke->skgn", qg, kb, preferred_element_type=jnp.float32) * scale
-            tok = b * n + jnp.arange(n)
-            s = jnp.where((tok[None, :] <= positions[:, None])[:, None, None, :], s, neg)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            p = jnp.exp(s - m_new[..., None])
+            kb = k_pool.at[layer_idx, pages].get(mode="promise_in_bounds").astype(q.dtype)  # [S, bp, K, page, E]
+            vb = v_pool.at[layer_idx, pages].get(mode="promise_in_bounds").astype(q.dtype)
+            s = jax.lax.dot_general(qb, kb, (((4,), (4,)), batch), preferred_element_type=jnp.float32) * scale
+            live = (b * n + tok_in_block)[None] <= positions[:, None, None]  # [S, bp, page]
+            s = jnp.where(live[:, :, None, None, :], s, neg)  # [S, bp, K, G, page]
+            m_new = jnp.maximum(m, jnp.max(s, axis=(1, 4)))
+            p = jnp.exp(s - m_new[:, None, :, :, None])
             corr = jnp.exp(m - m_new)
-            l = l * corr + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("skgn,snke->skge", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
-            return m_new, l, acc * corr[..., None] + pv
+            l = l * corr + jnp.sum(p, axis=(1, 4))
+            pv = jax.lax.dot_general(p.astype(vb.dtype), vb, (((4,), (3,)), batch),
+                                     preferred_element_type=jnp.float32)  # [S, bp, K, G, E]
+            return m_new, l, acc * corr[..., None] + jnp.sum(pv, axis=1)
 
         init = (jnp.full((S, K, G), neg, jnp.float32), jnp.zeros((S, K, G), jnp.float32),
                 jnp.zeros((S, K, G, E), jnp.float32))

@@ -5,9 +5,9 @@ attention         pool arrays (layout)                            reads per deco
 ================  ==============================================  ==========================================
 ``gather``        k_pool, v_pool [L, P, page, K, E] (``split``)   every slot's pages up to max_sequence_length
                                                                   (the reference; `kv_cache.paged_decode_attend`)
-``blocked``       same                                            blocks of pages up to the longest *active*
-                                                                  slot (`kv_cache.blocked_decode_attend`;
-                                                                  portable, the CPU default)
+``blocked``       k_pool, v_pool [L, P, K, page, E]               blocks of pages up to the longest *active*
+                  (``page_heads``: a gathered block is laid out   slot (`kv_cache.blocked_decode_attend`;
+                  as its two dots read it)                        portable, the CPU default)
 ``tpu_ragged``    kv_pool [L, P, page, 2K, E] (``combined``:      each slot's own pages, Pallas/Mosaic
                   k at even, v at odd heads, the kernel's         `ragged_paged_attention` (TPU default)
                   format)
@@ -41,7 +41,7 @@ from jaxrl_async.rollout import kv_cache
 from jaxrl_async.sharding.rules import logical_to_spec
 
 DECODE_ATTENTION = ("gather", "blocked", "tpu_ragged", "gpu_paged")
-LAYOUT_OF = {"gather": "split", "blocked": "split", "tpu_ragged": "combined", "gpu_paged": "heads_first"}
+LAYOUT_OF = {"gather": "split", "blocked": "page_heads", "tpu_ragged": "combined", "gpu_paged": "heads_first"}
 _SPLIT_AXES = kv_cache.POOL_AXES  # layers, cache_pages, cache_page, cache_kv_heads, head_dim
 _HEADS_FIRST_AXES = ("cache_kv_heads", "layers", "cache_pages", "cache_page", "head_dim")
 
@@ -59,22 +59,23 @@ def resolve(attention: str, platform: str) -> str:
 # Pool layouts
 # ---------------------------------------------------------------------------------------
 class PoolLayout:
-    """Shapes, shardings and writes of the pool arrays of one layout (``split``, ``combined``, ``heads_first``).
+    """Shapes, shardings and writes of the pool arrays of one layout (``split``, ``page_heads``, ``combined``,
+    ``heads_first``).
 
     The decode state carries the pool as ``tuple(arrays[k] for k in layout.keys)``.
     """
 
     def __init__(self, name: str):
-        if name not in ("split", "combined", "heads_first"):
+        if name not in ("split", "page_heads", "combined", "heads_first"):
             raise ValueError(f"unknown pool layout {name!r}")
         self.name = name
         self.keys = ("kv_pool",) if name == "combined" else ("k_pool", "v_pool")
-        self.head_axis = 0 if name == "heads_first" else 3
+        self.head_axis = {"heads_first": 0, "page_heads": 2}.get(name, 3)
         self.pages_dim = 2 if name == "heads_first" else 1
 
     def shapes(self, spec: kv_cache.KVCacheSpec) -> dict[str, tuple[int, ...]]:
         L, Pn, page, K, E = spec.pool_shape
-        shape = {"split": (L, Pn, page, K, E), "combined": (L, Pn, page, 2 * K, E),
+        shape = {"split": (L, Pn, page, K, E), "page_heads": (L, Pn, K, page, E), "combined": (L, Pn, page, 2 * K, E),
                  "heads_first": (K, L, Pn, page, E)}[self.name]
         return dict.fromkeys(self.keys, shape)
 
@@ -108,6 +109,10 @@ class PoolLayout:
         if self.name == "combined":
             pool = pools["kv_pool"]
             return {"kv_pool": pool.at[:, dest_pages, offsets].set(interleave(k, v).astype(pool.dtype), mode="drop")}
+        if self.name == "page_heads":  # the indexed (page, offset) pairs come first: values [T, L, K, E]
+            return {key: pools[key].at[:, dest_pages, :, offsets].set(jnp.swapaxes(x, 0, 1).astype(pools[key].dtype),
+                                                                      mode="drop")
+                    for key, x in (("k_pool", k), ("v_pool", v))}
         out = {}
         for key, x in (("k_pool", k), ("v_pool", v)):
             pool = pools[key]
@@ -124,6 +129,10 @@ class PoolLayout:
         if self.name == "combined":
             (pool,) = pools
             return (pool.at[layer_idx, pages, offsets].set(interleave(k, v).astype(pool.dtype), mode="drop"),)
+        if self.name == "page_heads":
+            kp, vp = pools
+            return (kp.at[layer_idx, pages, :, offsets].set(k.astype(kp.dtype), mode="drop"),
+                    vp.at[layer_idx, pages, :, offsets].set(v.astype(vp.dtype), mode="drop"))
         kp, vp = pools
         return (kp.at[:, layer_idx, pages, offsets].set(jnp.swapaxes(k, 0, 1).astype(kp.dtype), mode="drop"),
                 vp.at[:, layer_idx, pages, offsets].set(jnp.swapaxes(v, 0, 1).astype(vp.dtype), mode="drop"))

@@ -393,8 +393,7 @@ def test_decode_attention_paths_agree(fam, attention, mesh_shape):
     worst = max(np.abs(np.array(a) - np.array(b)).max() for a, b in zip(lps_o, lps_g))
     assert worst <= 1e-5, worst
     if mesh is not None:
-        head_axis = 0 if other.layout.name == "heads_first" else 3
-        assert other.pool_sharding.spec[head_axis] == "tensor" and other.slot_sharding.spec[0] == "data"
+        assert other.pool_sharding.spec[other.layout.head_axis] == "tensor" and other.slot_sharding.spec[0] == "data"
 
 
 def test_auto_decode_attention_by_platform():
@@ -413,7 +412,8 @@ def test_sharded_engine_matches_single_device(fam):
         pytest.skip("sharding property; one family suffices")
     mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
     sharded = make_engine(cfg, mesh=mesh)
-    assert sharded.pool_sharding.spec[3] == "tensor" and sharded.pool_sharding.spec[1] == "data"
+    assert sharded.layout.name == "page_heads" and sharded.pool_sharding.spec[sharded.layout.head_axis] == "tensor"
+    assert sharded.pool_sharding.spec[1] == "data"
     assert sharded.slot_sharding.spec[0] == "data"
     sp_params = sharded.place_params(params)
     ps = prompts(8, seed=9)

@@ -81,8 +81,8 @@ def test_paged_decode_matches_contiguous_attention():
 
 @pytest.mark.parametrize("block_pages", [1, 2, 3, 5, 8])
 def test_blocked_decode_matches_gather_and_reads_only_live_blocks(block_pages):
-    """blocked_decode_attend == paged_decode_attend (fp32, <= 1e-5) for any block size, with the same
-    pool write; pages past the longest active slot's last block are never read (NaN there would leak)."""
+    """blocked_decode_attend (``page_heads`` pool) == paged_decode_attend (``split`` pool) (fp32, <= 1e-5) for any
+    block size, with the same pool write; pages past the longest active slot's last block are never read (NaN there would leak)."""
     rng = np.random.default_rng(1)
     L, P, page, K, H, E, S, maxp = 2, 48, 4, 2, 8, 8, 4, 10
     lens = np.array([3, 13, 22, 9])  # the decode token is at position lens[s]
@@ -111,7 +111,9 @@ def test_blocked_decode_matches_gather_and_reads_only_live_blocks(block_pages):
     pk[:, nan_pages] = np.nan
     pv[:, nan_pages] = np.nan
     attend = kv_cache.blocked_decode_attend(jnp.asarray(pt), pos, write_pages, page, 0.3, nblk, block_pages)
-    out, (bk, bv) = jax.jit(attend)(q, k, v, 1, (jnp.asarray(pk), jnp.asarray(pv)))
+    to_page_heads = lambda x: jnp.asarray(np.swapaxes(x, 2, 3))  # noqa: E731  [L, P, page, K, E] -> [L, P, K, page, E]
+    out, (bk, bv) = jax.jit(attend)(q, k, v, 1, (to_page_heads(pk), to_page_heads(pv)))
+    bk, bv = np.swapaxes(np.asarray(bk), 2, 3), np.swapaxes(np.asarray(bv), 2, 3)
     out, ref = np.asarray(out), np.asarray(ref)
     assert np.isfinite(out[active]).all()
     np.testing.assert_allclose(out[active], ref[active], atol=1e-5, rtol=0)
