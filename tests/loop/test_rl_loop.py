@@ -63,7 +63,11 @@ def _check_accounting(result, B):
     assert len(tickets) == len(set(tickets)) == result.steps * B  # no group trained twice
 
 
-@pytest.mark.parametrize("eta", [0, 4])  # eta = 1: test_failing_rewards_... and test_moe_policy_learns_... assert it
+# slow variants (their properties are in default tests): eta = 1's bound: the eta = 1 runs of
+# test_failing_rewards_and_rejecting_workflow_do_not_stop_the_loop and tests/loop/test_moe_loop.py; eta = 0's lags
+# of 0 and behaviour == proximal log-probs (fp32): tests/loop/test_fault_tolerance.py::
+# test_eta0_resume_after_crash_is_bitwise_identical (the same dense tiny run, eta = 0, 4 steps)
+@pytest.mark.parametrize("eta", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow), 4])
 def test_staleness_bound_per_group(tmp_path, eta):
     res = RLLoop(tiny_run_config(tmp_path / "run", eta=eta, steps=5)).run()
     assert res.stopped_by == "completed" and res.steps == 5
