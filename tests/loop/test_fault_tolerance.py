@@ -401,6 +401,12 @@ def test_eta0_resume_after_crash_is_bitwise_identical(tmp_path, jax_cache):
     whole, resumed = run_whole_and_resumed_after_crash(tmp_path, jax_cache)
     assert [r["step"] for r in read_data_ledger(resumed).resumes] == [2]
     _assert_bitwise_equal_runs(whole, resumed, 4, 2)
+    # on-policy: the generator's behaviour log-probs are the trainer's proximal ones (fp32), no staleness
+    rows = [json.loads(line) for line in open(os.path.join(whole, "metrics.jsonl")) if line.strip()]
+    rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(r["train/behave_prox_abs_max"] for r in rows) <= 1e-5, rows
+    assert all(r["staleness/max"] == 0 for r in rows)
 
 
 @pytest.mark.slow

@@ -16,7 +16,15 @@ def jax_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("jax_cache_lora"))
 
 
+@pytest.mark.slow
 def test_lora_eta0_resume_after_crash_is_bitwise_identical(tmp_path, jax_cache):
+    """Slow (~29 s): its properties are in the default suite: the same LoRA run (tiny config, rank 4, eta 0,
+    checkpoints at 2 and 4) resumed from its step-2 copy bit for bit, with the base frozen, the adapters trained
+    and adapter-only AdamW state in the checkpoint, in
+    tests/distributed/test_multiprocess_lora.py::test_generator_process_lora_unmerged_parity_push_bytes_and_resume
+    (generator in its own process); the colocated main's bitwise eta-0 resume in
+    tests/loop/test_fault_tolerance.py::test_eta0_resume_after_crash_is_bitwise_identical, its LoRA checkpoint
+    resume in tests/loop/test_lora_base_ref.py."""
     whole, resumed = run_whole_and_resumed_after_crash(tmp_path, jax_cache, LORA)
     _assert_bitwise_equal_runs(whole, resumed, 4, 2)
     final, mid = dict(_final_state(whole, 4)), dict(_final_state(whole, 2))

@@ -63,7 +63,11 @@ def _check_accounting(result, B):
     assert len(tickets) == len(set(tickets)) == result.steps * B  # no group trained twice
 
 
-@pytest.mark.parametrize("eta", [0, 1, 4])
+# slow variants (their properties are in default tests): eta = 1's bound: the eta = 1 runs of
+# test_failing_rewards_and_rejecting_workflow_do_not_stop_the_loop and tests/loop/test_moe_loop.py; eta = 0's lags
+# of 0 and behaviour == proximal log-probs (fp32): tests/loop/test_fault_tolerance.py::
+# test_eta0_resume_after_crash_is_bitwise_identical (the same dense tiny run, eta = 0, 4 steps)
+@pytest.mark.parametrize("eta", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow), 4])
 def test_staleness_bound_per_group(tmp_path, eta):
     res = RLLoop(tiny_run_config(tmp_path / "run", eta=eta, steps=5)).run()
     assert res.stopped_by == "completed" and res.steps == 5
@@ -133,6 +137,8 @@ def test_failing_rewards_and_rejecting_workflow_do_not_stop_the_loop(tmp_path):
                           **{"rollout.workflow": "loop_targets:SometimesNoneWorkflow"})
     res = RLLoop(cfg).run()
     assert res.stopped_by == "completed" and res.steps == 3
+    lags = [lag for _, _, lag in res.lag_by_group]
+    assert max(lags) <= 1, collections.Counter(lags)  # the staleness bound at eta = 1, asserted per trained group
     c = res.counts
     assert c["rejected_by_reason"].get("episode_none", 0) >= 1, c  # counted, with its reason
     _check_accounting(res, B=4)
@@ -175,17 +181,21 @@ def test_multi_turn_math_workflow_trains_in_the_async_loop(tmp_path):
 
 
 def test_run_starts_from_a_hugging_face_directory(tmp_path):
-    """``model.path``: a run starts from the Hugging Face export of another run; its weights are read
-    straight onto the trainer's parameter shardings (no host copy of the model) and equal the files."""
+    """``model.path``: a run starts from a Hugging Face directory (written by transformers, the tiny run's
+    architecture); its weights are read straight onto the trainer's parameter shardings (no host copy of the
+    model) and equal the files. (A run's own export loads in transformers and in the evaluate CLI:
+    ``test_async_run_learns_and_writes_artifacts``; a run on ``model.path`` resumes: tests/loop/test_lora_base_ref.py.)"""
     import jax
 
     from jaxrl_async.models.hf_io import load_hf
     from jaxrl_async.sharding.rules import model_shardings
+    from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
 
-    first = RLLoop(tiny_run_config(tmp_path / "a", steps=1, **{"checkpoint.export_hf": "true"})).run()
-    hf = os.path.join(first.run_dir, "hf")
+    hf = make_tiny_hf_model(str(tmp_path / "hf"), "qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+    make_tiny_tokenizer(hf)
     assert os.path.isfile(os.path.join(hf, "model.safetensors"))
-    loop = RLLoop(tiny_run_config(tmp_path / "b", steps=2, **{"model.path": hf}))
+    loop = RLLoop(tiny_run_config(tmp_path / "b", steps=2, **{"model.path": hf, "data.apply_chat_template": "false"}))
     want = model_shardings(loop.model_cfg, loop.trainer_mesh, "trainer")
     got = loop.init_params
     _, host = load_hf(hf, param_dtype=loop.model_cfg.param_dtype)

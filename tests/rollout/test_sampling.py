@@ -173,18 +173,19 @@ def test_sampling_with_prefilter_and_fallback_equals_the_full_sort():
     temps = jnp.full(B, 1.0)
     seeds, idx, pos = jnp.arange(B, dtype=jnp.uint32), jnp.zeros(B, jnp.int32), jnp.full(B, 3, jnp.int32)
 
+    @jax.jit
     def reference(rows):
         theta = sampling.truncation_threshold(z[rows], top_k[rows], top_p[rows])
         trunc = sampling.needs_truncation(temps[rows], top_k[rows], top_p[rows])
         theta = jnp.where(trunc, theta, -jnp.inf)
         keys = jax.vmap(sampling.request_key)(seeds[rows], idx[rows], pos[rows])
         g = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[-1:], jnp.float32))(keys)
-        return np.asarray(jnp.argmax(jnp.where(z[rows] >= theta[:, None], z[rows], -jnp.inf) + g, axis=-1))
+        return jnp.argmax(jnp.where(z[rows] >= theta[:, None], z[rows], -jnp.inf) + g, axis=-1)
 
     for rows in (np.arange(B), np.array([0, 1, 2, 3, 5, 9]), np.array([4, 6, 8])):  # mixed, resolved, fallback
         r = jnp.asarray(rows)
         toks, lps = jax.jit(sampling.sample)(z[r], temps[r], top_k[r], top_p[r], seeds[r], idx[r], pos[r])
-        np.testing.assert_array_equal(np.asarray(toks), reference(r))
+        np.testing.assert_array_equal(np.asarray(toks), np.asarray(reference(r)))
         np.testing.assert_allclose(np.asarray(lps), np.asarray(sampling.behaviour_logprobs(z[r], temps[r], toks)),
                                    atol=1e-6)
     # the truncation is real: a narrow top-k over many keys never leaves its support
