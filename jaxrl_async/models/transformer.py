@@ -39,7 +39,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_async.models.attention import (  # noqa: F401  (grouped_attention, segment_mask: re-exported)
@@ -472,38 +471,11 @@ def sequence_logprobs(params: Params, cfg: ModelConfig, tokens: jax.Array, segme
     return lp, ent
 
 
-# ---------------------------------------------------------------------------------------
-# NNX module
-# ---------------------------------------------------------------------------------------
-class Transformer(nnx.Module):
-    """Flax NNX container of the parameters, each an `nnx.Param` carrying its logical axes
-    (`out_sharding` metadata, read by `nnx.get_partition_spec` and by our sharding rules).
+def __getattr__(name: str):
+    # the Flax NNX container lives in `nnx_module.py`: importing flax costs ~0.2 s, which the command-line tools
+    # (pure functions only) no longer pay at startup
+    if name == "Transformer":
+        from jaxrl_async.models.nnx_module import Transformer
 
-    `model(tokens, positions, segment_ids)` returns float32 logits. Hot paths should use
-    `model.params()` with the pure functions of this module.
-    """
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, params: Params | None = None):
-        self.cfg = cfg
-        if params is None:
-            rngs = rngs or nnx.Rngs(0)
-            params = init_params(cfg, rngs.params())
-        axes = logical_axes(cfg)
-
-        def wrap(value, ax):
-            return nnx.Param(value, sharding_names=ax, eager_sharding=False)
-
-        self.embed = wrap(params["embed"], axes["embed"])
-        self.final_norm = wrap(params["final_norm"], axes["final_norm"])
-        self.layers = nnx.Dict({k: wrap(params["layers"][k], axes["layers"][k]) for k in axes["layers"]})
-        if "dense_layers" in axes:  # a mixture of experts' dense-MLP layers
-            self.dense_layers = nnx.Dict({k: wrap(params["dense_layers"][k], axes["dense_layers"][k])
-                                          for k in axes["dense_layers"]})
-        if "lm_head" in axes:
-            self.lm_head = wrap(params["lm_head"], axes["lm_head"])
-
-    def params(self) -> Params:
-        return nnx.state(self, nnx.Param).to_pure_dict()
-
-    def __call__(self, tokens, positions=None, segment_ids=None):
-        return apply(self.params(), self.cfg, tokens, positions, segment_ids)
+        return Transformer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
