@@ -777,11 +777,11 @@ class PagedEngine(Engine):
         new_pages_a = sds((self._S,), np.int32, sharding=self.slot_sharding)
         jobs = [(self._steps[t], (params_a, arrays_a, new_pages_a)) for t in variants] + [(self._init, ())]
         N = self.max_prefill_pack
+        kv_sh = self._named(("layers", "length", "cache_kv_heads", "head_dim"),  # as `_build_functions`'s prefill
+                            (cfg.num_layers, self.buckets[-1], cfg.num_kv_heads, cfg.head_dim))
         for b in self.buckets:
             tokens_a, lengths_a = host((1, b), np.int32), host((N,), np.int32)
-            k_a, v_a, logits_a, *_ = jax.eval_shape(self._prefill, params_a, tokens_a, lengths_a)
-            kv_sh = self._named(("layers", "length", "cache_kv_heads", "head_dim"),
-                                (cfg.num_layers, self.buckets[-1], cfg.num_kv_heads, cfg.head_dim))
+            k_a, _, logits_a, *_ = jax.eval_shape(self._prefill, params_a, tokens_a, lengths_a)
             kv_a = sds(k_a.shape, k_a.dtype, sharding=kv_sh)
             jobs.append((self._prefill, (params_a, tokens_a, lengths_a)))
             jobs.append((self._insert, (arrays_a, kv_a, kv_a, host((b,), np.int32), host((b,), np.int32),
