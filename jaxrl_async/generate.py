@@ -286,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                          page_size=args.page_size, num_pages=args.num_pages, compact_decode=args.compact_decode,
                          max_prefill_pack=PACK_PROMPTS)
     params = engine.place_params(params)
-    # compile up front, the decode step on a second thread beside the prefill path (instead of one program after
-    # the other at first use); a packed prefill row holds up to max_prefill_pack prompts x n samples
+    # compile up front, every program at once ahead of time (instead of one after the other at first use); a packed
+    # prefill row holds up to max_prefill_pack prompts x n samples
     t_compile = time.perf_counter()
     engine.warmup(params, max_samples=engine.max_prefill_pack * args.n,
                   truncation=args.temperature > 0 and (args.top_k > 0 or args.top_p < 1))
