@@ -229,7 +229,7 @@ def _audit(run: str, T: int, etas: list[int], expected_resume: list[int]) -> lis
 
 def test_kill_signal_resume_chain(tmp_path, jax_cache):
     run = str(tmp_path / "run")
-    T, eta = 12, 2
+    T, eta = 24, 2  # enough steps left for the SIGINT and SIGTERM attempts to land before the end (12 ran out once)
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     base = [f"trainer.total_steps={T}", f"rollout.max_head_offpolicyness={eta}", "checkpoint.every_steps=1",
