@@ -23,6 +23,7 @@ import pytest
 from jaxrl_async.checkpoint import HOST, Checkpointer
 from jaxrl_async.distributed.launch import reserve_port
 from jaxrl_async.rl_loop import read_data_ledger
+from lora_checks import assert_adapter_only_training  # tests
 from role_procs import kill_all, role_env, wait_or_kill  # tests/distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -138,14 +139,7 @@ def test_generator_process_lora_unmerged_parity_push_bytes_and_resume(tmp_path):
     assert draws[0] == draws[1]
     # between the checkpoints the base stayed frozen, the adapters trained, and the checkpointed optimizer
     # state is the adapters' only (also the colocated run's, tests/loop/test_lora_resume.py, slow)
-    final, mid = dict(a), dict(_state(whole, 2))
-    adapters = [k for k in final if k.startswith("['params']") and "_lora_" in k]
-    base = [k for k in final if k.startswith("['params']") and "_lora_" not in k]
-    assert len(adapters) == 14 and base
-    assert all(np.array_equal(final[k], mid[k]) for k in base)  # frozen
-    assert any(not np.array_equal(final[k], mid[k]) for k in adapters)  # trained
-    opt = [k for k in final if k.startswith("['opt_state']") and final[k].ndim > 0]
-    assert opt and all("_lora_" in k for k in opt)  # AdamW moments of the adapters only
+    assert_adapter_only_training(dict(a), dict(_state(whole, 2)))
 
 
 @pytest.mark.slow  # a variant of the unmerged test above: run with -m slow
