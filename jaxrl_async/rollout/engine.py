@@ -308,8 +308,8 @@ class PagedEngine(Engine):
 
     def _build_functions(self) -> None:
         cfg, ss = self.cfg, self.state_shardings
-        kv_sh = self._named(("layers", "length", "cache_kv_heads", "head_dim"),
-                            (cfg.num_layers, self.buckets[-1], cfg.num_kv_heads, cfg.head_dim))
+        kv_sh = self._kv_sharding = self._named(("layers", "length", "cache_kv_heads", "head_dim"),
+                                                (cfg.num_layers, self.buckets[-1], cfg.num_kv_heads, cfg.head_dim))
         # the model's activations follow the generator rules (decode slots over `data`, heads and MLP
         # width over `tensor`) instead of whatever GSPMD propagates from the weights
         traced = lambda fn: traced_with_activation_rules(fn, self.mesh, "generator")  # noqa: E731
@@ -501,7 +501,7 @@ class PagedEngine(Engine):
                                       ("idx", r.sample_offset + j), ("pos", lens[row])):
                         cols[name].append(val)
             n = len(rows)
-            nb = max(1 << (n - 1).bit_length(), self.max_prefill_pack)  # one compilation for up to a pack's worth
+            nb = self._sample_rows(n)
             pad = lambda xs, dt: np.asarray(xs + [xs[-1]] * (nb - n), dt)  # noqa: E731
             trunc = any(_truncates(reqs[i][1].sampling) for i in g)
             firsts, lps = self._sample_firsts[trunc](logits, pad(rows, np.int32), pad(cols["t"], np.float32),
@@ -732,8 +732,8 @@ class PagedEngine(Engine):
         """
         max_samples = max_samples or self._S
         variants = (False, True) if truncation else (False,)
-        # sample_first's padded row counts (`prefill_many`): max(a power of two >= n, max_prefill_pack), n <= max_samples
-        sample_rows = sorted({max(1 << (n - 1).bit_length(), self.max_prefill_pack)
+        # sample_first's padded row counts for every n <= max_samples (powers of two up to it, and itself)
+        sample_rows = sorted({self._sample_rows(n)
                               for n in [1 << i for i in range((max_samples - 1).bit_length())] + [max_samples]})
         if parallel:
             self._compile_ahead(params, variants, sample_rows)
@@ -752,13 +752,22 @@ class PagedEngine(Engine):
         for sp in sps:
             for nb in sample_rows:  # one sample_first program per padded row count
                 self.prefill(params, [1], sp, num_samples=nb)
-        # the compacted steps compile on their own thread (started by `_compile_ahead` after the others) while
-        # generation starts; the first step that needs one waits for it (compacting never depends on compile timing)
+        # the compacted steps compile while generation starts (already started by `_compile_ahead` when parallel)
+        self._start_compact_compiles(params, state.arrays, no_pages, variants)
+
+    def _sample_rows(self, n: int) -> int:
+        """Rows of the `sample_first` call for n samples of one prefill row: a power of two >= n, at least
+        `max_prefill_pack` (one compilation for up to a pack's worth)."""
+        return max(1 << (n - 1).bit_length(), self.max_prefill_pack)
+
+    def _start_compact_compiles(self, params: Params, arrays, new_pages, variants: tuple[bool, ...]) -> None:
+        """Start the compacted steps' compiles (every size, each sampler in `variants`) not started yet, on their own
+        thread: the first step that needs one waits for it (compacting never depends on compile timing)."""
         sig = _params_signature(params)
         for t in variants:
             for b in self.compact_sizes:
                 if (sig, t, b) not in self._compact:
-                    self._start_compact_compile(params, state.arrays, no_pages, (sig, t, b))
+                    self._start_compact_compile(params, arrays, new_pages, (sig, t, b))
 
     def _compile_ahead(self, params: Params, variants: tuple[bool, ...], sample_rows: list[int]) -> None:
         """Compile the programs `warmup` runs from abstract arguments, all at once on a pool of threads (the
@@ -767,7 +776,6 @@ class PagedEngine(Engine):
         cache), which `tests/rollout/test_engine.py` checks by counting backend compiles."""
         import concurrent.futures
 
-        cfg = self.cfg
         sds = jax.ShapeDtypeStruct
         committed = lambda x: sds(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         host = lambda shape, dt: sds(shape, np.dtype(dt))  # noqa: E731  (numpy arguments: uncommitted)
@@ -777,12 +785,10 @@ class PagedEngine(Engine):
         new_pages_a = sds((self._S,), np.int32, sharding=self.slot_sharding)
         jobs = [(self._steps[t], (params_a, arrays_a, new_pages_a)) for t in variants] + [(self._init, ())]
         N = self.max_prefill_pack
-        kv_sh = self._named(("layers", "length", "cache_kv_heads", "head_dim"),  # as `_build_functions`'s prefill
-                            (cfg.num_layers, self.buckets[-1], cfg.num_kv_heads, cfg.head_dim))
         for b in self.buckets:
             tokens_a, lengths_a = host((1, b), np.int32), host((N,), np.int32)
             k_a, _, logits_a, *_ = jax.eval_shape(self._prefill, params_a, tokens_a, lengths_a)
-            kv_a = sds(k_a.shape, k_a.dtype, sharding=kv_sh)
+            kv_a = sds(k_a.shape, k_a.dtype, sharding=self._kv_sharding)
             jobs.append((self._prefill, (params_a, tokens_a, lengths_a)))
             jobs.append((self._insert, (arrays_a, kv_a, kv_a, host((b,), np.int32), host((b,), np.int32),
                                         host((self.max_pages_per_seq,), np.int32), host((), np.int32),
@@ -801,8 +807,5 @@ class PagedEngine(Engine):
             futures = [pool.submit(lambda fn=fn, a=a: fn.lower(*a).compile()) for fn, a in jobs]
             for f in futures:
                 f.result(timeout=3600)  # re-raises a compile error
-        sig = _params_signature(params)
-        for t in variants:  # then the compacted steps, on their own thread, beside the rest of warmup and generation
-            for b in self.compact_sizes:
-                if (sig, t, b) not in self._compact:
-                    self._start_compact_compile(params, arrays_a, new_pages_a, (sig, t, b))
+        # then the compacted steps, on their own thread, beside the rest of warmup and generation
+        self._start_compact_compiles(params, arrays_a, new_pages_a, variants)
