@@ -1,6 +1,6 @@
 """The run's trainer and generator engine, built from a `RunConfig` in one place.
 
-`RLLoop` (the run) and `plan` (its memory plan) must compile the *same* programs: a plan of a
+`loop.RLRun` (the run) and `plan` (its memory plan) must compile the *same* programs: a plan of a
 trainer or engine that the run does not build is worth nothing. Both therefore construct them
 here, from the run config, a model config and a mesh; nothing else about the run (data,
 tokenizer, checkpoints) is needed, so the planner can build them from abstract shapes on

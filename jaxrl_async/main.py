@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         print("config OK (dry run)", file=sys.stderr)
         return 0
     from jaxrl_async import compile_cache
-    from jaxrl_async.rl_loop import FatalRunError, RLLoop
+    from jaxrl_async.loop import FatalRunError, RLRun
 
     compile_cache.enable()
     try:
-        result = RLLoop(cfg).run()
+        result = RLRun(cfg).run()
     except FatalRunError as e:
         print(f"[jaxrl_async] run failed: {e}", file=sys.stderr)
         return 1

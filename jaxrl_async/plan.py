@@ -371,7 +371,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     compile_cfg = model_cfg.replace(dtype="float32") if float32_temporaries else model_cfg
     notes: list[str] = []
 
-    # -- meshes (as RLLoop._setup_devices) ----------------------------------------------------
+    # -- meshes (as loop.setup.local_placement) ----------------------------------------------------
     m = cfg.mesh
     gen_ids, trn_ids = resolve_device_split(m, n)
     shared = bool(set(gen_ids) & set(trn_ids))

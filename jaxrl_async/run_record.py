@@ -1,4 +1,4 @@
-"""The outcome of an RL run (``RunResult``): what ``rl_loop.RLLoop.run`` returns and ``main``'s last line."""
+"""The outcome of an RL run (``RunResult``): what ``loop.RLRun.run`` returns and ``main``'s last line."""
 
 from __future__ import annotations
 

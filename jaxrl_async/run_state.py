@@ -1,6 +1,6 @@
 """The RL run's state in and out of checkpoints: initial parameters, the checkpointer, the training
 state as checkpoint items, and the finished-but-unconsumed groups (saved bit-exactly, restored into the
-staleness buffer on resume). Used by ``rl_loop`` and mirrored by the processes of a trainer group."""
+staleness buffer on resume). Used by ``loop`` and mirrored by the processes of a trainer group."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def restore_train_state(ckpt: Any, trainer: Any, params: Any, base_ref: Mapping[
     from jaxrl_async.checkpoint import abstract_like
 
     abstract = abstract_like(jax.eval_shape(trainer.init_state, params), trainer.state_shardings)
-    r = ckpt.restore(targets=_state_items(abstract, base_ref), fallback=True)
+    r = ckpt.restore(targets=state_items(abstract, base_ref), fallback=True)
     if base_ref is not None:
         from jaxrl_async.models import lora
 
@@ -182,7 +182,7 @@ def restore_buffered_groups(saved: Sequence[Mapping[str, Any]], staleness: Any, 
             reason = "stale_on_restore"
         else:
             try:
-                ticket = staleness.restore_buffered(_group_from_record(rec, item), m, h)
+                ticket = staleness.restore_buffered(group_from_record(rec, item), m, h)
             except (ValueError, KeyError, TypeError, StalenessViolation) as e:
                 reason = f"invalid:{type(e).__name__}"
                 log.warning("checkpointed group of draw %d not reused: %s", draw, e)
@@ -207,7 +207,7 @@ def _jsonable(value: Any) -> Any:
         return repr(value)
 
 
-def _group_record(g: Any, draw: int) -> dict[str, Any]:
+def group_record(g: Any, draw: int) -> dict[str, Any]:
     """A buffered group (``ConsumedGroup`` of a ``TrajectoryGroup``) as a checkpoint record; the
     arrays go to the checkpoint's numeric pools bit-exactly, the prompt item stays in the ledger."""
     group = g.item
@@ -220,8 +220,8 @@ def _group_record(g: Any, draw: int) -> dict[str, Any]:
                              for t in group.trajectories]}
 
 
-def _group_from_record(rec: Mapping[str, Any], item: Any) -> Any:
-    """Inverse of ``_group_record`` (the trajectories are re-validated by ``Trajectory``)."""
+def group_from_record(rec: Mapping[str, Any], item: Any) -> Any:
+    """Inverse of ``group_record`` (the trajectories are re-validated by ``Trajectory``)."""
     from jaxrl_async.rollout.workflow import Trajectory, TrajectoryGroup
 
     trajs = [Trajectory(tokens=t["tokens"], loss_mask=t["loss_mask"], logprobs=t["logprobs"], versions=t["versions"],
@@ -233,7 +233,7 @@ def _group_from_record(rec: Mapping[str, Any], item: Any) -> Any:
     return TrajectoryGroup(item, trajs, int(rec.get("group_id", -1)), dict(rec.get("metadata") or {}))
 
 
-def _state_items(state: Any, base_ref: Any = None) -> dict[str, Any]:
+def state_items(state: Any, base_ref: Any = None) -> dict[str, Any]:
     """TrainState → checkpoint items (``params`` is what export reads; with a LoRA ``base_ref``, the adapters
     only: the base is the referenced ``model.path``)."""
     params = state.params
@@ -245,7 +245,7 @@ def _state_items(state: Any, base_ref: Any = None) -> dict[str, Any]:
             "counters": {"step": state.step, "n_skipped": state.n_skipped}}
 
 
-def _state_from_items(items: Mapping[str, Any]) -> Any:
+def state_from_items(items: Mapping[str, Any]) -> Any:
     from jaxrl_async.trainer.train_step import TrainState
 
     return TrainState(params=items["params"], opt_state=items["opt_state"], step=items["counters"]["step"],

@@ -91,7 +91,7 @@ class LoraPush:
             raise ValueError(f"LoraPush.decode: must be 'unmerged' or 'merged', got {self.decode!r}")
 
 
-def _guard(enabled: bool):
+def transfer_guard(enabled: bool):
     if not enabled:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
@@ -305,7 +305,7 @@ class WeightPusher(NewestWinsPusher):
         """Dispatch the copy of ``params`` (version ``version``) to the generator; returns at once."""
         self._raise_if_failed()
         t0 = time.perf_counter()
-        with _guard(self.guard):
+        with transfer_guard(self.guard):
             src = params
             if self.lora is not None:
                 from jaxrl_async.models import lora as lora_lib
@@ -353,7 +353,7 @@ class WeightPusher(NewestWinsPusher):
 
     # -- push thread --------------------------------------------------------------------------
     def _deliver(self, params: Any, stats: PushStats, t0: float) -> None:
-        with _guard(self.guard):
+        with transfer_guard(self.guard):
             self._wait_ready(params, stats.version)
         t1 = time.perf_counter()
         stats.transfer_s = t1 - t0
@@ -369,7 +369,7 @@ class WeightPusher(NewestWinsPusher):
 
         if self.lora.decode == "unmerged":
             return lora_lib.join(adapters, self.lora.base)
-        with _guard(self.guard):
+        with transfer_guard(self.guard):
             merged = self._merge(adapters, self.lora.base)
             jax.block_until_ready(merged)
         return merged

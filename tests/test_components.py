@@ -1,4 +1,4 @@
-"""`jaxrl_async.components`: the trainer and engine that both the run (`RLLoop`) and the planner build
+"""`jaxrl_async.components`: the trainer and engine that both the run (`loop.RLRun`) and the planner build
 carry the run config's settings (temperature, chunk, minibatches, loss, packing; engine sizes, page
 size, generator weights in the compute dtype, pool size from the config unless given)."""
 import os

@@ -1,6 +1,6 @@
 """The data ledger: every drawn prompt is consumed, rejected with a reason, or outstanding.
 
-``DataLedger`` wraps the training data iterator of the RL loop (``rl_loop``); its state goes into every
+``DataLedger`` wraps the training data iterator of the RL loop (``loop``); its state goes into every
 checkpoint, so a resumed run replays the outstanding items first with their original draw indices and
 seeds (nothing admitted is lost or duplicated). ``read_data_ledger`` rebuilds a run's surviving event
 history from ``RUN/data_ledger.jsonl``.

@@ -1,7 +1,10 @@
-"""Multi-process execution: the roles of ``rl_loop.RLLoop`` in separate processes (hosts).
+"""Multi-process execution: the roles of a run (``loop.RLRun``) in separate processes (hosts).
 
-* ``controller``: controller + trainer process (``DistributedRLLoop``: the single-process loop with
-  its generator hooks replaced by a remote generator and a cross-process pusher);
+* ``controller``: controller + trainer process (``DistributedServices``: the same loop given a remote
+  generator role (``RemoteGenerators``: ``RemoteGenerator`` + cross-process ``TransferPusher``) and,
+  for a trainer over several processes, a ``GroupTrainer``);
+* ``trainer_group``: the other processes of a trainer group (``TrainerFollower``: the leader's
+  operations on their own ``loop.services.LocalTrainer``);
 * ``generator_role``: a generator process (engine + ``Generator`` on its own devices) serving the
   controller over ``rpc``;
 * ``rpc`` (+ ``tls``, ``codec``): calls between role processes over mutual TLS keyed by the run's

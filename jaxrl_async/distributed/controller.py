@@ -1,4 +1,4 @@
-"""The controller + trainer role: ``RLLoop`` with its generator in other processes.
+"""The controller + trainer role: the run (``loop.RLRun``) with its generators in other processes.
 
 ``python -m jaxrl_async.distributed.controller --listen HOST:PORT [--generators N]
 [--generator-devices G] [--cpu-devices T] [--transfer-host HOST] [--coordinator ADDR --num-processes P
@@ -9,16 +9,16 @@ section 5)
 The controller (data ledger, staleness manager, rollout dispatcher, workflows and rewards,
 checkpoints, metrics) lives in the trainer process, as AReaL's controller lives on the trainer's
 rank 0: a checkpoint must hold the trainer state and the data/rollout state of the same moment,
-and the trainer is the consumer every batch goes to. Everything else is the unchanged single-process
-loop (``rl_loop.RLLoop``); this module replaces its two generator hooks (and, for a trainer of
-several processes, its trainer-side hooks, see below):
+and the trainer is the consumer every batch goes to. The loop is the single-process one
+(``loop.RLRun``), given another set of role services (``DistributedServices``; the contracts are
+``jaxrl_async.api``):
 
-* ``_start_generator``: accept ``N`` generator processes (``generator_role``), send them the engine
+* ``RemoteGenerators.start`` (the generator role): accept ``N`` generator processes (``generator_role``), send them the engine
   spec, plan the cross-process push against their parameter layouts, push the initial weights and
   start them; returns a ``RemoteGenerator`` (the ``Generator`` interface over RPC: ``submit`` ->
   handle with ``result(timeout)``, ``abort``, ``stats``, ``error``), so workflows, the dispatcher
   and eval run unchanged;
-* ``_build_pusher``: a ``TransferPusher`` (the ``WeightPusher`` interface): weights travel
+* ``RemoteGenerators.pusher``: a ``TransferPusher`` (the ``WeightPusher`` interface): weights travel
   device-to-device through ``jax.experimental.transfer`` (``distributed.transfer``), checksummed,
   with a disk fallback; the version is advertised to the staleness manager only after EVERY
   generator applied it (the invariant the staleness bound rests on).
@@ -50,7 +50,9 @@ from typing import Any, Callable, Sequence
 
 from jaxrl_async.components import generator_model_config
 from jaxrl_async.distributed import rpc
-from jaxrl_async.rl_loop import RLLoop
+from jaxrl_async.loop.services import LocalTrainer
+from jaxrl_async.loop.setup import Placement
+from jaxrl_async.loop.warm_start import WarmStart
 from jaxrl_async.weight_sync import NewestWinsPusher
 
 PUSH_LOG = "weight_push.jsonl"
@@ -109,7 +111,11 @@ class RemoteGenerator:
         return self._version
 
     def start(self) -> "RemoteGenerator":
-        return self  # started in DistributedRLLoop._start_generator (after the first weights)
+        return self  # started in RemoteGenerators.start (after the first weights)
+
+    def set_version(self, version: int) -> None:
+        """The version every generator now decodes with (the pusher's ``on_applied``)."""
+        self._version = int(version)
 
     def submit(self, prompt_ids: Sequence[int], sampling: Any = None, request_id: str | None = None,
                metadata: Any = None, *, stream: bool = False) -> RemoteHandle:
@@ -231,9 +237,10 @@ class TransferPusher(NewestWinsPusher):
         self._start()
 
     def _prepare(self, params: Any) -> tuple[list, Any]:
-        from jaxrl_async.weight_sync import _guard
+        from jaxrl_async.distributed.transfer import prepare_wire
+        from jaxrl_async.weight_sync import transfer_guard
 
-        with _guard(self.guard):
+        with transfer_guard(self.guard):
             return prepare_wire(self.sender, params, self.dtype)
 
     def _dispatch(self, params: Any, version: int) -> tuple[tuple[list, Any], CrossPushStats, float]:
@@ -322,7 +329,7 @@ class TransferPusher(NewestWinsPusher):
         return r
 
 
-def _adapters(params: Any) -> Any:
+def adapters_of(params: Any) -> Any:
     """LoRA: what a push carries (the generators hold the base)."""
     from jaxrl_async.models import lora
 
@@ -342,41 +349,6 @@ def _result(fut: cf.Future, peer: rpc.Peer, method: str, timeout: float) -> Any:
         raise rpc.PeerTimeoutError(f"{peer.name}: no reply to {method!r} within {timeout:.0f} s") from None
 
 
-def _cast_impl():
-    import jax
-
-    return jax.jit(lambda leaves, dtype: [x.astype(dtype) + jax.numpy.zeros((), dtype) for x in leaves],
-                   static_argnums=1)
-
-
-class _LazyCast:
-    """Jitted cast to the generator dtype that always returns fresh buffers (``+ 0`` defeats input
-    forwarding when the dtypes agree), so the trainer may donate its parameters right after."""
-
-    fn = None
-
-    def __call__(self, leaves, dtype):
-        if self.fn is None:
-            self.fn = _cast_impl()
-        return self.fn(leaves, dtype)
-
-
-_CAST = _LazyCast()
-
-
-def prepare_wire(sender: Any, params: Any, dtype: Any) -> tuple[list, Any]:
-    """One push's trainer-side programs, dispatched in this order: cast to the generator dtype, the
-    ``via_trainer`` reshard (``WireSender.prepare``), the per-leaf checksums. Returns (wire arrays,
-    checksums on device). Every process of a trainer group runs exactly this (the leader's pusher and
-    ``trainer_group.TrainerFollower``): the same collectives in the same order."""
-    import jax
-
-    from jaxrl_async.distributed.transfer import checksums_async
-
-    wire = sender.prepare(_CAST(jax.tree.leaves(params), dtype))
-    return wire, checksums_async(wire)
-
-
 # =============================================================================================
 # The loop
 # =============================================================================================
@@ -394,199 +366,233 @@ def role_config(cfg: Any, generator_devices: int, trainer_devices: int) -> Any:
     return validate(dataclasses.replace(cfg, mesh=mesh), num_devices=G + T)
 
 
-class DistributedRLLoop(RLLoop):
-    """``RLLoop`` whose generator role runs in ``generator_role`` processes and whose trainer may span
-    several processes (module docstring). On a trainer group every trainer-side hook first sends
-    its operation to the followers (``trainer_group.GroupLeader.send``), then runs it here."""
+class GroupTrainer:
+    """``api.trainer.TrainerService`` over a trainer group: every operation is first sent to the followers
+    (``GroupLeader.send``), which run it on their own ``loop.services.LocalTrainer``, then run on the
+    leader's (``local``). The same ordered operations on every process: the collectives match."""
 
-    def __init__(self, cfg: Any, *, listener: Any, num_generators: int = 1, accept_timeout_s: float = 300.0,
-                 call_timeout_s: float = 600.0, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0,
-                 transfer_host: str = "127.0.0.1", **kw: Any):
-        self.listener, self.num_generators = listener, int(num_generators)
-        self.accept_timeout_s, self.call_timeout_s = accept_timeout_s, call_timeout_s
-        self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
-        self.transfer_host = transfer_host
-        self._peers: list[rpc.Peer] = []
-        self.group = None  # trainer_group.GroupLeader when the trainer spans several processes
-        self._select = None  # LoRA: params -> the adapters (what a push carries)
-        super().__init__(cfg, **kw)
+    def __init__(self, local: LocalTrainer, group: Any):
+        self.local, self.group = local, group
 
-    def _setup_devices(self) -> None:
-        import jax
+    @property
+    def checkpointer(self) -> Any:
+        return self.local.checkpointer
 
-        from jaxrl_async.distributed.trainer_group import GroupLeader, trainer_mesh
+    @property
+    def params(self) -> Any:
+        return self.local.params
 
-        devs = jax.devices()
-        self.trainer_mesh = trainer_mesh(self.cfg)
-        self.gen_mesh, self.gen_ids, self.trainer_ids, self.colocated = None, (), tuple(range(len(devs))), False
-        P = jax.process_count()
-        self._say(f"trainer devices: {len(devs)} x {devs[0].platform} in {P} process(es), mesh "
-                  f"{dict(self.trainer_mesh.shape)}; generators: {self.num_generators} process(es), listening on "
-                  f"{self.listener.address}")
-        followers = self._accept_peers(P - 1)
-        if followers:
-            self.group = GroupLeader(followers, call_timeout_s=self.call_timeout_s)
-            self.group.start_watchdog()
+    def latest_checkpoint(self) -> int | None:  # a directory listing, no collective
+        return self.local.latest_checkpoint()
 
-    def _accept_peers(self, n_followers: int) -> list[rpc.Peer]:
-        """Accept the other trainer processes and the generator processes (any order); returns the
-        followers in process order and keeps the generators for ``_start_generator``."""
-        followers: dict[int, rpc.Peer] = {}
-        total = n_followers + self.num_generators
-        for k in range(total):
-            conn = rpc.accept(self.listener, self.accept_timeout_s,
-                              f"role process ({k + 1} of {total}: {n_followers} other trainer process(es), "
-                              f"{self.num_generators} generator(s))")
-            hello: dict[str, Any] = {}
-            got = threading.Event()
+    def state_consumed(self) -> bool:
+        return self.local.state_consumed()
 
-            def handler(method: str, args: tuple, reply: Callable, hello=hello, got=got) -> None:
-                if method != "register":
-                    raise ValueError(f"controller: unexpected call {method!r} from a role process")
-                hello.update(args[0])
-                got.set()
-                reply(True, None)
+    def build(self) -> None:
+        self.group.send("build")
+        self.local.build()
 
-            peer = rpc.Peer(conn, f"role process #{k}", handler=handler, heartbeat_s=self.heartbeat_s,
-                            heartbeat_timeout_s=self.heartbeat_timeout_s)
-            if not got.wait(60.0):
-                raise TimeoutError(f"role connection #{k} did not register within 60 s")
-            peer.name = f"{hello['name']} (pid {hello['pid']} on {hello['host']})"
-            if hello.get("role") == "trainer":
-                i = int(hello["process_index"])
-                if not 0 < i <= n_followers or i in followers:
-                    raise RuntimeError(f"{peer.name}: trainer process index {i} is not one of 1..{n_followers} "
-                                       "or registered twice (same --num-processes on every trainer process?)")
-                followers[i] = peer
-                self._say(f"trainer process connected: {peer.name}")
-            else:
-                if len(self._peers) >= self.num_generators:
-                    raise RuntimeError(f"{peer.name}: more generator processes than --generators {self.num_generators}")
-                self._peers.append(peer)
-                self._say(f"generator connected: {peer.name}")
-        self._peers.sort(key=lambda p: p.name)  # a stable order (logs, push records), whatever connected first
-        return [followers[i] for i in sorted(followers)]
-
-    # -- trainer group: every trainer-side operation runs on all trainer processes, in this order --
-    def _setup_model(self) -> None:
-        super()._setup_model()
-        if self.group is not None:
-            spec = {"model_cfg": self.model_cfg, "run_dir": self.run_dir, "tokenizer_dir": self.tokenizer_dir}
-            infos = self.group.results(self.group.send("setup", spec), "setup")
-            self._say(f"trainer group: {self.group.size} processes (" + ", ".join(
-                f"#{i['process_index']} pid {i['pid']} on {i['host']}" for i in infos) + " follow this one)")
-
-    def _build_trainer(self):
-        if self.group is not None:
-            self.group.send("build_trainer")
-        return super()._build_trainer()
-
-    def _build_checkpointer(self) -> Any:
-        if self.group is not None:
-            self.group.send("build_checkpointer")
-        return super()._build_checkpointer()
-
-    def _warm_start(self, params: Any, examples: Sequence[Any], model_cfg: Any = None) -> Any:
-        if self.group is not None:  # (LoRA: the followers warm-start the base alone too, from model_cfg)
-            self.group.send("warm_start", list(examples))
-        return super()._warm_start(params, examples, model_cfg)
-
-    def _init_state(self, trainer: Any, params: Any) -> Any:
-        if self.group is not None:
-            self.group.send("init_state")
-        return super()._init_state(trainer, params)
-
-    def _restore_checkpoint(self, ckpt: Any, trainer: Any) -> Any:
-        if self.group is None:
-            return super()._restore_checkpoint(ckpt, trainer)
+    def restore(self) -> Any:
         futs = self.group.send("restore")
-        r = super()._restore_checkpoint(ckpt, trainer)
+        r = self.local.restore()
         steps = self.group.results(futs, "restore")
         if any(s != r.step for s in steps):
             raise RuntimeError(f"trainer group restored different checkpoints: step {r.step} here, {steps} on the "
                                "other processes (is the run directory on a filesystem every host sees?)")
         return r
 
-    def _train_batch(self, trainer: Any, state: Any, trajs: Sequence[Any], version: int) -> tuple[Any, list]:
+    def initial_state(self, sft_examples: Sequence[Any] | None) -> None:
+        self.group.send("initial_state", None if sft_examples is None else list(sft_examples))
+        self.local.initial_state(sft_examples)
+
+    def train(self, trajectories: Sequence[Any], policy_version: int) -> list:
+        self.group.send("train", list(trajectories), int(policy_version))  # the batch travels leader -> followers
+        return self.local.train(trajectories, policy_version)
+
+    def save(self, meta: Any, buffered: Sequence[Any]) -> Any:
+        self.group.send("save", meta, list(buffered))
+        return self.local.save(meta, buffered)
+
+    def wait_checkpoint(self) -> None:
+        self.group.send("wait_checkpoint")
+        self.local.wait_checkpoint()
+
+    def close_checkpoint(self) -> None:
+        if self.group.error is not None:
+            return  # Orbax's close synchronises with processes that are gone: leave it to the exit
+        self.group.send("close_checkpoint")
+        self.local.close_checkpoint()
+
+    def export(self, step: int) -> Any:
+        self.group.send("export", int(step))
+        return self.local.export(step)
+
+
+class DistributedServices:
+    """The roles of a multi-process run (module docstring): ``place`` accepts the other trainer processes
+    and the generator processes; the trainer is a ``GroupTrainer`` when the trainer spans several
+    processes (else a ``LocalTrainer``); the generator role is ``RemoteGenerators``."""
+
+    def __init__(self, *, listener: Any, num_generators: int = 1, accept_timeout_s: float = 300.0,
+                 call_timeout_s: float = 600.0, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0,
+                 transfer_host: str = "127.0.0.1"):
+        self.listener, self.num_generators = listener, int(num_generators)
+        self.accept_timeout_s, self.call_timeout_s = accept_timeout_s, call_timeout_s
+        self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
+        self.transfer_host = transfer_host
+        self.peers: list[rpc.Peer] = []  # the generator processes
+        self.group = None  # trainer_group.GroupLeader when the trainer spans several processes
+        self.remote: RemoteGenerator | None = None
+        self.run_dir: str | None = None
+
+    def place(self, cfg: Any, control: Any) -> Placement:
+        import jax
+
+        from jaxrl_async.distributed.trainer_group import GroupLeader, trainer_mesh
+
+        devs = jax.devices()
+        mesh = trainer_mesh(cfg)
+        P = jax.process_count()
+        control.say(f"trainer devices: {len(devs)} x {devs[0].platform} in {P} process(es), mesh {dict(mesh.shape)}; "
+                    f"generators: {self.num_generators} process(es), listening on {self.listener.address}")
+        followers = self._accept_peers(P - 1, control.say)
+        if followers:
+            self.group = GroupLeader(followers, call_timeout_s=self.call_timeout_s)
+            self.group.start_watchdog()
+        return Placement(trainer_mesh=mesh, trainer_ids=tuple(range(len(devs))))
+
+    def _accept_peers(self, n_followers: int, say: Callable[[str], None]) -> list[rpc.Peer]:
+        """Accept the other trainer processes and the generator processes (any order); returns the
+        followers in process order and keeps the generators (``peers``)."""
+        followers: dict[int, rpc.Peer] = {}
+        total = n_followers + self.num_generators
+        for k in range(total):
+            peer, hello = self._accept_one(k, total, n_followers)
+            if hello.get("role") == "trainer":
+                i = int(hello["process_index"])
+                if not 0 < i <= n_followers or i in followers:
+                    raise RuntimeError(f"{peer.name}: trainer process index {i} is not one of 1..{n_followers} "
+                                       "or registered twice (same --num-processes on every trainer process?)")
+                followers[i] = peer
+                say(f"trainer process connected: {peer.name}")
+            else:
+                if len(self.peers) >= self.num_generators:
+                    raise RuntimeError(f"{peer.name}: more generator processes than --generators {self.num_generators}")
+                self.peers.append(peer)
+                say(f"generator connected: {peer.name}")
+        self.peers.sort(key=lambda p: p.name)  # a stable order (logs, push records), whatever connected first
+        return [followers[i] for i in sorted(followers)]
+
+    def _accept_one(self, k: int, total: int, n_followers: int) -> tuple[rpc.Peer, dict[str, Any]]:
+        conn = rpc.accept(self.listener, self.accept_timeout_s,
+                          f"role process ({k + 1} of {total}: {n_followers} other trainer process(es), "
+                          f"{self.num_generators} generator(s))")
+        hello: dict[str, Any] = {}
+        got = threading.Event()
+
+        def handler(method: str, args: tuple, reply: Callable) -> None:
+            if method != "register":
+                raise ValueError(f"controller: unexpected call {method!r} from a role process")
+            hello.update(args[0])
+            got.set()
+            reply(True, None)
+
+        peer = rpc.Peer(conn, f"role process #{k}", handler=handler, heartbeat_s=self.heartbeat_s,
+                        heartbeat_timeout_s=self.heartbeat_timeout_s)
+        if not got.wait(60.0):
+            raise TimeoutError(f"role connection #{k} did not register within 60 s")
+        peer.name = f"{hello['name']} (pid {hello['pid']} on {hello['host']})"
+        return peer, hello
+
+    def after_setup(self, setup: Any, control: Any) -> None:
+        self.run_dir = setup.run_dir
         if self.group is not None:
-            self.group.send("train", list(trajs), int(version))
-        return super()._train_batch(trainer, state, trajs, version)
+            spec = {"model_cfg": setup.model_cfg, "run_dir": setup.run_dir, "tokenizer_dir": setup.tokenizer_dir}
+            infos = self.group.results(self.group.send("setup", spec), "setup")
+            control.say(f"trainer group: {self.group.size} processes (" + ", ".join(
+                f"#{i['process_index']} pid {i['pid']} on {i['host']}" for i in infos) + " follow this one)")
 
-    def _save_checkpoint(self, ckpt: Any, arrays: Any, meta: Any, buffered: list) -> Any:
+    def trainer(self, setup: Any, control: Any) -> Any:
+        local = LocalTrainer(setup.cfg, setup.run_dir, setup.model_cfg, setup.trainer_mesh, setup.init_params,
+                             base_ref=setup.base_ref, tokenizer_dir=setup.tokenizer_dir,
+                             warm_start=WarmStart(setup.cfg, setup.trainer_mesh, control,
+                                                  interruptible=self.group is None))
+        return local if self.group is None else GroupTrainer(local, self.group)
+
+    def generators(self, setup: Any, control: Any) -> "RemoteGenerators":
+        return RemoteGenerators(self, setup, control.say)
+
+    def close(self) -> None:
+        """The end of the run: requests per generator, and the trainer group let go (its operation logs
+        compared: every follower must have run the leader's operations, in the leader's order)."""
+        if self.remote is not None:
+            print("[jaxrl_async] requests per generator: " + ", ".join(
+                f"{p.name.split(' ')[0]} {n}" for p, n in zip(self.remote.peers, self.remote.submitted)),
+                file=sys.stderr, flush=True)
         if self.group is not None:
-            self.group.send("save", meta, buffered)
-        return super()._save_checkpoint(ckpt, arrays, meta, buffered)
+            self.group.finish(log_dir=self.run_dir)
 
-    def _wait_checkpoint(self, ckpt: Any) -> None:
-        if self.group is not None:
-            self.group.send("wait_checkpoint")
-        super()._wait_checkpoint(ckpt)
 
-    def _close_checkpoint(self, ckpt: Any) -> None:
-        if self.group is not None:
-            if self.group.error is not None:
-                return  # Orbax's close synchronises with processes that are gone: leave it to the exit
-            self.group.send("close_checkpoint")
-        super()._close_checkpoint(ckpt)
+class RemoteGenerators:
+    """``api.generator.GeneratorRole`` over generator processes: ``start`` sends them the engine spec, plans
+    the cross-process push against their parameter layouts, pushes the initial weights and starts them
+    (a ``RemoteGenerator``); ``pusher`` is a ``TransferPusher``."""
 
-    def _export(self, ckpt: Any, step: int) -> Any:
-        if self.group is not None:
-            self.group.send("export", int(step))
-        return super()._export(ckpt, step)
+    def __init__(self, services: DistributedServices, setup: Any, say: Callable[[str], None]):
+        self.services, self.setup, self.say = services, setup, say
+        self.group, self.peers = services.group, services.peers
+        self.call_timeout_s = services.call_timeout_s
+        self.select = None  # LoRA: params -> the adapters (what a push carries)
+        self.remote: RemoteGenerator | None = None
 
-    def run(self) -> Any:
-        try:
-            return super().run()
-        finally:
-            remote = getattr(self, "remote", None)
-            if remote is not None:
-                self._say("requests per generator: " + ", ".join(
-                    f"{p.name.split(' ')[0]} {n}" for p, n in zip(remote.peers, remote.submitted)))
-            if self.group is not None:
-                self.group.finish()
+    def _spec(self, first: Any, lora_src: Any) -> dict[str, Any]:
+        import jax
 
-    def _start_generator(self, params: Any, version: int) -> Any:
+        c, ro = self.setup.cfg, self.setup.cfg.rollout
+        return {"model_config": generator_model_config(self.setup.model_cfg), "engine": ro.engine,
+                "mesh_shape": tuple(c.mesh.generator.shape), "mesh_axes": tuple(c.mesh.generator.axis_names),
+                "tokenizer_dir": self.setup.tokenizer_dir,
+                "param_shapes": [tuple(x.shape) for x in jax.tree.leaves(first)], "n_samples": ro.n_samples,
+                "kv_update_policy": ro.kv_update_policy, "max_prefills_per_step": ro.engine.max_prefills_per_step,
+                "lora": lora_src, "truncation": ro.sampling.top_k > 0 or ro.sampling.top_p < 1.0,
+                "record_routing": ro.record_routing}
+
+    def start(self, params: Any, version: int) -> RemoteGenerator:
         import jax
 
         from jaxrl_async.distributed.transfer import start_server
 
-        c, ro = self.cfg, self.cfg.rollout
-        peers = self._peers
-        dtype = str(jax.numpy.dtype(self.model_cfg.dtype))
+        model_cfg, peers = self.setup.model_cfg, self.peers
+        dtype = str(jax.numpy.dtype(model_cfg.dtype))
         lora_src = None
-        if self.model_cfg.lora is not None:  # the generators hold the base; pushes carry the adapters only
+        if model_cfg.lora is not None:  # the generators hold the base; pushes carry the adapters only
             from jaxrl_async.distributed import lora_remote
 
-            lora_src = lora_remote.base_source(c, self.model_cfg)
+            lora_src = lora_remote.base_source(self.setup.cfg, model_cfg)
         # the first push: the adapters (the generators build the base), or base + adapters once (source "push")
-        self._select = _adapters if lora_src is not None and lora_src["source"] != "push" else None
-        first = params if self._select is None else self._select(params)
-        spec = {"model_config": generator_model_config(self.model_cfg), "engine": ro.engine,
-                "mesh_shape": tuple(c.mesh.generator.shape), "mesh_axes": tuple(c.mesh.generator.axis_names),
-                "tokenizer_dir": self.tokenizer_dir, "param_shapes": [tuple(x.shape) for x in jax.tree.leaves(first)],
-                "n_samples": ro.n_samples, "kv_update_policy": ro.kv_update_policy,
-                "max_prefills_per_step": ro.engine.max_prefills_per_step, "lora": lora_src,
-                "truncation": ro.sampling.top_k > 0 or ro.sampling.top_p < 1.0, "record_routing": ro.record_routing}
-        futs = [p.call_async("init", spec) for p in peers]  # the generators build their engines in parallel
+        self.select = adapters_of if lora_src is not None and lora_src["source"] != "push" else None
+        first = params if self.select is None else self.select(params)
+        futs = [p.call_async("init", self._spec(first, lora_src)) for p in peers]  # engines built in parallel
         infos = [_result(f, p, "init", self.call_timeout_s) for f, p in zip(futs, peers)]
         if lora_src is not None:
             if self.group is not None and lora_src["source"] != "push":
                 self.group.send("base_fingerprint", dtype)  # a collective over the trainer group
-            self._say(lora_remote.check_bases(peers, infos, params, dtype, lora_src))
-        self._transfer_server = start_server(self.transfer_host)
-        self._addresses = [self._transfer_server.address()]
+            self.say(lora_remote.check_bases(peers, infos, params, dtype, lora_src))
+        self.server = start_server(self.services.transfer_host)
+        self.addresses = [self.server.address()]
         self._configure_push(first, [i["layouts"] for i in infos], dtype)
-        self.remote = RemoteGenerator(peers, call_timeout_s=min(self.call_timeout_s, 120.0))
-        self._initial_pusher = self._make_pusher(None, self.call_timeout_s, None)
-        st = self._initial_pusher.push_now(params, version)
-        self._initial_pusher.close()
-        self._say(f"initial weights (version {version}, {st.bytes / 2**20:.1f} MiB) pushed to {len(peers)} generator(s) "
-                  f"via {st.transport} in {st.total_s:.2f} s (routes {dict(self._initial_pusher.routes)})")
-        if lora_src is not None and self._select is None:  # the base went once; from now on the adapters only
-            self._select = _adapters
-            self._configure_push(_adapters(params), [i["lora_adapter_layouts"] for i in infos], dtype, stage="adapters")
+        self.remote = self.services.remote = RemoteGenerator(peers, call_timeout_s=min(self.call_timeout_s, 120.0))
+        initial = self._make_pusher(None, self.call_timeout_s, None)
+        st = initial.push_now(params, version)
+        initial.close()
+        self.say(f"initial weights (version {version}, {st.bytes / 2**20:.1f} MiB) pushed to {len(peers)} generator(s) "
+                 f"via {st.transport} in {st.total_s:.2f} s (routes {dict(initial.routes)})")
+        if lora_src is not None and self.select is None:  # the base went once; from now on the adapters only
+            self.select = adapters_of
+            self._configure_push(adapters_of(params), [i["lora_adapter_layouts"] for i in infos], dtype,
+                                 stage="adapters")
         self.remote.start_info = [p.call("start", timeout=self.call_timeout_s) for p in peers]
-        self.remote._version = version
+        self.remote.set_version(version)
         return self.remote
 
     def _configure_push(self, tree: Any, dst_layouts: list, dtype: str, stage: str | None = None) -> None:
@@ -596,7 +602,7 @@ class DistributedRLLoop(RLLoop):
 
         from jaxrl_async.distributed.transfer import WireSender, layout_of, plan_transfer, tree_keys
 
-        peers = self._peers
+        peers = self.peers
         leaves = jax.tree.leaves(tree)
         keys = tree_keys(tree)
         for p, info in zip(peers, dst_layouts):
@@ -606,33 +612,37 @@ class DistributedRLLoop(RLLoop):
             if info != dst_layouts[0]:
                 raise RuntimeError(f"{p.name}: generator layouts differ between generator processes")
         src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
-        self._plans = plan_transfer(keys, [x.shape for x in leaves], dtype, src_layouts, dst_layouts[0])
-        self._src_shardings = [x.sharding for x in leaves]
+        self.plans = plan_transfer(keys, [x.shape for x in leaves], dtype, src_layouts, dst_layouts[0])
+        self.src_shardings = [x.sharding for x in leaves]
         if self.group is not None:  # one transfer server per trainer process, each serving its own shards
-            self._addresses[1:] = self.group.results(self.group.send("configure_push", self._plans, dtype,
-                                                                     self._select is not None), "configure_push")
-        owners = WireSender(self._plans, self._src_shardings).owners
+            self.addresses[1:] = self.group.results(self.group.send("configure_push", self.plans, dtype,
+                                                                     self.select is not None), "configure_push")
+        owners = WireSender(self.plans, self.src_shardings).owners
         for p in peers:
             got = p.call("configure_push", src_layouts, dtype, owners, stage, timeout=self.call_timeout_s)
             if got.get("keys", keys) != keys:
                 raise RuntimeError(f"{p.name}: its engine has different parameters than the trainer")
 
-    def _make_pusher(self, on_applied, timeout_s, initial_version) -> TransferPusher:
+    def _make_pusher(self, on_applied: Any, timeout_s: float, initial_version: int | None) -> TransferPusher:
         import jax
 
-        return TransferPusher(self.remote, self._plans, self._src_shardings, dtype=jax.numpy.dtype(self.model_cfg.dtype),
-                              server=self._transfer_server, on_applied=on_applied, timeout_s=timeout_s,
-                              initial_version=initial_version, fallback_dir=os.path.join(self.run_dir, "weight_push"),
-                              log_path=os.path.join(self.run_dir, PUSH_LOG), group=self.group,
-                              addresses=self._addresses, select=self._select)
+        return TransferPusher(self.remote, self.plans, self.src_shardings,
+                              dtype=jax.numpy.dtype(self.setup.model_cfg.dtype), server=self.server,
+                              on_applied=on_applied, timeout_s=timeout_s, initial_version=initial_version,
+                              fallback_dir=os.path.join(self.setup.run_dir, "weight_push"),
+                              log_path=os.path.join(self.setup.run_dir, PUSH_LOG), group=self.group,
+                              addresses=self.addresses, select=self.select)
 
-    def _build_pusher(self, generator: Any, *, on_applied: Callable[[int], None], timeout_s: float,
-                      initial_version: int) -> Any:
+    def pusher(self, generator: Any, *, on_applied: Callable[[int], None], timeout_s: float,
+               initial_version: int) -> TransferPusher:
         def applied(v: int) -> None:
-            self.remote._version = v
+            generator.set_version(v)
             on_applied(v)
 
         return self._make_pusher(applied, timeout_s, initial_version)
+
+    def close(self) -> None:
+        pass  # the generator processes are stopped by ``RemoteGenerator.stop``
 
 
 # =============================================================================================
@@ -742,9 +752,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_follower(cfg, a.listen, connect_timeout_s=a.accept_timeout, heartbeat_timeout_s=a.heartbeat_timeout,
                             transfer_host=a.transfer_host)
-    from jaxrl_async.rl_loop import FatalRunError
-
     from jaxrl_async.distributed.transfer import check_bind_host
+    from jaxrl_async.loop import FatalRunError, RLRun
 
     try:
         authkey = rpc.authkey_from_env()
@@ -754,13 +763,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[jaxrl_async] {e}", file=sys.stderr)
         return 2
     listener = rpc.listen(a.listen, authkey, reuse_port=a.listen_reuse_port)
-    loop = None
+    services = DistributedServices(listener=listener, num_generators=a.generators, accept_timeout_s=a.accept_timeout,
+                                   heartbeat_timeout_s=a.heartbeat_timeout, transfer_host=host)
     try:
-        loop = DistributedRLLoop(cfg, listener=listener, num_generators=a.generators, accept_timeout_s=a.accept_timeout,
-                                 heartbeat_timeout_s=a.heartbeat_timeout, transfer_host=host)
-        result = loop.run()
+        result = RLRun(cfg, services).run()
     except BaseException as e:
-        group_err = loop.group.error if loop is not None and loop.group is not None else None
+        group_err = services.group.error if services.group is not None else None
         if group_err is not None:  # a trainer process is gone: jax's exit barrier would wait for it
             print(f"[jaxrl_async] run failed: {group_err} (then: {type(e).__name__}: {e})", file=sys.stderr, flush=True)
             os._exit(1)

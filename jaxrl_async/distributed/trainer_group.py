@@ -6,7 +6,7 @@ same arguments and the multi-controller runtime (``jax.distributed.initialize``:
 ``JAX_*`` variables). The trainer mesh spans the devices of all of them (``trainer_mesh``).
 
 * **Process 0, the leader**, is the controller: data, staleness, rollouts, rewards, metrics,
-  checkpoints' metadata, the weight push (``controller.DistributedRLLoop``). It holds a
+  checkpoints' metadata, the weight push (``controller.DistributedServices``). It holds a
   ``GroupLeader``: an RPC connection to every other trainer process.
 * **Processes 1..P-1, the followers** (``TrainerFollower``), hold their shards of the same training
   state and execute, **in the leader's order**, every operation that runs a program over the
@@ -15,15 +15,16 @@ same arguments and the multi-controller runtime (``jax.distributed.initialize``:
   leader sends each such operation (``GroupLeader.send``) just before running it itself; the
   follower's main thread runs them one by one from a queue:
 
-  ``setup`` (model config, run dir; builds the initial parameters exactly as the leader does),
-  ``build_trainer``, ``build_checkpointer``, ``warm_start`` (SFT examples), ``init_state``,
-  ``restore`` (replies with the step restored; the leader checks it equals its own),
-  ``train`` (the batch's trajectories and policy version: the batch travels leader -> followers
-  over the RPC), ``configure_push`` (the transfer plan; starts this process's transfer server and
+  ``setup`` (model config, run dir; builds this process's ``loop.services.LocalTrainer`` and the
+  initial parameters exactly as the leader does), then the trainer service's operations
+  (``api.trainer.TrainerService``, sent by ``controller.GroupTrainer``): ``build`` (trainer and
+  checkpointer), ``initial_state`` (the SFT examples: the warm start runs whole here) or ``restore``
+  (replies with the step restored; the leader checks it equals its own), ``train`` (the batch's
+  trajectories and policy version: the batch travels leader -> followers over the RPC), ``save``,
+  ``wait_checkpoint``, ``export``, ``close_checkpoint``; and the push's: ``configure_push`` (the transfer plan; starts this process's transfer server and
   replies with its address), ``push`` (cast + reshard + checksums of version v, kept until the
-  generators have pulled it), ``save`` (meta + finished groups), ``wait_checkpoint``, ``export``
-  (the restore half of the Hugging Face export; only the leader writes files),
-  ``close_checkpoint``, ``finish``.
+  generators have pulled it), ``base_fingerprint`` (LoRA), ``finish`` (replies with the operations
+  this process ran; the leader checks they are the ones it sent, in order: ``RUN/trainer_group_ops.json``).
 
   Two calls are served on the RPC thread instead, because they are per-process work the leader's
   push thread asks for while the main threads train on: ``register(version, uuids)`` (this
@@ -44,6 +45,7 @@ aborts any process whose peer stopped heartbeating (``--heartbeat-timeout``): no
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import queue
 import signal
@@ -57,6 +59,7 @@ from typing import Any, Callable, Sequence
 from jaxrl_async.distributed import rpc
 
 EXIT_LEADER_LOST = 3
+OPS_LOG = "trainer_group_ops.json"  # the leader's and every follower's ordered operations (``GroupLeader.finish``)
 EXIT_FAILED = 1
 ROLE = "trainer"
 
@@ -93,6 +96,7 @@ class GroupLeader:
         self.peers = list(peers)
         self.call_timeout_s = call_timeout_s
         self._pending: list[tuple[rpc.Peer, str, cf.Future]] = []
+        self.sent: list[str] = []  # every ordered operation, in order (the followers must run exactly these)
         self._lock = threading.Lock()
         self._finishing = threading.Event()
 
@@ -145,6 +149,7 @@ class GroupLeader:
         self.raise_if_failed()
         futs = [p.call_async(method, *args) for p in self.peers]
         with self._lock:
+            self.sent.append(method)
             self._pending = [x for x in self._pending if not x[2].done() or x[2].exception() is not None]
             self._pending.extend((p, method, f) for p, f in zip(self.peers, futs))
         return futs
@@ -166,16 +171,33 @@ class GroupLeader:
         """An unordered call on every follower (served on its RPC thread); waits for the replies."""
         return self.results([p.call_async(method, *args) for p in self.peers], method, timeout)
 
-    def finish(self, timeout: float = 120.0) -> None:
-        """Let the followers exit (after everything queued ran); close the connections."""
+    def finish(self, timeout: float = 120.0, log_dir: str | None = None) -> None:
+        """Let the followers exit (after everything queued ran); close the connections. Each follower
+        replies with the operations it ran: they must be the leader's (``sent``), in the same order;
+        written to ``log_dir/trainer_group_ops.json`` (one line here when they differ)."""
         self._finishing.set()
         if self.error is None:
             try:
-                self.results(self.send("finish"), "finish", timeout)
+                ops = self.results(self.send("finish"), "finish", timeout)
+                self._check_ops(ops, log_dir)
             except (TrainerGroupError, rpc.PeerTimeoutError, rpc.PeerLostError) as e:
                 print(f"[jaxrl_async] trainer group: {e}", file=sys.stderr, flush=True)
         for p in self.peers:
             p.close()
+
+    def _check_ops(self, followers: Sequence[list[str]], log_dir: str | None) -> None:
+        leader = [m for m in self.sent if m != "finish"]
+        if log_dir is not None:
+            with open(os.path.join(log_dir, OPS_LOG), "w") as f:
+                json.dump({"leader": leader, "followers": [list(o) for o in followers]}, f)
+        for p, ops in zip(self.peers, followers):
+            if list(ops) != leader:
+                print(f"[jaxrl_async] trainer group: {p.name} ran {len(ops)} operations, the leader sent "
+                      f"{len(leader)} (first difference at #{_first_difference(ops, leader)})", file=sys.stderr, flush=True)
+
+
+def _first_difference(a: Sequence[str], b: Sequence[str]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 # =============================================================================================
@@ -199,10 +221,10 @@ class TrainerFollower:
         self._wires: dict[int, list] = {}
         self.done = threading.Event()
         self.lost = threading.Event()
-        self.model_cfg = self.run_dir = self.tokenizer_dir = self.mesh = None
-        self.params = self.state = self.trainer = self.ckpt = None
+        self.run_dir = None
+        self.trainer = None  # loop.services.LocalTrainer (``setup``)
         self.sender = self.server = self.dtype = None
-        self.base_ref = None  # LoRA on an unchanged model.path: checkpoints refer to the base (run_state)
+        self.executed: list[str] = []  # the ordered operations run, in order (returned by ``finish``)
         self.adapters_only = False  # LoRA: pushes carry the adapters (configure_push)
 
     # -- dispatch -----------------------------------------------------------------------------
@@ -231,66 +253,58 @@ class TrainerFollower:
                 self.log(f"{method} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}")
                 reply(False, (type(e).__name__, str(e), traceback.format_exc()))
                 return EXIT_FAILED
+            self.executed.append(method)
             reply(True, value)
         return 0
 
     # -- ordered operations (the leader runs the same, in the same order) ---------------------
     def _op_setup(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """This process's ``LocalTrainer``: the initial parameters built exactly as the leader builds them."""
         import jax
 
+        from jaxrl_async.loop.services import LocalTrainer
+        from jaxrl_async.loop.warm_start import WarmStart
         from jaxrl_async.run_state import base_reference, initial_params
 
-        self.model_cfg, self.run_dir, self.tokenizer_dir = spec["model_cfg"], spec["run_dir"], spec["tokenizer_dir"]
-        self.mesh = trainer_mesh(self.cfg)
-        _, self.params = initial_params(self.cfg, self.model_cfg, mesh=self.mesh)
-        self.base_ref = base_reference(self.cfg, self.model_cfg)
+        model_cfg, self.run_dir = spec["model_cfg"], spec["run_dir"]
+        mesh = trainer_mesh(self.cfg)
+        _, params = initial_params(self.cfg, model_cfg, mesh=mesh)
+        self.trainer = LocalTrainer(self.cfg, self.run_dir, model_cfg, mesh, params,
+                                    base_ref=base_reference(self.cfg, model_cfg), tokenizer_dir=spec["tokenizer_dir"],
+                                    warm_start=WarmStart(self.cfg, mesh, None, interruptible=False), writes_files=False)
         self.log(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} of "
-                 f"{jax.device_count()} trainer devices (mesh {dict(self.mesh.shape)})")
+                 f"{jax.device_count()} trainer devices (mesh {dict(mesh.shape)})")
         return {"pid": os.getpid(), "host": socket.gethostname(), "process_index": jax.process_index()}
 
-    def _op_build_trainer(self) -> None:
-        from jaxrl_async.components import build_trainer
-
-        self.trainer = build_trainer(self.cfg, self.model_cfg, self.mesh)
-
-    def _op_build_checkpointer(self) -> None:
-        from jaxrl_async.run_state import build_checkpointer
-
-        self.ckpt = build_checkpointer(self.cfg, self.run_dir, self.model_cfg, self.tokenizer_dir)
-
-    def _op_warm_start(self, examples: Sequence[Any]) -> None:
-        from jaxrl_async.trainer.sft import run_sft
-
-        if self.model_cfg.lora is None:
-            self.params, _ = run_sft(self.params, self.model_cfg, examples, self.cfg.trainer.sft, mesh=self.mesh,
-                                     seed=self.cfg.seed, progress=False)
-            return
-        from jaxrl_async.models import lora  # LoRA: the warm start trains the base (as the leader's _initial_state)
-
-        adapters, base = lora.split(self.params)
-        base, _ = run_sft(base, self.model_cfg.replace(lora=None), examples, self.cfg.trainer.sft, mesh=self.mesh,
-                          seed=self.cfg.seed, progress=False)
-        self.params = lora.join(adapters, base)
-
-    def _op_init_state(self) -> None:
-        self.state = self.trainer.init_state(self.params)
-        self.params = None
+    # the trainer service's operations (``api.trainer.TrainerService``), run on this process's LocalTrainer
+    def _op_build(self) -> None:
+        self.trainer.build()
 
     def _op_restore(self) -> int:
-        from jaxrl_async.rl_loop import _state_from_items, restore_train_state  # (via rl_loop: tests wrap it there)
+        return int(self.trainer.restore().step)
 
-        r = restore_train_state(self.ckpt, self.trainer, self.params, base_ref=self.base_ref)
-        self.state = _state_from_items(r.arrays)
-        self.params = None
-        return int(r.step)
+    def _op_initial_state(self, sft_examples: Sequence[Any] | None) -> None:
+        self.trainer.initial_state(sft_examples)
 
     def _op_train(self, trajs: Sequence[Any], version: int) -> None:
-        self.state, _ = self.trainer.train_batch(self.state, trajs, policy_version=version)
+        self.trainer.train(trajs, version)
+
+    def _op_save(self, meta: Any, buffered: list) -> None:
+        self.trainer.save(meta, buffered)
+
+    def _op_wait_checkpoint(self) -> None:
+        self.trainer.wait_checkpoint()
+
+    def _op_export(self, step: int) -> None:
+        self.trainer.export(step)
+
+    def _op_close_checkpoint(self) -> None:
+        self.trainer.close_checkpoint()
 
     def _pushed(self) -> Any:
         from jaxrl_async.models import lora
 
-        return lora.split(self.state.params)[0] if self.adapters_only else self.state.params
+        return lora.split(self.trainer.params)[0] if self.adapters_only else self.trainer.params
 
     def _op_configure_push(self, plans: Sequence[Any], dtype: str, adapters_only: bool = False) -> str:
         import jax
@@ -305,38 +319,24 @@ class TrainerFollower:
         return self.server.address()
 
     def _op_push(self, version: int) -> None:
-        from jaxrl_async.distributed.controller import prepare_wire
+        from jaxrl_async.distributed.transfer import prepare_wire
 
         wire, _ = prepare_wire(self.sender, self._pushed(), self.dtype)
         with self._cv:
             self._wires[int(version)] = wire
             self._cv.notify_all()
 
-    def _op_save(self, meta: Any, buffered: list) -> None:
-        from jaxrl_async.run_state import _state_items
-
-        self.ckpt.save(_state_items(self.state, self.base_ref), meta, trajectories=buffered)
-
     def _op_base_fingerprint(self, dtype: str) -> None:
         import jax
 
         from jaxrl_async.distributed.lora_remote import trainer_base_fingerprint
 
-        trainer_base_fingerprint(self.state.params, jax.numpy.dtype(dtype))  # a collective: the leader runs it too
+        trainer_base_fingerprint(self.trainer.params, jax.numpy.dtype(dtype))  # a collective: the leader runs it too
 
-    def _op_wait_checkpoint(self) -> None:
-        self.ckpt.wait()
-
-    def _op_export(self, step: int) -> None:
-        from jaxrl_async.export import restore_for_export
-
-        restore_for_export(self.ckpt, step)  # Orbax restores are collective; only the leader writes files
-
-    def _op_close_checkpoint(self) -> None:
-        self.ckpt.close()
-
-    def _op_finish(self) -> None:
+    def _op_finish(self) -> list[str]:
+        """The group ends; the reply is this process's operation log (the leader compares it with its own)."""
         self.done.set()
+        return list(self.executed)
 
     # -- unordered (RPC thread pool) ------------------------------------------------------------
     def _wire(self, version: int, timeout_s: float) -> list:

@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-__all__ = ["Layout", "LeafPlan", "plan_transfer", "layout_of", "tree_keys", "checksum_fn", "checksums_async",
+__all__ = ["Layout", "LeafPlan", "plan_transfer", "layout_of", "tree_keys", "checksum_fn", "checksums_async", "prepare_wire",
            "host_checksums", "WireSender", "WireReceiver", "ChecksumMismatch", "write_weights", "read_weights",
            "write_shards", "start_fallback", "commit_fallback", "fallback_key", "FallbackRejected", "new_pull_id",
            "check_bind_host", "start_server"]
@@ -587,3 +587,33 @@ def read_weights(path: str, keys: Sequence[str], shardings: Sequence[NamedShardi
 
 def now() -> float:
     return time.perf_counter()
+
+
+# -- the trainer side of one push (every process of a trainer group runs it) ---------------------------
+def _cast_impl():
+    return jax.jit(lambda leaves, dtype: [x.astype(dtype) + jax.numpy.zeros((), dtype) for x in leaves],
+                   static_argnums=1)
+
+
+class _LazyCast:
+    """Jitted cast to the generator dtype that always returns fresh buffers (``+ 0`` defeats input
+    forwarding when the dtypes agree), so the trainer may donate its parameters right after."""
+
+    fn = None
+
+    def __call__(self, leaves, dtype):
+        if self.fn is None:
+            self.fn = _cast_impl()
+        return self.fn(leaves, dtype)
+
+
+_CAST = _LazyCast()
+
+
+def prepare_wire(sender: Any, params: Any, dtype: Any) -> tuple[list, Any]:
+    """One push's trainer-side programs, dispatched in this order: cast to the generator dtype, the
+    ``via_trainer`` reshard (``WireSender.prepare``), the per-leaf checksums. Returns (wire arrays,
+    checksums on device). Every process of a trainer group runs exactly this (the leader's pusher and
+    ``trainer_group.TrainerFollower``): the same collectives in the same order."""
+    wire = sender.prepare(_CAST(jax.tree.leaves(params), dtype))
+    return wire, checksums_async(wire)

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from jaxrl_async.distributed.launch import reserve_port
-from jaxrl_async.rl_loop import read_data_ledger
+from jaxrl_async.data.ledger import read_data_ledger
 from role_procs import kill_all, role_env, wait_or_kill  # tests/distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))

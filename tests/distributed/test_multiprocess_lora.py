@@ -22,7 +22,7 @@ import pytest
 
 from jaxrl_async.checkpoint import HOST, Checkpointer
 from jaxrl_async.distributed.launch import reserve_port
-from jaxrl_async.rl_loop import read_data_ledger
+from jaxrl_async.data.ledger import read_data_ledger
 from lora_checks import assert_adapter_only_training  # tests
 from role_procs import kill_all, role_env, wait_or_kill  # tests/distributed
 

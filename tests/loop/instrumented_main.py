@@ -2,7 +2,7 @@
 
     python tests/loop/instrumented_main.py [--record-restore DIR] [--nan-advantages-from-batch K] -- [main args]
 
-``--record-restore DIR`` wraps ``rl_loop._state_from_items`` (the one place a resumed run turns checkpoint
+``--record-restore DIR`` wraps ``run_state.state_from_items`` (the one place a resumed run turns checkpoint
 items into its ``TrainState``): right after the restore, every parameter leaf is written to
 ``DIR/restored_params.npz`` (keyed by ``jax.tree_util.keystr`` of its path) and the device ids and mesh
 of each leaf's sharding to ``DIR/restored_shardings.json``, so a test can compare what a run resumed
@@ -24,9 +24,9 @@ def _record_restore(out_dir: str) -> None:
     import jax
     import numpy as np
 
-    from jaxrl_async import rl_loop
+    from jaxrl_async import run_state
 
-    original = rl_loop._state_from_items
+    original = run_state.state_from_items
 
     def recording(items):
         state = original(items)
@@ -43,7 +43,7 @@ def _record_restore(out_dir: str) -> None:
             json.dump(shardings, f)
         return state
 
-    rl_loop._state_from_items = recording
+    run_state.state_from_items = recording
 
 
 def _nan_advantages(first_batch: int) -> None:

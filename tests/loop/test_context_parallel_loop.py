@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from jaxrl_async.rl_loop import RLLoop
+from jaxrl_async.loop import RLRun
 from test_rl_loop import tiny_run_config
 
 
@@ -21,7 +21,7 @@ def test_rl_loop_with_a_context_parallel_trainer(tmp_path, monkeypatch):
     cfg = tiny_run_config(tmp_path / "run", eta=0, steps=3, **{
         "mesh.trainer.shape": "[1,2]", "mesh.trainer.axis_names": "fsdp,context", "model.attention": "blockwise",
         "model.attention_block": 16})
-    res = RLLoop(cfg).run()
+    res = RLRun(cfg).run()
     assert res.steps == 3 and res.version == 3
     assert calls and set(calls) == {"blockwise"}  # the trainer's attention ran on query chunks
     with open(os.path.join(res.run_dir, "metrics.jsonl")) as f:

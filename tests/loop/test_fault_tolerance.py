@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 from jaxrl_async.checkpoint import HOST, Checkpointer
-from jaxrl_async.rl_loop import LEDGER_LOG, read_data_ledger
+from jaxrl_async.data.ledger import LEDGER_LOG, read_data_ledger
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

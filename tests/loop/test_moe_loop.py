@@ -12,7 +12,7 @@ import pytest
 from test_fault_tolerance import _assert_bitwise_equal_runs, run_whole_and_resumed_after_crash
 from test_rl_loop import _check_accounting, _rows, tiny_run_config
 
-from jaxrl_async.rl_loop import RLLoop
+from jaxrl_async.loop import RLRun
 
 MOE = {"model.model_type": "qwen3_moe", "model.num_experts": 4, "model.num_experts_per_tok": 2,
        "model.moe_intermediate_size": 32, "rollout.record_routing": True, "trainer.routing_replay": True,
@@ -27,7 +27,7 @@ def jax_cache(tmp_path_factory):
 def test_moe_policy_learns_with_routing_replay(tmp_path):
     # 16 steps of 16 samples: over 12 the rise was within sampling noise for some random streams (measured, seeds
     # 0/2/3: the second half's mean reward is 0.23-0.33 above the first's after 16 steps, 0.0-0.2 after 12)
-    res = RLLoop(tiny_run_config(tmp_path / "run", eta=1, steps=16, **MOE)).run()
+    res = RLRun(tiny_run_config(tmp_path / "run", eta=1, steps=16, **MOE)).run()
     assert res.stopped_by == "completed" and res.steps == 16
     lags = [lag for _, _, lag in res.lag_by_group]
     assert max(lags) <= 1, collections.Counter(lags)

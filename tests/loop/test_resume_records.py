@@ -12,7 +12,7 @@ import pytest
 
 from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
 from jaxrl_async.data.ledger import LEDGER_LOG, DataLedger, read_data_ledger, repair_jsonl_tail
-from jaxrl_async.run_state import _group_from_record, _group_record, restore_buffered_groups
+from jaxrl_async.run_state import group_from_record, group_record, restore_buffered_groups
 from jaxrl_async.rollout.staleness import StalenessManager, StalenessViolation
 from jaxrl_async.rollout.workflow import Trajectory, TrajectoryGroup
 
@@ -41,14 +41,14 @@ def test_group_records_round_trip_bit_exactly_through_a_checkpoint(tmp_path):
         sm.accept(t, _group(d, head=0), head_version=0)
     snap = sm.buffered_groups()
     assert [g.ticket.id for g in snap] == [0, 1, 2] and sm.counts().buffered == 3  # a snapshot, not removed
-    records = [_group_record(g, draw=10 + g.ticket.id) for g in snap]
+    records = [group_record(g, draw=10 + g.ticket.id) for g in snap]
     with Checkpointer(str(tmp_path), CheckpointConfig()) as ck:
         ck.save({"params": {"w": np.ones(3, np.float32)}}, TrainMeta(step=1, policy_version=1), trajectories=records)
     r = Checkpointer(str(tmp_path), read_only=True).restore(items=[])
     assert len(r.trajectories) == 3
     for g, rec in zip(snap, r.trajectories):
         assert (rec["draw"], rec["admit_version"], rec["head_version"]) == (10 + g.ticket.id, 0, 0)
-        back = _group_from_record(rec, g.item.item)
+        back = group_from_record(rec, g.item.item)
         for a, b in zip(g.item.trajectories, back.trajectories):
             for f in ("tokens", "loss_mask", "logprobs", "versions"):
                 x, y = getattr(a, f), getattr(b, f)
@@ -85,7 +85,7 @@ def test_restore_buffered_groups_keeps_only_groups_trainable_within_eta(tmp_path
     it will be trained with lag <= eta, counting the batches the kept groups before it fill."""
     eta, B, v = 1, 2, 5
     specs = {10: (3, 3), 11: (4, 4), 12: (4, 4), 13: (4, 4), 14: (5, 5)}  # draw -> (admission, head) version
-    saved = [_group_record(types.SimpleNamespace(item=_group(d, head=h), ticket=types.SimpleNamespace(admit_version=m),
+    saved = [group_record(types.SimpleNamespace(item=_group(d, head=h), ticket=types.SimpleNamespace(admit_version=m),
                                                  head_version=h), d) for d, (m, h) in specs.items()]
     led = DataLedger(iter([]), replay=[(d, {"id": f"d{d}"}) for d in specs], next_draw=15,
                      log_path=str(tmp_path / LEDGER_LOG))

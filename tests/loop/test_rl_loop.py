@@ -19,7 +19,8 @@ from jaxrl_async.config import (
     apply_overrides, validate,
 )
 from jaxrl_async.rl.advantages import AdvantageConfig
-from jaxrl_async.rl_loop import DataLedger, RLLoop
+from jaxrl_async.data.ledger import DataLedger
+from jaxrl_async.loop import RLRun
 
 
 def tiny_run_config(run_dir, *, eta=2, steps=4, reward="loop_targets:has_digit", mode="async", **over):
@@ -69,7 +70,7 @@ def _check_accounting(result, B):
 # test_eta0_resume_after_crash_is_bitwise_identical (the same dense tiny run, eta = 0, 4 steps)
 @pytest.mark.parametrize("eta", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow), 4])
 def test_staleness_bound_per_group(tmp_path, eta):
-    res = RLLoop(tiny_run_config(tmp_path / "run", eta=eta, steps=5)).run()
+    res = RLRun(tiny_run_config(tmp_path / "run", eta=eta, steps=5)).run()
     assert res.stopped_by == "completed" and res.steps == 5
     lags = [lag for _, _, lag in res.lag_by_group]
     assert max(lags) <= eta, collections.Counter(lags)  # asserted per trained group
@@ -89,7 +90,7 @@ def test_async_run_learns_and_writes_artifacts(tmp_path):
     cfg = tiny_run_config(tmp_path / "run", eta=2, steps=12, **{"eval.every_steps": 6, "eval.at_end": True,
                                                                    "checkpoint.export_hf": True,
                                                                    "logging.tensorboard": True})
-    res = RLLoop(cfg).run()
+    res = RLRun(cfg).run()
     rows = [r for r in _rows(res.run_dir) if "reward/mean" in r]
     rewards = [r["reward/mean"] for r in rows]
     # reward rises: halves of 6 steps x 16 samples (the T=1 reward of 3-step windows is too noisy for a
@@ -123,7 +124,7 @@ def test_async_run_learns_and_writes_artifacts(tmp_path):
     logged = res.eval_history[-1][2]
     assert abs(json.loads(summary.read_text())["pass@1"] - logged) <= 1 / 8 + 1e-9, logged  # <= 1 of 8 items
     # resume: the run directory's checkpoint is picked up automatically and training continues
-    res2 = RLLoop(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, total_steps=14),
+    res2 = RLRun(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, total_steps=14),
                                       eval=dataclasses.replace(cfg.eval, every_steps=0, at_end=False))).run()
     assert res2.steps == 14 and res2.version == 14
     rows2 = [r for r in _rows(res.run_dir) if "train/loss" in r]
@@ -135,7 +136,7 @@ def test_async_run_learns_and_writes_artifacts(tmp_path):
 def test_failing_rewards_and_rejecting_workflow_do_not_stop_the_loop(tmp_path):
     cfg = tiny_run_config(tmp_path / "run", eta=1, steps=3, reward="loop_targets:has_digit_flaky",
                           **{"rollout.workflow": "loop_targets:SometimesNoneWorkflow"})
-    res = RLLoop(cfg).run()
+    res = RLRun(cfg).run()
     assert res.stopped_by == "completed" and res.steps == 3
     lags = [lag for _, _, lag in res.lag_by_group]
     assert max(lags) <= 1, collections.Counter(lags)  # the staleness bound at eta = 1, asserted per trained group
@@ -172,7 +173,7 @@ def test_multi_turn_math_workflow_trains_in_the_async_loop(tmp_path):
                           **{"rollout.workflow": "jaxrl_async.rollout.agent:MultiTurnMathWorkflow",
                              "rollout.engine.max_sequence_length": 96, "rollout.engine.max_prefill_length": 80,
                              "trainer.packing.row_len_buckets": "(128,)", "model.max_position_embeddings": 128})
-    loop = RLLoop(cfg)
+    loop = RLRun(cfg)
     res = loop.run()
     assert res.stopped_by == "completed" and res.steps == 2
     _check_accounting(res, B=4)
@@ -195,10 +196,10 @@ def test_run_starts_from_a_hugging_face_directory(tmp_path):
                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
     make_tiny_tokenizer(hf)
     assert os.path.isfile(os.path.join(hf, "model.safetensors"))
-    loop = RLLoop(tiny_run_config(tmp_path / "b", steps=2, **{"model.path": hf, "data.apply_chat_template": "false"}))
-    want = model_shardings(loop.model_cfg, loop.trainer_mesh, "trainer")
-    got = loop.init_params
-    _, host = load_hf(hf, param_dtype=loop.model_cfg.param_dtype)
+    loop = RLRun(tiny_run_config(tmp_path / "b", steps=2, **{"model.path": hf, "data.apply_chat_template": "false"}))
+    want = model_shardings(loop.setup.model_cfg, loop.setup.trainer_mesh, "trainer")
+    got = loop.setup.init_params
+    _, host = load_hf(hf, param_dtype=loop.setup.model_cfg.param_dtype)
     flat = jax.tree_util.tree_leaves_with_path(got)
     assert len(flat) == len(jax.tree.leaves(host)) > 0
     for (path, x), s, h in zip(flat, jax.tree.leaves(want), jax.tree.leaves(host)):

@@ -59,12 +59,12 @@ def test_push_reshards_onto_generator_devices_without_host_round_trip():
 def test_guard_catches_the_host_path_of_a_naive_device_put():
     """jax.device_put from a tensor-sharded array to a replicated one on other devices gathers on the
     host; under the pusher's guard that raises, and the pusher's planned route does the same move."""
-    from jaxrl_async.weight_sync import _guard
+    from jaxrl_async.weight_sync import transfer_guard
 
     tm, gm = _meshes()
     b = _params(tm)["b"]  # P("tensor") on the trainer mesh
     dst = NamedSharding(gm, P())
-    with _guard(True), pytest.raises(Exception, match="(?i)disallowed host-to-device"):
+    with transfer_guard(True), pytest.raises(Exception, match="(?i)disallowed host-to-device"):
         jax.device_put(b, dst)
     gen = RecordingGenerator()
     pusher = WeightPusher(gen, {"b": dst}, guard=True)

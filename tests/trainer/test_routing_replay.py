@@ -261,7 +261,7 @@ def test_routing_survives_the_checkpointed_group_record():
     from jaxrl_async.checkpoint import pack_records
     from jaxrl_async.checkpoint.codec import unpack_records
     from jaxrl_async.rollout.workflow import Trajectory as WTrajectory, TrajectoryGroup
-    from jaxrl_async.run_state import _group_from_record, _group_record
+    from jaxrl_async.run_state import group_from_record, group_record
 
     rng = np.random.default_rng(0)
     routed = rng.integers(0, 4, (7, 2, 2)).astype(np.int16)
@@ -270,8 +270,8 @@ def test_routing_survives_the_checkpointed_group_record():
                                          routing=r) for r in (routed, None)]
     group = TrajectoryGroup({"id": "x"}, trajs, 3, {})
     g = types.SimpleNamespace(item=group, ticket=types.SimpleNamespace(admit_version=0), head_version=0)
-    skeleton, pools = pack_records([_group_record(g, 5)])
-    back = _group_from_record(unpack_records(skeleton, pools)[0], {"id": "x"})
+    skeleton, pools = pack_records([group_record(g, 5)])
+    back = group_from_record(unpack_records(skeleton, pools)[0], {"id": "x"})
     assert back.trajectories[0].routing.dtype == np.int16
     np.testing.assert_array_equal(back.trajectories[0].routing, routed)
     assert back.trajectories[1].routing is None

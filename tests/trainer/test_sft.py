@@ -191,7 +191,7 @@ def test_stopped_warm_start_continues_from_its_checkpoint_bit_for_bit(sft_runner
     loop's checkpoint path, then continued: the same losses and params as the uninterrupted run, bit
     for bit (the compiled step of the fixture's run is reused)."""
     from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
-    from jaxrl_async.run_state import _state_from_items, _state_items, restore_train_state
+    from jaxrl_async.run_state import state_from_items, state_items, restore_train_state
 
     out, hist = sft_run
     sft, seen = sft_runner, []
@@ -200,9 +200,9 @@ def test_stopped_warm_start_continues_from_its_checkpoint_bit_for_bit(sft_runner
     assert not sft.run(progress=False, should_stop=lambda: sft.step >= 12, after_step=seen.append)
     assert sft.step == 12 and seen == list(range(1, 13)) and [h["step"] for h in sft.history] == seen
     with Checkpointer(str(tmp_path), CheckpointConfig()) as ck:
-        ck.save(_state_items(sft.state), TrainMeta(step=sft.step, policy_version=0))
+        ck.save(state_items(sft.state), TrainMeta(step=sft.step, policy_version=0))
     r = restore_train_state(Checkpointer(str(tmp_path), CheckpointConfig()), sft.trainer, params)
-    sft.load(_state_from_items(r.arrays), r.step)
+    sft.load(state_from_items(r.arrays), r.step)
     assert sft.run(progress=False) and sft.step == STEPS and sft.history[12]["step"] == 13
     assert [h["loss"] for h in sft.history] == [h["loss"] for h in hist]
     for a, b in zip(jax.tree.leaves(sft.state.params), jax.tree.leaves(out)):

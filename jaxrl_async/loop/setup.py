@@ -1,0 +1,184 @@
+"""The run's setup, before any role starts: devices and meshes, tokenizer and data, the model and its
+initial parameters. ``RunSetup`` is everything the services and the loop need from it (one object,
+built in this order by ``RLRun.setup``; nothing else reads half-built state)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import logging
+import os
+from typing import Any, Callable
+
+import jax
+
+from jaxrl_async.config import ConfigError, RunConfig, resolve_device_split
+from jaxrl_async.config import _resolve_shape as resolve_shape  # TODO(merge): public name
+
+log = logging.getLogger("jaxrl_async")
+
+__all__ = ["Placement", "RunSetup", "build_workflow", "local_placement", "load_tokenizer_and_data", "load_model",
+           "sft_examples"]
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where the roles run in this process: the trainer mesh, and the generator mesh when the generator
+    is local (None when it runs in other processes)."""
+
+    trainer_mesh: Any
+    gen_mesh: Any = None
+    gen_ids: tuple[int, ...] = ()
+    trainer_ids: tuple[int, ...] = ()
+    colocated: bool = False
+
+
+@dataclasses.dataclass
+class RunSetup:
+    cfg: RunConfig
+    run_dir: str
+    placement: Placement
+    tokenizer: Any
+    tokenizer_dir: str
+    train_ds: Any
+    eval_records: list
+    model_cfg: Any
+    init_params: Any  # host arrays, or on the trainer's shardings when read from model.path; freed once used
+    base_ref: dict | None  # LoRA on an unchanged model.path: checkpoints hold the adapters and refer to it
+    eos_ids: list[int]
+
+    @property
+    def trainer_mesh(self) -> Any:
+        return self.placement.trainer_mesh
+
+    @property
+    def gen_mesh(self) -> Any:
+        return self.placement.gen_mesh
+
+
+def local_placement(cfg: RunConfig, say: Callable[[str], None]) -> Placement:
+    """Both meshes on this process's devices (``mesh.*``; colocated when they share devices)."""
+    from jaxrl_async.sharding.mesh import make_mesh
+
+    m = cfg.mesh
+    devs = jax.devices()
+    gen_ids, trainer_ids = resolve_device_split(m, len(devs))
+    colocated = set(gen_ids) & set(trainer_ids) != set()
+    g_shape = resolve_shape(m.generator.shape, len(gen_ids), "mesh.generator.shape")
+    t_shape = resolve_shape(m.trainer.shape, len(trainer_ids), "mesh.trainer.shape")
+    gen_mesh = make_mesh(g_shape, m.generator.axis_names, devices=[devs[i] for i in gen_ids])
+    trainer_mesh = make_mesh(t_shape, m.trainer.axis_names, devices=[devs[i] for i in trainer_ids])
+    say(f"devices: {len(devs)} x {devs[0].platform}; generator mesh {dict(gen_mesh.shape)} on {list(gen_ids)}, "
+        f"trainer mesh {dict(trainer_mesh.shape)} on {list(trainer_ids)}" + (" (colocated: time-shared)" if colocated else ""))
+    return Placement(trainer_mesh, gen_mesh, tuple(gen_ids), tuple(trainer_ids), colocated)
+
+
+def attention_choice(cfg: RunConfig, model_cfg: Any, trainer_mesh: Any) -> dict[str, str]:
+    """What ``model.attention`` resolves to on the trainer's platform, per packing row bucket (logged and
+    recorded in ``config.json``)."""
+    from jaxrl_async.models.attention import resolve_attention
+
+    platform = trainer_mesh.devices.flat[0].platform
+    impl = model_cfg.attention
+    choice = {str(T): resolve_attention(impl, T, platform) for T in cfg.trainer.packing.row_len_buckets}
+    log.info(f"attention: model.attention={impl} on {platform}: "
+             + ", ".join(f"{name} for {T}-token rows" for T, name in choice.items()))
+    return choice
+
+
+def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], None]) -> tuple[Any, str, Any, list]:
+    """(tokenizer, its directory, train dataset, held-out records)."""
+    from transformers import AutoTokenizer
+
+    from jaxrl_async.cli import has_tokenizer_files
+    from jaxrl_async.data import DatasetConfig, build_tokenizer, load_prompt_dataset, write_arithmetic_dataset
+
+    c = cfg
+    tok_dir = c.model.tokenizer_path or c.model.path
+    if tok_dir is None:
+        tok_dir = os.path.join(run_dir, "tokenizer_src")
+        if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+            build_tokenizer(tok_dir, kind=c.data.tokenizer_kind)
+    if not has_tokenizer_files(tok_dir):  # AutoTokenizer would invent an empty one (EOS id 0)
+        field = "model.tokenizer_path" if c.model.tokenizer_path else "model.path"
+        raise ConfigError(field, f"{tok_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json / "
+                                 "vocabulary); set model.tokenizer_path to a directory that has them")
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    if c.data.task == "arithmetic":
+        paths = write_arithmetic_dataset(os.path.join(run_dir, "data"), c.data.arithmetic)
+        train_path, eval_path, fmt = paths["train"], paths["eval"], "generic"
+    else:
+        train_path, eval_path, fmt = c.data.train_path, c.data.eval_path, c.data.format
+    common = dict(format=fmt, max_prompt_len=c.data.max_prompt_len, apply_chat_template=c.data.apply_chat_template,
+                  system_prompt=c.data.system_prompt, prompt_suffix=c.data.prompt_suffix,
+                  skip_bad_rows=c.data.skip_bad_rows)
+    train_ds = load_prompt_dataset(DatasetConfig(path=train_path, **common), tokenizer)
+    if len(train_ds) == 0:
+        raise ValueError(f"data.train_path: {train_path} has no usable prompt (all filtered or empty)")
+    eval_records: list = []
+    if eval_path is not None:
+        eval_records = load_prompt_dataset(DatasetConfig(path=eval_path, **common), tokenizer).records
+        if c.eval.max_items is not None:
+            eval_records = eval_records[: c.eval.max_items]
+    say(f"data: {len(train_ds)} train prompts ({train_path}), {len(eval_records)} held-out")
+    return tokenizer, tok_dir, train_ds, eval_records
+
+
+def load_model(cfg: RunConfig, tokenizer: Any, trainer_mesh: Any) -> tuple[Any, Any, dict | None, list[int]]:
+    """(model config, initial parameters, LoRA base reference, EOS ids)."""
+    from jaxrl_async.generate import stop_token_ids
+    from jaxrl_async.run_state import base_reference, initial_params
+
+    c, tok = cfg, tokenizer
+    if c.model.path is not None:
+        model_cfg, params = initial_params(c, mesh=trainer_mesh)
+    else:
+        model_cfg = c.model.model_config(len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                         pad_token_id=tok.pad_token_id)
+        _, params = initial_params(c, model_cfg)
+    if model_cfg.vocab_size < len(tok):
+        raise ValueError(f"model.path: vocabulary {model_cfg.vocab_size} is smaller than the tokenizer's {len(tok)}")
+    eos_ids = stop_token_ids(model_cfg, tok, model_dir=c.model.path)
+    if not eos_ids:
+        raise ValueError("model/tokenizer define no EOS token: generation could never stop before max_new_tokens")
+    return model_cfg, params, base_reference(c, model_cfg), eos_ids
+
+
+def sft_examples(setup: RunSetup) -> list[Any]:
+    """The warm start's examples: every train prompt with its gold completion (+ EOS)."""
+    from jaxrl_async.trainer.sft import SFTExample
+
+    tok, ex = setup.tokenizer, []
+    for r in setup.train_ds.records:
+        comp = (r.metadata or {}).get("completion")
+        if comp is None:
+            raise ValueError(f"trainer.sft.steps > 0 needs gold completions: row {r.metadata.get('source')} of the "
+                             "train data has no 'completion' column")
+        ids = tok.encode(comp + (tok.eos_token or ""), add_special_tokens=False)
+        ex.append(SFTExample(prompt_ids=list(r.prompt_ids), completion_ids=ids))
+    return ex
+
+
+def import_string(spec: str, what: str) -> Any:
+    """``module:attr`` -> the object (a ``ValueError`` naming ``what`` when it cannot be imported)."""
+    mod, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what}: cannot import {spec!r}: {e}") from e
+
+
+def build_workflow(spec: str, reward_fn: Any, tokenizer: Any) -> Any:
+    """``rollout.workflow``: ``rlvr`` or ``module:Class`` (a ``RolloutWorkflow`` subclass, given the tokenizer
+    and the reward function when its constructor takes them)."""
+    from jaxrl_async.rollout.workflow import RLVRWorkflow, RolloutWorkflow
+
+    if spec == "rlvr":
+        return RLVRWorkflow(reward_fn, tokenizer)
+    cls = import_string(spec, "rollout.workflow")
+    if not (isinstance(cls, type) and issubclass(cls, RolloutWorkflow)):
+        raise ValueError(f"rollout.workflow: {spec!r} is not a RolloutWorkflow subclass")
+    params = inspect.signature(cls).parameters
+    kw = {k: v for k, v in (("tokenizer", tokenizer), ("reward_fn", reward_fn)) if k in params}
+    return cls(**kw)
