@@ -322,7 +322,9 @@ def test_repeated_non_finite_steps_are_skipped_counted_and_stop_the_run_with_a_c
     """From the 2nd batch on one advantage is NaN: the train step's guard skips each update (params and
     optimizer state untouched), the loop counts it (metrics ``train/skipped``, messages), and the 5th
     non-finite step in a row stops the run: exit 1 with a message, no traceback, and an emergency
-    checkpoint holding the last finite state."""
+    checkpoint holding the last finite state. A skipped step is a step (its data consumed, the step and
+    version advanced with it: ``loop.step.StepRunner``), the 6th too: the emergency checkpoint is step 6
+    (its state the one the last finite step 1 made) and the ledger agrees with it."""
     run = str(tmp_path / "run")
     a = Attempt(run, ["trainer.total_steps=8", "checkpoint.every_steps=2", "checkpoint.keep_last=5",
                       "trainer.packing.check_finite=False"], jax_cache, "nan", instrument=["--nan-advantages-from-batch", "2"])
@@ -335,22 +337,26 @@ def test_repeated_non_finite_steps_are_skipped_counted_and_stop_the_run_with_a_c
     assert out.count("non-finite loss/gradient, update skipped") == 4
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if line.strip()]
     assert [(r["step"], r["train/skipped"]) for r in rows if "train/loss" in r] == [(1, 0), (2, 1), (3, 1), (4, 1), (5, 1)]
-    assert _committed(run) == [2, 4, 5]
+    assert _committed(run) == [2, 4, 6]
     ck = Checkpointer(run, read_only=True)
-    meta = ck.read_meta(5)
-    assert meta["extra"]["why"] == "emergency" and meta["policy_version"] == 5
+    meta = ck.read_meta(6)
+    assert meta["extra"]["why"] == "emergency" and meta["step"] == meta["policy_version"] == 6
     assert meta["extra"]["nonfinite"]["consecutive"] == meta["extra"]["nonfinite"]["total_skipped"] == 5
-    # steps 1-5 consumed their data; the 6th batch, whose step failed, is outstanding (replayed on resume)
+    # steps 1-6 consumed their data (the checkpoint's step); nothing is both consumed and outstanding
     consumed = read_data_ledger(run).events("consume")
-    assert [e["step"] for e in consumed] == [1, 2, 3, 4, 5]
+    assert [e["step"] for e in consumed] == [1, 2, 3, 4, 5, 6]
     trained = [d for e in consumed for d in e["draws"]]
     outstanding = [o["draw"] for o in meta["data_state"]["outstanding"]]
     rejected = [e["draw"] for e in read_data_ledger(run).events("reject")]
     assert sorted(trained + outstanding + rejected) == list(range(meta["data_state"]["next_draw"]))
-    assert len(outstanding) >= B
+    # the training state's own counters are the checkpoint's 6 steps (1 applied, 5 skipped; m minibatch
+    # updates each): no update ahead of or behind its label
+    counters = Checkpointer(run, read_only=True).restore(6, targets={"counters": HOST}).arrays["counters"]
+    applied, skipped = int(np.asarray(counters["step"])), int(np.asarray(counters["n_skipped"]))
+    assert applied >= 1 and skipped == 5 * applied, (applied, skipped)
     # every skipped update left the state as the one finite step made it
-    s2, s5 = dict(_final_state(run, 2)), dict(_final_state(run, 5))
-    assert s2.keys() == s5.keys() and all(s2[k].tobytes() == s5[k].tobytes() for k in s2 if "count" not in k)
+    s2, s6 = dict(_final_state(run, 2)), dict(_final_state(run, 6))
+    assert s2.keys() == s6.keys() and all(s2[k].tobytes() == s6[k].tobytes() for k in s2 if "count" not in k)
 
 
 def _final_state(run_dir: str, step: int) -> list[tuple[str, np.ndarray]]:
