@@ -200,6 +200,14 @@ def test_two_trainer_processes_kill_and_resume(tmp_path):
     consumes = [e for e in read_data_ledger(str(run)).events("consume") if e["step"] > start]
     lags = [lag for e in consumes for lag in e["lags"]]
     assert len(consumes) == end - start and lags and max(lags) <= ETA, (consumes, lags)
+    # the follower ran exactly the leader's ordered operations, in its order (controller.GroupTrainer sends
+    # each trainer-service operation, the pusher its pushes): the run's protocol between trainer processes
+    ops = json.loads((run / "trainer_group_ops.json").read_text())
+    assert ops["followers"] == [ops["leader"]], ops
+    leader = ops["leader"]
+    assert leader[:3] == ["setup", "build", "restore"], leader
+    assert leader.count("train") == end - start and leader.count("push") >= end - start, leader
+    assert leader[-4:] == ["save", "wait_checkpoint", "export", "close_checkpoint"], leader
 
 
 @pytest.mark.slow
