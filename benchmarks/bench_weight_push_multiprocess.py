@@ -9,7 +9,7 @@ data=1 x tensor=2 (bf16, generator rules).
 * cross-process: a trainer process and a generator process (2 devices each); per push the trainer
   casts, reshards (via_trainer leaves), checksums and registers the shards; the generator pulls,
   assembles, reshards and verifies the checksums. Seconds = trainer dispatch -> generator verified
-  (the path ``distributed.controller.TransferPusher`` times, without handing the weights to a decode
+  (the path ``distributed.remote_generator.TransferPusher`` times, without handing the weights to a decode
   thread). Parts: trainer prepare+checksum, generator pull, generator verify.
 * trainer group (``--group``): the same trainer mesh fsdp=2 made of TWO trainer processes with one
   device each (jax.distributed, gloo); each runs its own transfer server and registers the shards it

@@ -168,7 +168,7 @@ def _reshard(xs: list, shardings: list) -> list:
 
 class NewestWinsPusher:
     """The push protocol shared by ``WeightPusher`` (one process) and
-    ``distributed.controller.TransferPusher`` (across processes).
+    ``distributed.remote_generator.TransferPusher`` (across processes).
 
     The trainer thread posts ``(payload, stats)`` into a one-slot mailbox (``_post``): newest wins,
     a version still waiting when a newer one arrives is skipped and recorded in

@@ -1,8 +1,8 @@
 """The generator side's contracts: what the loop, the dispatcher, workflows and evaluation call.
 
 Implementations: ``rollout.orchestrator.Generator`` (this process, continuous batching on the generator
-mesh) and ``distributed.controller.RemoteGenerator`` (generator processes over RPC); weight pushers
-``weight_sync.WeightPusher`` and ``distributed.controller.TransferPusher``.
+mesh) and ``distributed.remote_generator.RemoteGenerator`` (generator processes over RPC); weight pushers
+``weight_sync.WeightPusher`` and ``distributed.remote_generator.TransferPusher``.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class TrainingSession:
 
         self.run_, self.point, self.cfg, self.control = run, point, run.cfg, run.control
         self.setup, self.trainer, self.run_dir = run.setup, run.trainer, run.run_dir
-        c, ro, tr = self.cfg, self.cfg.rollout, self.cfg.trainer
+        ro, tr = self.cfg.rollout, self.cfg.trainer
         self.eta = ro.effective_max_head_offpolicyness
         self.ckpt = self.trainer.checkpointer
         self.control.set_phase("the generator's start (engine compile)", "stopping once it is ready")
