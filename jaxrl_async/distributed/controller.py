@@ -236,7 +236,7 @@ class DistributedServices:
 # =============================================================================================
 # CLI
 # =============================================================================================
-def _split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(prog="python -m jaxrl_async.distributed.controller", add_help=False)
     ap.add_argument("--listen", required=True, help="HOST:PORT the generator processes connect to (mutual TLS keyed "
                     "by $JAXRL_RPC_AUTHKEY)")
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    a, rest = _split_argv(argv)
+    a, rest = split_argv(argv)
     import jax
 
     from jaxrl_async.config import ConfigError
