@@ -154,7 +154,7 @@ def with_referenced_base(adapters: Any, saved: Mapping[str, Any], where: str) ->
 
 
 def restore_buffered_groups(saved: Sequence[Mapping[str, Any]], staleness: Any, ledger: DataLedger, version: int,
-                            eta: int, batch_size: int) -> dict[str, int]:
+                            eta: int, batch_size: int, unusable: str | None = None) -> dict[str, int]:
     """Put the finished groups of a checkpoint back into the staleness buffer (reused, not regenerated).
 
     The restored groups keep their admission versions, so earliest-deadline-first consumes them before
@@ -163,8 +163,10 @@ def restore_buffered_groups(saved: Sequence[Mapping[str, Any]], staleness: Any, 
     then is <= eta; otherwise (e.g. the run resumes with a smaller eta, or more groups are that old
     than one batch holds) it is dropped with reason ``stale_on_restore`` and its prompt replayed, i.e.
     regenerated with fresh weights. So staleness stays bounded after a resume (the regression of
-    AReaL issue #1388) and no StalenessViolation can come from a restored group. Every decision is an
-    event of the data ledger (``restore`` / ``drop``).
+    AReaL issue #1388) and no StalenessViolation can come from a restored group. ``unusable`` (a reason,
+    e.g. ``group_size_changed`` when ``rollout.n_samples`` changed since the checkpoint): every group is
+    dropped with it and its prompt replayed. Every decision is an event of the data ledger (``restore`` /
+    ``drop``).
     """
     from jaxrl_async.rollout.staleness import StalenessViolation
 
@@ -178,6 +180,8 @@ def restore_buffered_groups(saved: Sequence[Mapping[str, Any]], staleness: Any, 
         reason = None
         if item is None:
             reason = "not_outstanding"  # inconsistent checkpoint: the ledger does not hold its item
+        elif unusable is not None:
+            reason = unusable
         elif trained_at - h > eta:
             reason = "stale_on_restore"
         else:

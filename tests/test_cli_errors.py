@@ -116,6 +116,18 @@ CASES = [
     ("main-no-tokenizer", "jaxrl_async.main",
      "run_dir={t}/run_notok model.path={notok} data.task=dataset data.train_path={t}/gsm.jsonl data.format=gsm8k",
      "model.path: {notok} has no tokenizer files"),
+    # main: settings that used to validate and then crash after the warm start (issue 24, Found 2)
+    ("main-kl-coef", "jaxrl_async.main", "run_dir={t}/run_kl trainer.advantage.kl_coef=0.1",
+     "trainer.advantage.kl_coef: must be 0: a KL penalty needs a reference policy"),
+    ("main-short-buckets", "jaxrl_async.main", "run_dir={t}/run_len rollout.engine.max_sequence_length=256 "
+     "rollout.sampling.max_new_tokens=192 model.max_position_embeddings=256",
+     "trainer.packing.row_len_buckets: largest bucket 128 is shorter than rollout.engine.max_sequence_length=256"),
+    ("main-sft-warmup", "jaxrl_async.main", "run_dir={t}/run_sft trainer.sft.steps=5",
+     "trainer.sft.warmup_steps: must be in [0, trainer.sft.steps=5), got 10"),
+    ("main-resume-never-used-dir", "jaxrl_async.main", "run_dir={t}/run checkpoint.resume=never",
+     "checkpoint.resume: 'never', but {t}/run/checkpoints holds committed checkpoints (steps [1])"),
+    ("main-resume-changed-seed", "jaxrl_async.main", "run_dir={t}/run_cfg seed=7",
+     "seed: differs from the checkpoint this run resumes ({t}/run_cfg/checkpoints/1): seed 0 -> 7"),
 ]
 
 
@@ -147,6 +159,11 @@ def _make_files(t) -> dict[str, str]:
     cfg, params = load_hf(model)
     with Checkpointer(str(t / "run"), CheckpointConfig(keep_last=2), model_config=cfg, tokenizer_dir=model) as ck:
         ck.save({"params": params}, TrainMeta(step=1, policy_version=1))
+    from jaxrl_async.config import to_dict
+    from jaxrl_async.default_config import get_config
+
+    with Checkpointer(str(t / "run_cfg"), CheckpointConfig(keep_last=2), model_config=cfg, tokenizer_dir=model) as ck:
+        ck.save({"params": params}, TrainMeta(step=1, policy_version=1, config=to_dict(get_config())))
     corrupt = shutil.copytree(t / "run", t / "run_corrupt")
     for root, _, files in os.walk(corrupt / "checkpoints" / "1" / "params"):
         for f in files:

@@ -277,7 +277,8 @@ class TrainerConfig:
 
         return OptimizerConfig(lr=self.lr, schedule=self.schedule, warmup_steps=self.warmup_steps,
                                total_steps=self.total_steps, min_lr_ratio=self.min_lr_ratio, b1=self.b1, b2=self.b2,
-                               eps=self.eps, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm)
+                               eps=self.eps, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm,
+                               updates_per_step=self.ppo_n_minibatches)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ import math
 import os
 
 from jaxrl_async.config.overrides import _component_error, check_types
+from jaxrl_async.config.resume import check_resume
 from jaxrl_async.config.sections import (
     ConfigError,
     MeshAxesConfig,
@@ -78,11 +79,22 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     if not isinstance(cfg, RunConfig):
         raise ConfigError("", f"expected a RunConfig, got {type(cfg).__name__}")
     check_types(cfg)
-    ro, tr, sa, en, ev = cfg.rollout, cfg.trainer, cfg.rollout.sampling, cfg.rollout.engine, cfg.eval
     _require(bool(cfg.name) and "/" not in cfg.name, "name", f"must be a non-empty name without '/', got {cfg.name!r}")
     _require(cfg.max_wall_time_s is None or cfg.max_wall_time_s > 0, "max_wall_time_s",
              f"must be > 0 or None, got {cfg.max_wall_time_s}")
-    # rollout
+    _rollout_rules(cfg)
+    _trainer_rules(cfg)
+    _model_rules(cfg)
+    _data_rules(cfg)
+    _eval_checkpoint_rules(cfg)
+    _validate_mesh(cfg, num_devices)
+    check_resume(cfg)
+    return cfg
+
+
+def _rollout_rules(cfg: RunConfig) -> None:
+    """``rollout`` (incl. sampling and the engine) and what the engine bounds."""
+    ro, sa, en = cfg.rollout, cfg.rollout.sampling, cfg.rollout.engine
     _require(ro.max_head_offpolicyness >= 0, "rollout.max_head_offpolicyness",
              f"must be >= 0, got {ro.max_head_offpolicyness}")
     _require(ro.n_samples >= 1, "rollout.n_samples", f"must be >= 1, got {ro.n_samples}")
@@ -120,7 +132,11 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     if cfg.model.path is None:
         _require(en.max_sequence_length <= cfg.model.max_position_embeddings, "rollout.engine.max_sequence_length",
                  f"{en.max_sequence_length} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}")
-    # trainer
+
+
+def _trainer_rules(cfg: RunConfig) -> None:
+    """``trainer`` (incl. loss, advantage, packing, the SFT warm start)."""
+    ro, tr, sa, en = cfg.rollout, cfg.trainer, cfg.rollout.sampling, cfg.rollout.engine
     _require(tr.batch_size >= 1, "trainer.batch_size", f"must be >= 1, got {tr.batch_size}")
     _require(tr.total_steps >= 1, "trainer.total_steps", f"must be >= 1, got {tr.total_steps}")
     _require(tr.ppo_n_minibatches >= 1, "trainer.ppo_n_minibatches", f"must be >= 1, got {tr.ppo_n_minibatches}")
@@ -149,7 +165,23 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
              "trainer.router_aux_loss_coef", f"must be a finite float >= 0 or None, got {tr.router_aux_loss_coef}")
     _require(not tr.routing_replay or ro.record_routing, "trainer.routing_replay",
              "needs rollout.record_routing = true (the generator's recorded experts)")
-    # model
+    _require(tr.advantage.kl_coef == 0, "trainer.advantage.kl_coef",
+             f"must be 0: a KL penalty needs a reference policy, which jaxrl_async does not keep yet (AReaL's "
+             f"math recipes use 0), got {tr.advantage.kl_coef}")
+    longest = max(tr.packing.row_len_buckets)
+    _require(longest >= en.max_sequence_length, "trainer.packing.row_len_buckets",
+             f"largest bucket {longest} is shorter than rollout.engine.max_sequence_length={en.max_sequence_length}: "
+             f"a trajectory of up to {en.max_sequence_length} tokens could not be packed; add a bucket >= "
+             f"{en.max_sequence_length}")
+    if tr.sft.steps > 0:
+        _require(0 <= tr.sft.warmup_steps < tr.sft.steps, "trainer.sft.warmup_steps",
+                 f"must be in [0, trainer.sft.steps={tr.sft.steps}), got {tr.sft.warmup_steps}")
+        _require(tr.sft.lr > 0 and math.isfinite(tr.sft.lr), "trainer.sft.lr", f"must be > 0, got {tr.sft.lr}")
+
+
+def _model_rules(cfg: RunConfig) -> None:
+    """``model``."""
+    ro, tr = cfg.rollout, cfg.trainer
     _require(cfg.model.vocab_size is None or cfg.model.vocab_size >= 1, "model.vocab_size",
              f"must be >= 1 or None, got {cfg.model.vocab_size}")
     if cfg.model.path is not None:
@@ -167,7 +199,10 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     if cfg.model.tokenizer_path is not None:
         _require(os.path.isdir(cfg.model.tokenizer_path), "model.tokenizer_path",
                  f"{cfg.model.tokenizer_path!r} is not a directory")
-    # data
+
+
+def _data_rules(cfg: RunConfig) -> None:
+    """``data``."""
     if cfg.data.task == "dataset":
         _require(cfg.data.train_path is not None, "data.train_path", "must be set when data.task='dataset'")
         for name in ("train_path", "eval_path"):
@@ -175,7 +210,11 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
             _require(p is None or os.path.isfile(p), f"data.{name}", f"file {p!r} does not exist")
     _require(cfg.data.max_prompt_len is None or cfg.data.max_prompt_len >= 1, "data.max_prompt_len",
              f"must be >= 1 or None, got {cfg.data.max_prompt_len}")
-    # eval / checkpoint / logging
+
+
+def _eval_checkpoint_rules(cfg: RunConfig) -> None:
+    """``eval``, ``checkpoint``, ``logging``."""
+    ev = cfg.eval
     _require(ev.every_steps >= 0, "eval.every_steps", f"must be >= 0 (0 = never), got {ev.every_steps}")
     _require(ev.temperature >= 0, "eval.temperature", f"must be >= 0, got {ev.temperature}")
     _require(ev.max_items is None or ev.max_items >= 1, "eval.max_items", f"must be >= 1 or None, got {ev.max_items}")
@@ -188,8 +227,6 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
              f"must be > 0 or None, got {ck.every_seconds}")
     _require(ck.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1, got {ck.keep_last}")
     _require(cfg.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {cfg.logging.log_every}")
-    _validate_mesh(cfg, num_devices)
-    return cfg
 
 
 def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:

@@ -8,17 +8,11 @@ import sys
 import time
 from typing import Any, Callable
 
-__all__ = ["RunControl", "committed_steps", "WARM_START_DIR"]
+from jaxrl_async.config.resume import committed_steps
+
+__all__ = ["RunControl", "WARM_START_DIR"]
 
 WARM_START_DIR = "warm_start"  # RUN/warm_start/checkpoints/<SFT step>: an interrupted warm start
-
-
-def committed_steps(directory: str) -> list[int]:
-    """Committed checkpoint steps under ``directory`` (a listing, no Orbax)."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(n) for n in os.listdir(directory)
-                  if n.isdigit() and os.path.isfile(os.path.join(directory, n, "commit_success.txt")))
 
 
 class RunControl:

@@ -46,6 +46,7 @@ class ResumePoint:
     log_records: int | None = None
     saved_groups: list = dataclasses.field(default_factory=list)
     resumed_from: int | None = None
+    groups_unusable: str | None = None  # why the checkpoint's finished groups cannot be reused (ledger reason)
 
 
 class RLRun:
@@ -143,6 +144,7 @@ class RLRun:
         point.log_records = ds.get("log_records")
         point.saved_groups = list(r.trajectories or [])
         point.resumed_from = r.step
+        self._note_changes(point, r.meta.config)
         extra = r.meta.extra or {}
         self.control.wall0 = float(extra.get("wall_s", 0.0))
         if "nonfinite" in extra:
@@ -151,6 +153,18 @@ class RLRun:
             f"resumed from {self.trainer.checkpointer.step_dir(r.step)}: step {point.step}, policy version "
             f"{r.meta.policy_version}, {len(point.replay)} outstanding prompts ({len(point.saved_groups)} with "
             "finished groups in the checkpoint)" + (f" (skipped unusable steps {[s for s, _ in r.skipped]})" if r.skipped else ""))
+
+    def _note_changes(self, point: ResumePoint, saved: Any) -> None:
+        """Settings changed since the checkpoint (the ones that would change its meaning were refused by
+        ``config.check_resume``): one line; a changed group size makes its finished groups unusable."""
+        from jaxrl_async.config.resume import changed_fields
+
+        changed = changed_fields(saved or {}, self.cfg) if saved else {}
+        if changed:
+            self.control.say("resumed with changed settings: " + ", ".join(f"{k} {a!r} -> {b!r}"
+                                                                            for k, (a, b) in changed.items()))
+        if "rollout.n_samples" in changed:
+            point.groups_unusable = "group_size_changed"
 
     def _save_warm_start(self, point: ResumePoint) -> None:
         """The warm-started state as RL checkpoint 0 (waited for: the warm start is costly to redo); the warm

@@ -71,11 +71,12 @@ class TrainingSession:
         if p.resumed_from is not None:
             ledger.log_resume(p.step, p.step, p.log_records, checkpoint=p.resumed_from)
         B = self.cfg.trainer.batch_size
-        self.restore_info = restore_buffered_groups(p.saved_groups, self.staleness, ledger, p.step, self.eta, B)
+        self.restore_info = restore_buffered_groups(p.saved_groups, self.staleness, ledger, p.step, self.eta, B,
+                                                    unusable=p.groups_unusable)
         if p.saved_groups:
+            why = p.groups_unusable or f"too stale for eta={self.eta} or unusable"
             self.control.say(f"checkpointed finished groups: {self.restore_info['restored_groups']} reused, "
-                             f"{self.restore_info['dropped_groups']} dropped (too stale for eta={self.eta} or unusable; "
-                             "their prompts are regenerated)")
+                             f"{self.restore_info['dropped_groups']} dropped ({why}; their prompts are regenerated)")
         return ledger
 
     def _dispatcher(self) -> Any:

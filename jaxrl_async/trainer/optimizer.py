@@ -1,5 +1,9 @@
 """Optimizer: optax AdamW with warmup + cosine/constant learning-rate schedules and global-norm clipping.
 
+The schedule advances once per RL step, as AReaL's scheduler steps once per ``ppo_update``: with
+``updates_per_step`` optimizer updates per step (``trainer.ppo_n_minibatches``), update ``u`` runs at
+``s = u // updates_per_step``, and ``warmup_steps`` / ``total_steps`` count RL steps.
+
     lr(s) = lr * s / warmup_steps                                   for s < warmup_steps
     constant: lr(s) = lr                                            afterwards
     cosine:   lr(s) = lr * (m + (1 - m) * (1 + cos(pi * p)) / 2),   p = (s - w) / (total - w) clipped to [0, 1],
@@ -38,6 +42,7 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     decay_norms_and_biases: bool = True
     max_grad_norm: float | None = 1.0  # None / <= 0 disables clipping
+    updates_per_step: int = 1  # optimizer updates per schedule step (RL: ppo_n_minibatches)
 
     def __post_init__(self):
         def bad(field, msg):
@@ -56,14 +61,16 @@ class OptimizerConfig:
             bad("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         if self.weight_decay < 0:
             bad("weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if self.updates_per_step < 1:
+            bad("updates_per_step", f"must be >= 1, got {self.updates_per_step}")
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
-    """The schedule of the module docstring as an optax schedule (step -> lr)."""
+    """The schedule of the module docstring as an optax schedule (optimizer update count -> lr)."""
     w = cfg.warmup_steps
 
-    def schedule(step):
-        s = jnp.asarray(step, jnp.float32)
+    def schedule(count):
+        s = (jnp.asarray(count, jnp.int32) // cfg.updates_per_step).astype(jnp.float32)
         warm = cfg.lr * s / max(w, 1) if w > 0 else cfg.lr
         if cfg.schedule == "constant":
             after = jnp.asarray(cfg.lr, jnp.float32)
