@@ -91,7 +91,7 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
     """(tokenizer, its directory, train dataset, held-out records)."""
     from transformers import AutoTokenizer
 
-    from jaxrl_async.cli import has_tokenizer_files
+    from jaxrl_async.cli import chat_template_wanted, has_tokenizer_files
     from jaxrl_async.data import DatasetConfig, build_tokenizer, load_prompt_dataset, write_arithmetic_dataset
 
     c = cfg
@@ -105,12 +105,14 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
         raise ConfigError(field, f"{tok_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json / "
                                  "vocabulary); set model.tokenizer_path to a directory that has them")
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    # as generate / evaluate / score: a tokenizer without a chat template means raw text, with a one-line note
+    templated = chat_template_wanted("main", tokenizer, tok_dir, c.data.apply_chat_template)
     if c.data.task == "arithmetic":
         paths = write_arithmetic_dataset(os.path.join(run_dir, "data"), c.data.arithmetic)
         train_path, eval_path, fmt = paths["train"], paths["eval"], "generic"
     else:
         train_path, eval_path, fmt = c.data.train_path, c.data.eval_path, c.data.format
-    common = dict(format=fmt, max_prompt_len=c.data.max_prompt_len, apply_chat_template=c.data.apply_chat_template,
+    common = dict(format=fmt, max_prompt_len=c.data.max_prompt_len, apply_chat_template=templated,
                   system_prompt=c.data.system_prompt, prompt_suffix=c.data.prompt_suffix,
                   skip_bad_rows=c.data.skip_bad_rows)
     train_ds = load_prompt_dataset(DatasetConfig(path=train_path, **common), tokenizer)
