@@ -1,0 +1,148 @@
+"""The package's import graph (issue 24, Found 7): no cycle between modules (imports inside functions
+included: they hid four cycles), no import of another module's underscore names, and the layering the
+layout promises: ``api/`` imports nothing from jaxrl_async outside ``api/``; ``kernels/`` and ``sharding/``
+import nothing from ``models/``; the loop (``loop/``) is not imported by the roles it drives
+(``rollout/``, ``trainer/``, ``rl/``, ``models/``)."""
+from __future__ import annotations
+
+import ast
+import os
+
+PKG = "jaxrl_async"
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PKG)
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for d, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, f), os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(d, f)
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The module of ``name`` (a module, or an attribute of one)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(mod: str, path: str) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported attribute or None, line) of every jaxrl_async import in ``mod``."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    is_pkg = path.endswith("__init__.py")
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == PKG]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = mod.split(".")
+                parts = parts[: len(parts) - node.level + (1 if is_pkg else 0)]
+                base = ".".join(parts + ([base] if base else []))
+            if base.split(".")[0] != PKG:
+                continue
+            out += [(base, a.name, node.lineno) for a in node.names]
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    g: dict[str, set[str]] = {m: set() for m in MODULES}
+    for mod, path in MODULES.items():
+        for base, attr, _ in _imports(mod, path):
+            target = _resolve(f"{base}.{attr}") if attr and f"{base}.{attr}" in MODULES else _resolve(base)
+            if target and target != mod:
+                g[mod].add(target)
+    return g
+
+
+def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _is_package_init(mod: str) -> bool:
+    return MODULES[mod].endswith("__init__.py")
+
+
+def test_no_import_cycles():
+    g = _graph()
+    # a package's __init__ re-exporting its own modules is not a cycle of the code: drop edges from a
+    # package __init__ to its submodules
+    for mod in list(g):
+        if _is_package_init(mod):
+            g[mod] = {t for t in g[mod] if not t.startswith(mod + ".")}
+    cycles = _cycles(g)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_cross_module_underscore_imports():
+    bad = []
+    for mod, path in MODULES.items():
+        for base, attr, line in _imports(mod, path):
+            target = _resolve(base)
+            names = [attr] if attr else []
+            if attr is None:
+                names = [p for p in base.split(".") if p]
+            if target != mod and any(n.startswith("_") and not n.startswith("__") for n in names):
+                bad.append(f"{mod}:{line} imports {base}{'.' + attr if attr else ''}")
+    assert not bad, "imports of another module's underscore names:\n" + "\n".join(bad)
+
+
+def _deps(prefix: str) -> dict[str, set[str]]:
+    g = _graph()
+    return {m: g[m] for m in g if m == prefix or m.startswith(prefix + ".")}
+
+
+def test_layering():
+    bad = []
+    for m, deps in _deps(f"{PKG}.api").items():
+        bad += [f"{m} -> {d}" for d in deps if not d.startswith(f"{PKG}.api")]
+    for layer in ("kernels", "sharding"):
+        for m, deps in _deps(f"{PKG}.{layer}").items():
+            bad += [f"{m} -> {d}" for d in deps if d.startswith(f"{PKG}.models")]
+    for role in ("rollout", "trainer", "rl", "models", "kernels", "sharding", "data", "rewards", "checkpoint"):
+        for m, deps in _deps(f"{PKG}.{role}").items():
+            bad += [f"{m} -> {d}" for d in deps if d.startswith(f"{PKG}.loop")]
+    assert not bad, "layering violations:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_cycles_and_underscore_imports():
+    """Not vacuous: a two-module cycle and an underscore import are found."""
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    g = _graph()
+    assert f"{PKG}.loop.step" in g[f"{PKG}.loop.session"]  # function-level and module-level imports both seen
