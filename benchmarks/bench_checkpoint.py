@@ -4,7 +4,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4"); 
 import jax, numpy as np, optax
 from jaxrl_async.checkpoint import Checkpointer, CheckpointConfig, TrainMeta, abstract_like
 from jaxrl_async.models import ModelConfig, param_shapes
-from jaxrl_async.sharding import make_mesh, model_shardings
+from jaxrl_async.models.shardings import model_shardings
+from jaxrl_async.sharding import make_mesh
 cfg = ModelConfig(vocab_size=32768, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64)
 mesh = make_mesh({"fsdp": 4})
 sh = model_shardings(cfg, mesh, "trainer")

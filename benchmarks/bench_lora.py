@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     from jaxrl_async.models import lora
     from jaxrl_async.models.transformer import init_params
     from jaxrl_async.rollout.engine import PagedEngine
-    from jaxrl_async.sharding import make_mesh, model_shardings
+    from jaxrl_async.models.shardings import model_shardings
+    from jaxrl_async.sharding import make_mesh
     from jaxrl_async.weight_sync import LoraPush, WeightPusher
 
     d = jax.devices()

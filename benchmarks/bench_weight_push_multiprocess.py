@@ -64,7 +64,7 @@ def _params(cfg, mesh, rules, dtype):
     import jax.numpy as jnp
 
     from jaxrl_async.models.transformer import param_shapes
-    from jaxrl_async.sharding.rules import model_shardings
+    from jaxrl_async.models.shardings import model_shardings
 
     shard = model_shardings(cfg, mesh, rules)
     shapes = param_shapes(cfg)
@@ -155,7 +155,7 @@ def role_generator(args) -> None:
     from jaxrl_async.distributed.transfer import WireReceiver, layout_of, plan_transfer, tree_keys, verify
     from jaxrl_async.models.transformer import param_shapes
     from jaxrl_async.sharding.mesh import make_mesh
-    from jaxrl_async.sharding.rules import model_shardings
+    from jaxrl_async.models.shardings import model_shardings
 
     cfg = _lora_cfg(_model_cfg(args.model), args.lora)
     mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
@@ -197,7 +197,7 @@ def role_single(args) -> None:
     import jax
 
     from jaxrl_async.sharding.mesh import make_mesh
-    from jaxrl_async.sharding.rules import model_shardings
+    from jaxrl_async.models.shardings import model_shardings
     from jaxrl_async.weight_sync import WeightPusher
 
     class Recording:

@@ -32,7 +32,7 @@ from jaxrl_async.checkpoint import handle_signals
 from jaxrl_async.cli import cli_main, error_line
 
 
-def _peek_config(argv: list[str]):
+def peek_config(argv: list[str]):
     """Load the config and overrides WITHOUT validation (which initialises JAX's backend)."""
     from jaxrl_async.config import apply_overrides, load_config_file
     from jaxrl_async.default_config import get_config
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        _configure_cpu_devices(_peek_config(argv).mesh.cpu_devices)
+        _configure_cpu_devices(peek_config(argv).mesh.cpu_devices)
         from jaxrl_async.default_config import get_config
 
         cfg, flags = parse_command_line(argv, default_config=get_config())

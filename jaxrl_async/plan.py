@@ -290,7 +290,7 @@ def _lora_push_plan(cfg, model_cfg, trainer, gen_mesh):
 
     from jaxrl_async.models import lora
     from jaxrl_async.models.transformer import param_shapes
-    from jaxrl_async.sharding.rules import model_shardings
+    from jaxrl_async.models.shardings import model_shardings
 
     if model_cfg.lora is None:
         return None, None, None
@@ -328,7 +328,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     import jax.numpy as jnp
 
     from jaxrl_async.components import build_engine, build_trainer, generator_model_config
-    from jaxrl_async.config import ConfigError, _resolve_shape, resolve_device_split, validate
+    from jaxrl_async.config import ConfigError, resolve_shape, resolve_device_split, validate
     from jaxrl_async.layouts import get_device_kind, get_layout
     from jaxrl_async.models.transformer import param_shapes
     from jaxrl_async.rollout import kv_cache
@@ -375,9 +375,9 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     m = cfg.mesh
     gen_ids, trn_ids = resolve_device_split(m, n)
     shared = bool(set(gen_ids) & set(trn_ids))
-    gen_mesh = make_mesh(_resolve_shape(m.generator.shape, len(gen_ids), "mesh.generator.shape"),
+    gen_mesh = make_mesh(resolve_shape(m.generator.shape, len(gen_ids), "mesh.generator.shape"),
                          m.generator.axis_names, devices=[devices[i] for i in gen_ids])
-    trn_mesh = make_mesh(_resolve_shape(m.trainer.shape, len(trn_ids), "mesh.trainer.shape"),
+    trn_mesh = make_mesh(resolve_shape(m.trainer.shape, len(trn_ids), "mesh.trainer.shape"),
                          m.trainer.axis_names, devices=[devices[i] for i in trn_ids])
 
     # -- trainer ----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def initial_params(cfg: RunConfig, model_cfg: Any = None, *, mesh: Any = None) -
     """
     from jaxrl_async.models.hf_io import load_hf
     from jaxrl_async.models.transformer import init_params
-    from jaxrl_async.sharding.rules import model_shardings
+    from jaxrl_async.models.shardings import model_shardings
 
     spec = cfg.model.lora.spec()  # LoRA: the base as without it, + fresh adapters (model.lora.init_seed)
     if cfg.model.path is not None:
@@ -51,9 +51,10 @@ def initial_params(cfg: RunConfig, model_cfg: Any = None, *, mesh: Any = None) -
 
 def _with_adapters(base: Any, model_cfg: Any, seed: int, mesh: Any) -> Any:
     from jaxrl_async.models import lora
-    from jaxrl_async.sharding.rules import model_shardings
+    from jaxrl_async.models import transformer
+    from jaxrl_async.models.shardings import model_shardings
 
-    adapters = lora.init_adapters(model_cfg, jax.random.key(seed))
+    adapters = transformer.init_adapters(model_cfg, jax.random.key(seed))
     if mesh is not None:  # each process places its own slices of the (identical) host values: no collective
         # (a device_put onto a mesh spanning processes checks equality across them, a collective the other
         # processes of a trainer group would not be running at this point)

@@ -197,7 +197,8 @@ def ours_in_float64(params, cfg, tokens):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrl_async.models import attention, lora, transformer
+    from jaxrl_async.kernels import flash
+    from jaxrl_async.models import lora, transformer
 
     class _F64(types.ModuleType):
         def __getattr__(self, name):
@@ -207,7 +208,7 @@ def ours_in_float64(params, cfg, tokens):
     cos, sin = float64_rope_tables(cfg, np.broadcast_to(np.arange(T), (B, T)))
     cfg64 = copy.copy(cfg)
     object.__setattr__(cfg64, "dtype", "float64")  # past ModelConfig's validation (float32 | bfloat16)
-    mods = (transformer, attention, lora)
+    mods = (transformer, flash, lora)
     saved = [m.jnp for m in mods], transformer.rope_cos_sin
     with jax.enable_x64(True):
         try:

@@ -27,7 +27,8 @@ from jaxrl_async.checkpoint import (
     abstract_like, from_jsonable, pack_records, rng_from_json, rng_to_json, to_jsonable, unpack_records,
 )
 from jaxrl_async.models import ModelConfig, init_params, param_shapes
-from jaxrl_async.sharding import make_mesh, model_shardings
+from jaxrl_async.models.shardings import model_shardings
+from jaxrl_async.sharding import make_mesh
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -15,7 +15,8 @@ import pytest
 from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
 from jaxrl_async.export import export_checkpoint, main
 from jaxrl_async.models import apply, load_hf
-from jaxrl_async.sharding import make_mesh, model_shardings
+from jaxrl_async.models.shardings import model_shardings
+from jaxrl_async.sharding import make_mesh
 from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
 
 TOKENS = np.array([[1, 17, 42, 99, 3, 250, 7, 64], [1, 5, 5, 200, 31, 8, 2, 0]], np.int32)

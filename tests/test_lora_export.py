@@ -13,7 +13,7 @@ import pytest
 
 from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
 from jaxrl_async.export import export_checkpoint, main
-from jaxrl_async.models import apply, load_hf, lora
+from jaxrl_async.models import apply, load_hf, lora, transformer
 from jaxrl_async.models.hf_io import save_hf
 from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
 
@@ -29,7 +29,7 @@ def run(request, tmp_path_factory):
     tok_dir = make_tiny_tokenizer(str(root / "tok"))
     cfg, base = load_hf(hf_dir)
     cfg = cfg.replace(lora=SPEC)
-    adapters = lora.init_adapters(cfg, jax.random.key(1))
+    adapters = transformer.init_adapters(cfg, jax.random.key(1))
     keys = jax.random.split(jax.random.key(2), len(adapters["layers"]))
     adapters = {"layers": {k: (v if k.endswith("_a") else 0.2 * jax.random.normal(kk, v.shape))
                            for kk, (k, v) in zip(keys, sorted(adapters["layers"].items()))}}  # B != 0

@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
 from jaxrl_async.export import main, peft_adapter_tensors
-from jaxrl_async.models import apply, load_hf, lora
+from jaxrl_async.models import apply, load_hf, lora, transformer
 from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
 
 TOKENS = np.array([[1, 17, 42, 99, 3, 250, 7, 64], [1, 5, 5, 200, 31, 8, 2, 0]], np.int32)
@@ -34,7 +34,7 @@ def run(request, tmp_path_factory):
     tok_dir = make_tiny_tokenizer(str(root / "tok"))
     cfg, base = load_hf(hf_dir)
     cfg = cfg.replace(lora=lora.LoraSpec(rank=3, alpha=5.0, targets=targets))
-    adapters = lora.init_adapters(cfg, jax.random.key(1))
+    adapters = transformer.init_adapters(cfg, jax.random.key(1))
     out = {}
     for stack, a in adapters.items():
         keys = jax.random.split(jax.random.fold_in(jax.random.key(2), len(out)), len(a))
@@ -135,7 +135,7 @@ def test_peft_export_of_dense_mlp_adapters_in_a_mixed_model_is_refused(tmp_path,
     hf_dir = make_tiny_hf_model(str(tmp_path / "hf"), "qwen3_moe", seed=3, num_hidden_layers=3, mlp_only_layers=[1])
     cfg, base = load_hf(hf_dir)
     cfg = cfg.replace(lora=lora.LoraSpec(rank=2, alpha=3.0, targets=("q", "down")))
-    adapters = lora.init_adapters(cfg, jax.random.key(1))
+    adapters = transformer.init_adapters(cfg, jax.random.key(1))
     adapters = {s: {k: v if k.endswith("_a") else v + 0.3 for k, v in a.items()} for s, a in adapters.items()}
     params = lora.join(adapters, base)
     run_dir = str(tmp_path / "run")

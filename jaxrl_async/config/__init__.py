@@ -44,7 +44,7 @@ from jaxrl_async.config.sections import (  # noqa: F401
     RolloutConfig, RunConfig, SamplingConfig, SFTConfig, TrainerConfig,
 )
 from jaxrl_async.config.validation import (  # noqa: F401
-    _resolve_shape, resolve_device_split, trainer_data_parallel_size, validate,
+    resolve_shape, resolve_device_split, trainer_data_parallel_size, validate,
 )
 from jaxrl_async.rl.losses import BehaviourWeightConfig  # noqa: F401
 

@@ -11,7 +11,7 @@ import types
 import typing
 from typing import Any, Mapping, Sequence
 
-from jaxrl_async.config.overrides import _hints, _is_optional, apply_overrides
+from jaxrl_async.config.overrides import field_hints, is_optional, apply_overrides
 from jaxrl_async.config.sections import ConfigError, RunConfig
 from jaxrl_async.config.validation import validate
 
@@ -52,7 +52,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     """Inverse of ``to_dict`` (lists become tuples); unknown keys raise ConfigError."""
-    hints = _hints(cls)
+    hints = field_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kw = {}
     for k, v in data.items():
@@ -67,7 +67,7 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
 
 
 def _from_json(v: Any, tp: Any, path: str) -> Any:
-    optional, inner = _is_optional(tp)
+    optional, inner = is_optional(tp)
     if v is None:
         return None
     if dataclasses.is_dataclass(inner) and isinstance(v, Mapping):

@@ -22,11 +22,11 @@ _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
 
-def _hints(cls: type) -> dict[str, Any]:
+def field_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _is_optional(tp: Any) -> tuple[bool, Any]:
+def is_optional(tp: Any) -> tuple[bool, Any]:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -41,7 +41,7 @@ def _type_name(tp: Any) -> str:
 
 def parse_value(text: str, tp: Any, field: str = "") -> Any:
     """Convert a command-line string to the field type ``tp`` (raises ConfigError naming ``field``)."""
-    optional, inner = _is_optional(tp)
+    optional, inner = is_optional(tp)
     s = text.strip()
     if optional and s.lower() in _NONE:
         return None
@@ -132,7 +132,7 @@ def _split_sequence(s: str, field: str) -> list[Any]:
 
 def _check_value(value: Any, tp: Any, field: str) -> None:
     """Raise ConfigError if ``value`` does not have type ``tp`` (ints are accepted for floats)."""
-    optional, inner = _is_optional(tp)
+    optional, inner = is_optional(tp)
     if value is None:
         if optional:
             return
@@ -188,7 +188,7 @@ def _check_value(value: Any, tp: Any, field: str) -> None:
 def check_types(cfg: Any, prefix: str = "") -> None:
     """Check every field of the dataclass tree ``cfg`` against its annotation."""
     for f in dataclasses.fields(cfg):
-        _check_value(getattr(cfg, f.name), _hints(type(cfg))[f.name], f"{prefix}{f.name}" if not prefix else f"{prefix}.{f.name}")
+        _check_value(getattr(cfg, f.name), field_hints(type(cfg))[f.name], f"{prefix}{f.name}" if not prefix else f"{prefix}.{f.name}")
 
 
 # =============================================================================================
@@ -201,7 +201,7 @@ def _split_override(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-def _component_error(prefix: str, obj: Any, message: str) -> ConfigError:
+def component_error(prefix: str, obj: Any, message: str) -> ConfigError:
     """A reused component config's ValueError as a ConfigError naming the full field path.
 
     Component messages start with ``field``, ``Class.field`` or ``sub.field`` (e.g. ``"eps_clip must
@@ -232,7 +232,7 @@ def _rebuild(obj: Any, changes: Mapping[str, Any], prefix: str) -> Any:
     try:
         return dataclasses.replace(obj, **kw)
     except (ValueError, TypeError) as e:  # a reused component config validated itself
-        raise _component_error(prefix, obj, str(e)) from None
+        raise component_error(prefix, obj, str(e)) from None
 
 
 def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
@@ -256,7 +256,7 @@ def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
                 hint = f"; did you mean {close[0]!r}?" if close else f"; fields: {', '.join(names)}"
                 raise ConfigError(path, f"unknown field{hint}")
             if depth == len(parts) - 1:
-                node[part] = parse_value(raw, _hints(type(obj))[part], path)
+                node[part] = parse_value(raw, field_hints(type(obj))[part], path)
             else:
                 child = node.setdefault(part, {})
                 if not isinstance(child, dict):

@@ -14,6 +14,7 @@ Directory listings and one JSON read (``RUN/checkpoints/<step>/meta/metadata``):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Mapping
@@ -71,9 +72,7 @@ def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def changed_fields(saved: Mapping[str, Any], cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
     """Dotted field -> (saved value, value now) for every field that differs (``run_dir`` ignored)."""
-    from jaxrl_async.config.files import to_dict
-
-    old, new = _flat(saved), _flat(json.loads(json.dumps(to_dict(cfg))))
+    old, new = _flat(saved), _flat(json.loads(json.dumps(dataclasses.asdict(cfg))))  # as config.to_dict
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
             if k != "run_dir" and old.get(k) != new.get(k)}
 

@@ -90,7 +90,7 @@ class ModelConfigSection:
     remat: Literal["none", "full", "minimal", "dots", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj",
                    "save_out_proj", "minimal_offloaded", "qkv_proj_offloaded"] = "none"  # models/remat.py
     scan_layers: bool = True
-    # training/scoring/prefill attention (models/attention.py): auto = splash on TPU, gpu_flash on GPU,
+    # training/scoring/prefill attention (kernels/attention.py): auto = splash on TPU, gpu_flash on GPU,
     # elsewhere blockwise from 512 tokens per row (xla below)
     attention: Literal["auto", "xla", "blockwise", "splash", "gpu_flash"] = "auto"
     attention_block: int = 512

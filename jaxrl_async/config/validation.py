@@ -6,7 +6,7 @@ import json
 import math
 import os
 
-from jaxrl_async.config.overrides import _component_error, check_types
+from jaxrl_async.config.overrides import component_error, check_types
 from jaxrl_async.config.resume import check_resume
 from jaxrl_async.config.sections import (
     ConfigError,
@@ -44,7 +44,7 @@ def resolve_device_split(mesh: MeshConfig, num_devices: int) -> tuple[tuple[int,
     return all_ids[:n_gen], all_ids[n_gen:]
 
 
-def _resolve_shape(shape: tuple[int, ...], n: int, field: str) -> tuple[int, ...]:
+def resolve_shape(shape: tuple[int, ...], n: int, field: str) -> tuple[int, ...]:
     if shape.count(-1) > 1:
         raise ConfigError(field, f"at most one -1 allowed, got {shape}")
     if any(s == 0 or s < -1 for s in shape):
@@ -62,7 +62,7 @@ def _resolve_shape(shape: tuple[int, ...], n: int, field: str) -> tuple[int, ...
 def trainer_data_parallel_size(cfg: RunConfig, num_devices: int) -> int:
     """Product of the trainer mesh axes that shard the batch (``data``, ``fsdp``, ``expert``)."""
     _, tr = resolve_device_split(cfg.mesh, num_devices)
-    shape = _resolve_shape(cfg.mesh.trainer.shape, len(tr), "mesh.trainer.shape")
+    shape = resolve_shape(cfg.mesh.trainer.shape, len(tr), "mesh.trainer.shape")
     return math.prod(s for s, a in zip(shape, cfg.mesh.trainer.axis_names) if a in ("data", "fsdp", "expert"))
 
 
@@ -152,12 +152,12 @@ def _trainer_rules(cfg: RunConfig) -> None:
         tr.optimizer_config()
     except ValueError as e:  # OptimizerConfig.<field>: ... — the same field names as the trainer section
         msg = str(e).replace("OptimizerConfig.", "", 1)
-        raise _component_error("trainer", tr, msg) from None
+        raise component_error("trainer", tr, msg) from None
     for name, sub in (("trainer.loss", tr.loss), ("trainer.advantage", tr.advantage)):
         try:
             sub.validate()
         except ValueError as e:
-            raise _component_error(name, sub, str(e)) from None
+            raise component_error(name, sub, str(e)) from None
     if tr.advantage.overlong_penalty and tr.advantage.max_new_tokens is not None:
         _require(tr.advantage.max_new_tokens == sa.max_new_tokens, "trainer.advantage.max_new_tokens",
                  f"{tr.advantage.max_new_tokens} != rollout.sampling.max_new_tokens={sa.max_new_tokens}")
@@ -192,7 +192,7 @@ def _model_rules(cfg: RunConfig) -> None:
             cfg.model.model_config(vocab_size=8)
         except ValueError as e:  # ModelConfig.<field>: ...
             msg = str(e).replace("ModelConfig.", "", 1)
-            raise _component_error("model", cfg.model, msg) from None
+            raise component_error("model", cfg.model, msg) from None
     if ro.record_routing or tr.routing_replay:
         field = "rollout.record_routing" if ro.record_routing else "trainer.routing_replay"
         _require(_is_moe(cfg), field, "needs a mixture-of-experts model (qwen3_moe, num_experts > 0)")
@@ -271,14 +271,14 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
                  "(set mesh.colocate=true to time-share)")
         _require(len(gen) >= 1, "mesh.generator.devices", "the generator has no device")
         _require(len(trn) >= 1, "mesh.trainer.devices", "the trainer has no device")
-    gshape = _resolve_shape(m.generator.shape, len(gen), "mesh.generator.shape")
+    gshape = resolve_shape(m.generator.shape, len(gen), "mesh.generator.shape")
     en = cfg.rollout.engine
     gdata = gshape[m.generator.axis_names.index("data")] if "data" in m.generator.axis_names else 1
     if gdata > 1 and en.max_concurrent_decodes % gdata == 0 and en.num_pages is not None:
         _require(en.num_pages % gdata == 0, "rollout.engine.num_pages",
                  f"{en.num_pages} pages do not split over the generator's {gdata} data replicas (each owns an "
                  f"equal range of the KV pool): use a multiple of {gdata}")
-    tshape = _resolve_shape(m.trainer.shape, len(trn), "mesh.trainer.shape")
+    tshape = resolve_shape(m.trainer.shape, len(trn), "mesh.trainer.shape")
     for role, shape in (("generator", gshape), ("trainer", tshape)):
         names = getattr(m, role).axis_names
         if "expert" in names and shape[names.index("expert")] > 1:

@@ -329,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[jaxrl_async] {e}", file=sys.stderr)
         return 2
     try:
-        from jaxrl_async.main import _peek_config
+        from jaxrl_async.main import peek_config
 
-        cfg = role_config(_peek_config(rest), a.generator_devices, jax.device_count())
+        cfg = role_config(peek_config(rest), a.generator_devices, jax.device_count())
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2

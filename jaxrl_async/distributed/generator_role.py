@@ -95,13 +95,13 @@ class GeneratorServer:
         from transformers import AutoTokenizer
 
         from jaxrl_async.components import engine_from_section
-        from jaxrl_async.config import _resolve_shape
+        from jaxrl_async.config import resolve_shape
         from jaxrl_async.distributed.transfer import layout_of, tree_keys
         from jaxrl_async.sharding.mesh import make_mesh
 
         self.spec = spec
         devs = jax.local_devices()
-        shape = _resolve_shape(tuple(spec["mesh_shape"]), len(devs), "mesh.generator.shape")
+        shape = resolve_shape(tuple(spec["mesh_shape"]), len(devs), "mesh.generator.shape")
         mesh = make_mesh(shape, tuple(spec["mesh_axes"]), devices=devs)
         self.engine = engine_from_section(spec["engine"], spec["model_config"], mesh,
                                           record_routing=bool(spec.get("record_routing", False)))

@@ -131,13 +131,13 @@ def check_run_args(rest: list[str]) -> None:
     overrides. Loads the config and applies the overrides (no validation: that needs the role's devices)
     so that a missing config file or a wrong key stops here with one line, before any process starts."""
     from jaxrl_async.distributed.controller import split_argv
-    from jaxrl_async.main import _peek_config
+    from jaxrl_async.main import peek_config
 
     _, leftover = split_argv(["--listen", "127.0.0.1:0", "--generator-devices", "1"] + rest)
     for a in leftover:
         if a.startswith("-") and a.split("=", 1)[0] not in _RUN_OPTIONS:
             raise UserError(f"unknown option {a!r} (see --help; the run's options: {', '.join(_RUN_OPTIONS)})")
-    _peek_config(leftover)
+    peek_config(leftover)
 
 
 @cli_main("launch")

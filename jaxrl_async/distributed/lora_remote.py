@@ -95,7 +95,7 @@ class GeneratorLora:
         import jax.numpy as jnp
 
         from jaxrl_async.models import lora
-        from jaxrl_async.sharding.rules import model_shardings
+        from jaxrl_async.models.shardings import model_shardings
 
         self.spec = dict(spec)
         self.decode = spec["decode"]

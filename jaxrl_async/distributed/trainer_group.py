@@ -68,11 +68,11 @@ def trainer_mesh(cfg: Any) -> Any:
     """The trainer mesh over every device of the group (``mesh.trainer`` shape and axes)."""
     import jax
 
-    from jaxrl_async.config import _resolve_shape
+    from jaxrl_async.config import resolve_shape
     from jaxrl_async.sharding.mesh import make_mesh
 
     devs = jax.devices()
-    shape = _resolve_shape(cfg.mesh.trainer.shape, len(devs), "mesh.trainer.shape")
+    shape = resolve_shape(cfg.mesh.trainer.shape, len(devs), "mesh.trainer.shape")
     return make_mesh(shape, cfg.mesh.trainer.axis_names, devices=devs)
 
 

@@ -138,7 +138,7 @@ class LocalGenerators:
         """LoRA: the base (once) and the adapters on the generator devices; the engine gets them unmerged,
         or merged into a generator-side copy (``model.lora.decode``). Keeps the base for the pusher."""
         from jaxrl_async.models import lora
-        from jaxrl_async.sharding.rules import model_shardings
+        from jaxrl_async.models.shardings import model_shardings
 
         model_cfg = self.setup.model_cfg
         gen_cfg = model_cfg.replace(param_dtype=model_cfg.dtype)  # base + adapters, generator dtype

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 
 from jaxrl_async.config import ConfigError, RunConfig, resolve_device_split
-from jaxrl_async.config import _resolve_shape as resolve_shape  # TODO(merge): public name
+from jaxrl_async.config import resolve_shape
 
 log = logging.getLogger("jaxrl_async")
 
@@ -77,7 +77,7 @@ def local_placement(cfg: RunConfig, say: Callable[[str], None]) -> Placement:
 def attention_choice(cfg: RunConfig, model_cfg: Any, trainer_mesh: Any) -> dict[str, str]:
     """What ``model.attention`` resolves to on the trainer's platform, per packing row bucket (logged and
     recorded in ``config.json``)."""
-    from jaxrl_async.models.attention import resolve_attention
+    from jaxrl_async.kernels.attention import resolve_attention
 
     platform = trainer_mesh.devices.flat[0].platform
     impl = model_cfg.attention

@@ -79,7 +79,7 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of the parameters (master weights in training)
     remat: str = "none"  # jax.checkpoint policy per layer, by name (`models/remat.py`: none, full, minimal, ...)
     scan_layers: bool = True  # lax.scan over the stacked layers (fast compile) or a Python loop
-    # training / scoring / prefill attention (`models/attention.py`): auto, xla, blockwise, splash, gpu_flash
+    # training / scoring / prefill attention (`kernels/attention.py`): auto, xla, blockwise, splash, gpu_flash
     attention: str = "auto"
     attention_block: int = 512  # query and key block of "blockwise" (tokens)
     # grouped matmul of the MoE experts (`models/moe.py`): auto (megablox on TPU, tiled on GPU, else ragged_dot),
@@ -144,7 +144,7 @@ class ModelConfig:
 
         if self.remat not in REMAT_POLICIES:
             bad("remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}")
-        from jaxrl_async.models.attention import ATTENTION_IMPLS
+        from jaxrl_async.kernels.attention import ATTENTION_IMPLS
 
         if self.attention not in ATTENTION_IMPLS:
             bad("attention", f"must be one of {ATTENTION_IMPLS}, got {self.attention!r}")

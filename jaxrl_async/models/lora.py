@@ -8,7 +8,8 @@ A is initialised like PEFT's default (``init_lora_weights=True``: Kaiming-unifor
 i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in))) and B = 0, so a fresh adapter leaves the model unchanged
 (bit-identical logits). Adapters live in the same parameter tree as the base weights, as stacked
 per-layer leaves ``layers/{target}_lora_a`` and ``layers/{target}_lora_b``; their shapes, logical
-axes and initialisers are rows of ``transformer.param_table`` (the single source of truth), which
+axes and initialisers are rows of ``transformer.param_table`` (the single source of truth; fresh adapters:
+``transformer.init_adapters``), which
 adds them when ``ModelConfig.lora`` is set. The rank dimension has no logical name (replicated on
 every mesh): r is small and sharding it would only add collectives.
 
@@ -263,22 +264,3 @@ def merge(params: Mapping[str, Any], spec: LoraSpec) -> dict[str, Any]:
 def adapter_bytes(params: Mapping[str, Any]) -> int:
     adapters, _ = split(params)
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(adapters)))
-
-
-def init_adapters(cfg: Any, key: jax.Array, dtype: Any = jnp.float32) -> dict[str, Any]:
-    """Fresh adapters ``{"layers": {...}}`` of ``cfg`` (``cfg.lora`` set) from their rows of
-    ``transformer.param_table`` (A as PEFT, B = 0), independent of the base's initialisation."""
-    from jaxrl_async.models.transformer import param_table
-
-    table = param_table(cfg)
-    result = {}
-    for stack in (s for s in STACKS if s in table):  # "layers" first: a dense model's draws are unchanged
-        specs = {k: v for k, v in table[stack].items() if is_adapter_key(k)}
-        key, sub = jax.random.split(key) if stack != "layers" else (key, key)
-        keys = jax.random.split(sub, len(specs))
-        out = {}
-        for k, (name, spec) in zip(keys, sorted(specs.items())):
-            out[name] = (init_adapter(k, spec.shape, spec.fan_in, dtype) if spec.init == "lora_a"
-                         else jnp.zeros(spec.shape, dtype))
-        result[stack] = out
-    return result

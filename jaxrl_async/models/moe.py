@@ -91,7 +91,7 @@ def grouped_matmul_impl(kernel: str = "auto") -> str:
     [128 x 2048 x 768] ragged_dot needs 32 GiB of temporaries, every row against every expert), ``ragged``
     (``jax.lax.ragged_dot``) elsewhere. ``megablox`` off TPU runs the kernel in Pallas interpret mode (tests).
     The choice is logged once per (kernel, platform)."""
-    from jaxrl_async.models.attention_kernels import kernel_platform
+    from jaxrl_async.kernels.platform import kernel_platform
 
     platform = kernel_platform()
     impl = kernel
@@ -153,7 +153,7 @@ def megablox_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Arra
     padding belongs to no group and is cut off). rows [M, K], w [X, K, F] -> float32 [M, F]."""
     from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
-    from jaxrl_async.models.attention_kernels import _at_precision, kernel_platform
+    from jaxrl_async.kernels.platform import at_precision, kernel_platform
 
     M, K = rows.shape
     F = w.shape[-1]
@@ -164,7 +164,7 @@ def megablox_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Arra
     # Mosaic takes bf16 operands only at the default precision (a caller's "highest" would ask for an fp32
     # contraction of bf16 vectors and fail to compile); fp32 operands get a full fp32 matmul
     precision = "highest" if rows.dtype == jnp.float32 else "default"
-    gmm = _at_precision(lambda x, y, g: megablox.gmm(x, y, g, jnp.float32, tiles, None, None, False, interpret),
+    gmm = at_precision(lambda x, y, g: megablox.gmm(x, y, g, jnp.float32, tiles, None, None, False, interpret),
                         precision)
     return gmm(lhs, w.astype(rows.dtype), group_sizes.astype(jnp.int32))[:M]
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxrl_async.models.attention import (  # noqa: F401  (grouped_attention, segment_mask: re-exported)
+from jaxrl_async.kernels.attention import (  # noqa: F401  (grouped_attention, segment_mask: re-exported)
     AttendFn, grouped_attention, segment_attention, segment_mask,
 )
 from jaxrl_async.models.config import ModelConfig, llama3_inv_freq_scale
@@ -209,6 +209,25 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
+def init_adapters(cfg: Any, key: jax.Array, dtype: Any = jnp.float32) -> dict[str, Any]:
+    """Fresh LoRA adapters ``{"layers": {...}}`` of ``cfg`` (``cfg.lora`` set) from their rows of
+    ``param_table`` (A as PEFT, B = 0), independent of the base's initialisation."""
+    from jaxrl_async.models.lora import STACKS, init_adapter, is_adapter_key
+
+    table = param_table(cfg)
+    result = {}
+    for stack in (s for s in STACKS if s in table):  # "layers" first: a dense model's draws are unchanged
+        specs = {k: v for k, v in table[stack].items() if is_adapter_key(k)}
+        key, sub = jax.random.split(key) if stack != "layers" else (key, key)
+        keys = jax.random.split(sub, len(specs))
+        out = {}
+        for k, (name, spec) in zip(keys, sorted(specs.items())):
+            out[name] = (init_adapter(k, spec.shape, spec.fan_in, dtype) if spec.init == "lora_a"
+                         else jnp.zeros(spec.shape, dtype))
+        result[stack] = out
+    return result
+
+
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies theta^(-2i/E), with llama3 scaling when configured (float32, as HF)."""
     E = cfg.head_dim
@@ -238,7 +257,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def model_attention(cfg: ModelConfig, segment_ids: jax.Array) -> AttendFn:
     """The training/scoring attention of ``cfg`` (``cfg.attention``: xla | blockwise | auto) over
-    padded or packed rows: causal within a segment, none across (``models/attention.py``)."""
+    padded or packed rows: causal within a segment, none across (``kernels/attention.py``)."""
     return segment_attention(segment_ids, cfg.head_dim ** -0.5, cfg.attention, cfg.attention_block)
 
 
@@ -469,13 +488,3 @@ def sequence_logprobs(params: Params, cfg: ModelConfig, tokens: jax.Array, segme
     lp = jnp.concatenate([zero, jnp.where(valid, lp[:, :-1], 0.0)], axis=1)
     ent = jnp.concatenate([zero, jnp.where(valid, ent[:, :-1], 0.0)], axis=1)
     return lp, ent
-
-
-def __getattr__(name: str):
-    # the Flax NNX container lives in `nnx_module.py`: importing flax costs ~0.2 s, which the command-line tools
-    # (pure functions only) no longer pay at startup
-    if name == "Transformer":
-        from jaxrl_async.models.nnx_module import Transformer
-
-        return Transformer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

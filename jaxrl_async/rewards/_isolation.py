@@ -86,11 +86,11 @@ class _UidPool:
             self._cond.notify_all()
 
 
-_UIDS = _UidPool()
+UIDS = _UidPool()
 
 
 # ------------------------------------------------------------------------------------ memory cgroups
-class _CgroupUnavailable(Exception):
+class CgroupUnavailable(Exception):
     pass
 
 
@@ -99,7 +99,7 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def _write(path: str, value: str) -> None:
+def write_control(path: str, value: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     try:
         os.write(fd, value.encode())
@@ -117,14 +117,14 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-class _RunCgroup:
+class RunCgroup:
     """One run's use of a cgroup slot: the OOM-kill count before the run and the peak-reset handle."""
 
     def __init__(self, path: str, oom_before: int, peak_fd: int | None):
         self.path, self.oom_before, self.peak_fd = path, oom_before, peak_fd
 
 
-class _MemoryCgroups:
+class MemoryCgroups:
     """Memory cgroups of the runs under one base directory: one slot per concurrent run, reused from run
     to run (creating and removing a memcg per run would leave dying memcgs behind and costs more), each
     verified empty before reuse, all removed at exit."""
@@ -168,7 +168,7 @@ class _MemoryCgroups:
         if self.version == 2:
             for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
                 if os.path.exists(os.path.join(path, name)):
-                    _write(os.path.join(path, name), value)
+                    write_control(os.path.join(path, name), value)
         else:
             self._memsw = os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes"))
         with self._lock:
@@ -177,18 +177,18 @@ class _MemoryCgroups:
 
     def _set_limit(self, path: str, limit: int) -> None:
         if self.version == 2:
-            _write(os.path.join(path, "memory.max"), str(limit))
+            write_control(os.path.join(path, "memory.max"), str(limit))
             return
         mem, memsw = os.path.join(path, "memory.limit_in_bytes"), os.path.join(path, "memory.memsw.limit_in_bytes")
         try:
-            _write(mem, str(limit))
+            write_control(mem, str(limit))
         except OSError:
             if not self._memsw:
                 raise
-            _write(memsw, str(limit))  # raising the limit: memory+swap must grow first
-            _write(mem, str(limit))
+            write_control(memsw, str(limit))  # raising the limit: memory+swap must grow first
+            write_control(mem, str(limit))
         if self._memsw:
-            _write(memsw, str(limit))
+            write_control(memsw, str(limit))
 
     def _oom_kills(self, path: str) -> int:
         name = "memory.events" if self.version == 2 else "memory.oom_control"
@@ -198,7 +198,7 @@ class _MemoryCgroups:
                 return int(value)
         return 0
 
-    def acquire(self, limit: int) -> _RunCgroup:
+    def acquire(self, limit: int) -> RunCgroup:
         with self._lock:
             path = self._free.pop() if self._free else None
         try:
@@ -207,7 +207,7 @@ class _MemoryCgroups:
             self._set_limit(path, limit)
             peak_fd = None
             if self.version == 1:
-                _write(os.path.join(path, "memory.max_usage_in_bytes"), "0")
+                write_control(os.path.join(path, "memory.max_usage_in_bytes"), "0")
                 peak_fd = -1
             elif os.path.exists(os.path.join(path, "memory.peak")):
                 fd = os.open(os.path.join(path, "memory.peak"), os.O_RDWR | os.O_CLOEXEC)
@@ -216,13 +216,13 @@ class _MemoryCgroups:
                     peak_fd = fd
                 except OSError:
                     os.close(fd)
-            return _RunCgroup(path, self._oom_kills(path), peak_fd)
+            return RunCgroup(path, self._oom_kills(path), peak_fd)
         except BaseException:
             if path is not None:
                 self._discard(path)
             raise
 
-    def finish(self, run: _RunCgroup) -> tuple[bool, int | None]:
+    def finish(self, run: RunCgroup) -> tuple[bool, int | None]:
         """(OOM kill during the run?, peak bytes); the slot goes back to the pool if it is empty."""
         oom = peak = None
         try:
@@ -259,7 +259,7 @@ class _MemoryCgroups:
                 return False
             if os.path.exists(os.path.join(path, "cgroup.kill")):
                 try:
-                    _write(os.path.join(path, "cgroup.kill"), "1")
+                    write_control(os.path.join(path, "cgroup.kill"), "1")
                 except OSError:
                     pass
             for pid in pids:
@@ -291,7 +291,7 @@ class _MemoryCgroups:
 
 
 _cgroup_lock = threading.Lock()
-_cgroups: dict[str | None, _MemoryCgroups | str] = {}
+_cgroups: dict[str | None, MemoryCgroups | str] = {}
 
 
 def _mount_points() -> list[tuple[str, str, set[str]]]:
@@ -309,24 +309,24 @@ def _mount_points() -> list[tuple[str, str, set[str]]]:
 
 def _v2_enable_memory(path: str) -> None:
     if "memory" not in _read(os.path.join(path, "cgroup.subtree_control")).split():
-        _write(os.path.join(path, "cgroup.subtree_control"), "+memory")
+        write_control(os.path.join(path, "cgroup.subtree_control"), "+memory")
 
 
-def _setup_memory_cgroups(parent: str | None) -> _MemoryCgroups:
+def _setup_memory_cgroups(parent: str | None) -> MemoryCgroups:
     if not sys.platform.startswith("linux"):
-        raise _CgroupUnavailable(f"no cgroups on {sys.platform}")
+        raise CgroupUnavailable(f"no cgroups on {sys.platform}")
     if os.geteuid() != 0:
-        raise _CgroupUnavailable("not root: cannot create memory cgroups")
+        raise CgroupUnavailable("not root: cannot create memory cgroups")
     try:
         if parent is not None:
             if os.path.exists(os.path.join(parent, "cgroup.controllers")):
                 if "memory" not in _read(os.path.join(parent, "cgroup.controllers")).split():
-                    raise _CgroupUnavailable(f"cgroup_parent {parent}: no memory controller in cgroup.controllers")
+                    raise CgroupUnavailable(f"cgroup_parent {parent}: no memory controller in cgroup.controllers")
                 _v2_enable_memory(parent)
-                return _MemoryCgroups(parent, 2)
+                return MemoryCgroups(parent, 2)
             if os.path.exists(os.path.join(parent, "memory.limit_in_bytes")):
-                return _MemoryCgroups(parent, 1)
-            raise _CgroupUnavailable(f"cgroup_parent {parent} is not a cgroup v2 directory nor a v1 memory cgroup")
+                return MemoryCgroups(parent, 1)
+            raise CgroupUnavailable(f"cgroup_parent {parent} is not a cgroup v2 directory nor a v1 memory cgroup")
         mounts = _mount_points()
         for point, fstype, _ in mounts:
             if fstype == "cgroup2" and "memory" in _read(os.path.join(point, "cgroup.controllers")).split():
@@ -334,42 +334,42 @@ def _setup_memory_cgroups(parent: str | None) -> _MemoryCgroups:
                 base = os.path.join(point, _CGROUP_DIR_NAME)
                 os.makedirs(base, mode=0o755, exist_ok=True)
                 _v2_enable_memory(base)
-                return _MemoryCgroups(base, 2)
+                return MemoryCgroups(base, 2)
         for point, fstype, opts in mounts:
             if fstype == "cgroup" and "memory" in opts:
                 base = os.path.join(point, _CGROUP_DIR_NAME)
                 os.makedirs(base, mode=0o755, exist_ok=True)
-                return _MemoryCgroups(base, 1)
+                return MemoryCgroups(base, 1)
     except OSError as exc:
-        raise _CgroupUnavailable(f"cannot set up a memory cgroup: {exc}") from exc
-    raise _CgroupUnavailable("no memory controller mounted (neither cgroup v2 nor the v1 memory hierarchy)")
+        raise CgroupUnavailable(f"cannot set up a memory cgroup: {exc}") from exc
+    raise CgroupUnavailable("no memory controller mounted (neither cgroup v2 nor the v1 memory hierarchy)")
 
 
-def _memory_cgroups(parent: str | None) -> _MemoryCgroups:
-    """The process's run cgroups under ``parent`` (cached; raises _CgroupUnavailable with the reason)."""
+def memory_cgroups(parent: str | None) -> MemoryCgroups:
+    """The process's run cgroups under ``parent`` (cached; raises CgroupUnavailable with the reason)."""
     with _cgroup_lock:
         got = _cgroups.get(parent)
         if got is None:
             try:
                 got = _setup_memory_cgroups(parent)
-            except _CgroupUnavailable as exc:
+            except CgroupUnavailable as exc:
                 got = str(exc)
             _cgroups[parent] = got
     if isinstance(got, str):
-        raise _CgroupUnavailable(got)
+        raise CgroupUnavailable(got)
     return got
 
 
 @atexit.register
 def _close_cgroups() -> None:
     for got in list(_cgroups.values()):
-        if isinstance(got, _MemoryCgroups):
+        if isinstance(got, MemoryCgroups):
             got.close()
 
 
 def _after_fork_in_child() -> None:
-    global _UIDS, _cgroups, _cgroup_lock
-    _UIDS = _UidPool()  # the parent's runs and locks are not this process's
+    global UIDS, _cgroups, _cgroup_lock
+    UIDS = _UidPool()  # the parent's runs and locks are not this process's
     _cgroup_lock = threading.Lock()
     _cgroups = {}
 

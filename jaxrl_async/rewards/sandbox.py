@@ -96,7 +96,7 @@ import time
 from typing import Literal, Mapping, Sequence
 
 from jaxrl_async.rewards import _isolation, _seccomp
-from jaxrl_async.rewards._isolation import _CgroupUnavailable, _RunCgroup, _write
+from jaxrl_async.rewards._isolation import CgroupUnavailable, RunCgroup, write_control
 
 __all__ = [
     "SandboxConfig",
@@ -347,10 +347,10 @@ class Sandbox:
                 self._seccomp_b64 = _seccomp_program(arch)
             else:
                 missing["seccomp"] = f"cannot install a seccomp filter here: {probe.get('seccomp_error', '?')}"
-        self._cgroups: _isolation._MemoryCgroups | None = None
+        self._cgroups: _isolation.MemoryCgroups | None = None
         try:
-            self._cgroups = _isolation._memory_cgroups(cfg.cgroup_parent)
-        except _CgroupUnavailable as exc:
+            self._cgroups = _isolation.memory_cgroups(cfg.cgroup_parent)
+        except CgroupUnavailable as exc:
             missing["memcg"] = str(exc)
         if missing:
             detail = "; ".join(f"{k}: {v}" for k, v in sorted(missing.items()))
@@ -392,9 +392,9 @@ class Sandbox:
         stdin_bytes = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
         off = self._disabled
 
-        uid = _isolation._UIDS.acquire(cfg.uid_base, cfg.uid_count) if self._root else None
+        uid = _isolation.UIDS.acquire(cfg.uid_base, cfg.uid_count) if self._root else None
         staging = None
-        cgroup: _RunCgroup | None = None
+        cgroup: RunCgroup | None = None
         status_r, status_w = os.pipe()
         # fds still owned by this call; _spawn_and_collect closes the write end right after the spawn and
         # removes it here, so the finally below never closes a number another thread may have reused.
@@ -470,7 +470,7 @@ class Sandbox:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
             if uid is not None:
-                _isolation._UIDS.release(uid)
+                _isolation.UIDS.release(uid)
 
     def _setup_failure(self, error: str) -> SandboxResult:
         return SandboxResult(returncode=None, stdout="", stderr="", stdout_truncated=False, stderr_truncated=False,
@@ -487,7 +487,7 @@ class Sandbox:
 
     # ------------------------------------------------------------------------------------ internals
     def _spawn_and_collect(self, cfg_path: str, status_r: int, status_w: int, stdin_bytes: bytes,
-                           wall: float, open_fds: list[int], cgroup: _RunCgroup | None,
+                           wall: float, open_fds: list[int], cgroup: RunCgroup | None,
                            go: tuple[int, int] | None) -> SandboxResult:
         cfg = self.config
         t0 = time.monotonic()
@@ -499,7 +499,7 @@ class Sandbox:
             os.close(fd)
         if go is not None:  # the launcher waits for this before it forks anything (see _sandbox_launcher.main)
             try:
-                _write(os.path.join(cgroup.path, "cgroup.procs"), str(proc.pid))
+                write_control(os.path.join(cgroup.path, "cgroup.procs"), str(proc.pid))
                 ok = b"1"
             except OSError as exc:
                 logger.warning("sandbox: cannot move the launcher into %s: %s", cgroup.path, exc)

@@ -92,7 +92,8 @@ from jaxrl_async.rollout.engine_steps import (
 )
 from jaxrl_async.sharding.activations import traced_with_activation_rules
 from jaxrl_async.sharding.mesh import make_mesh
-from jaxrl_async.sharding.rules import logical_to_spec, model_shardings
+from jaxrl_async.models.shardings import model_shardings
+from jaxrl_async.sharding.rules import logical_to_spec
 
 logger = logging.getLogger(__name__)
 

@@ -464,8 +464,8 @@ def prefill_attend(valid: jax.Array, scale: float, impl: str = "xla", block: int
     """`attend` for one padded row [1, T] of prompts: causal attention within each prompt, k/v of every
     layer stored in `state` = (k_buf, v_buf) [L, T, K, E]. valid [1, T]: bool (one prompt, True on its
     tokens) or int segment ids (packed prompts, 0 = padding). ``impl``: the model's attention
-    implementation (``ModelConfig.attention``, ``models/attention.py``)."""
-    from jaxrl_async.models.attention import segment_attention
+    implementation (``ModelConfig.attention``, ``kernels/attention.py``)."""
+    from jaxrl_async.kernels.attention import segment_attention
 
     inner = segment_attention(valid.astype(jnp.int32), scale, impl, block)
 

@@ -16,7 +16,7 @@ Threads and queues
        └── RequestHandle.result()/iteration ◄── handle event + chunk queue ◄──────────────────────┘
 
 * **Caller threads** (any number). `submit()` validates the request, registers its
-  `RequestHandle` and puts a `_Submit` message on the inbox; `abort()` puts an `_Abort`;
+  `RequestHandle` and puts a `SubmitMsg` message on the inbox; `abort()` puts an `AbortMsg`;
   `update_params()` stores `(params, version)` in a one-element mailbox (a newer update
   replaces an older one not yet applied) and wakes the decode thread. None of them block.
   Callers block only in `RequestHandle.result(timeout)` (a `threading.Event`) and in handle
@@ -67,7 +67,7 @@ Threads and queues
   each sample's output, checks stop strings on the detokenised tail (tokenizer work stays off
   the decode thread), pushes `StreamChunk`s to streaming handles, and completes a request's
   handle when its last sample finishes. A stop string finishes the sample immediately (its
-  tokens end with the token that completed the stop string) and sends a `_Release` message
+  tokens end with the token that completed the stop string) and sends a `ReleaseMsg` message
   back through the inbox so the decode thread frees the slot; tokens the decode thread
   produced for that sample in the meantime (at most one or two steps) are dropped here.
 
@@ -110,7 +110,7 @@ from jaxrl_async.rollout.requests import (  # noqa: F401
     assemble_routing, continuation_sampling, finish_reason_for, stop_string_hit,
 )
 from jaxrl_async.rollout.requests import (
-    _WAKE, _Abort, _InFlight, _Release, _Request, _RequestFailed, _Sample, _Submit, _WorkItem,
+    WAKE, AbortMsg, InFlight, ReleaseMsg, RequestState, RequestFailedMsg, SampleState, SubmitMsg, WorkItem,
 )
 
 logger = logging.getLogger(__name__)
@@ -178,11 +178,11 @@ class Generator:
         self._params = params
         self._version = int(version)
         self._state: Any = None
-        self._slot_owner: list[_Sample | None] = [None] * self.num_slots
+        self._slot_owner: list[SampleState | None] = [None] * self.num_slots
         self._live = 0
-        self._queue: collections.deque[_WorkItem] = collections.deque()
-        self._requests: dict[str, _Request] = {}
-        self._inflight: _InFlight | None = None
+        self._queue: collections.deque[WorkItem] = collections.deque()
+        self._requests: dict[str, RequestState] = {}
+        self._inflight: InFlight | None = None
         self._admit_seq = itertools.count()
         self._admission_paused = False
 
@@ -213,7 +213,7 @@ class Generator:
         with self._lock:
             self._closed = True
         self._stop.set()
-        self._inbox.put(_WAKE)
+        self._inbox.put(WAKE)
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(self.join_timeout_s)
@@ -262,7 +262,7 @@ class Generator:
         if sampling.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {rid!r}: stop_strings {sampling.stop_strings} need a tokenizer (Generator(tokenizer=...))")
         handle = RequestHandle(self, rid, stream, self.stream_poll_s)
-        request = _Request(rid, prompt, sampling, min(sampling.max_new_tokens, max_seq - len(prompt)), metadata, handle)
+        request = RequestState(rid, prompt, sampling, min(sampling.max_new_tokens, max_seq - len(prompt)), metadata, handle)
         with self._lock:
             if self._error is not None:
                 raise GeneratorError(f"generator failed: {type(self._error).__name__}: {self._error}") from self._error
@@ -271,12 +271,12 @@ class Generator:
             if rid in self._handles:
                 raise ValueError(f"request id {rid!r} is already in flight")
             self._handles[rid] = handle
-        self._inbox.put(_Submit(request))
+        self._inbox.put(SubmitMsg(request))
         return handle
 
     def abort(self, request_id: str) -> None:
         """Finish the request's unfinished samples with finish_reason "abort" (tokens so far are kept)."""
-        self._inbox.put(_Abort(str(request_id)))
+        self._inbox.put(AbortMsg(str(request_id)))
 
     def update_params(self, params: Any, version: int, *, wait: bool = False, timeout: float | None = 60.0) -> None:
         """Use `params` (policy `version`) from the next decode step on; in-flight requests continue.
@@ -293,7 +293,7 @@ class Generator:
             else:  # a superseded update counts as applied when its successor is
                 waiters = self._pending_params[2] if self._pending_params is not None else []
                 self._pending_params = (params, int(version), waiters + [applied])
-        self._inbox.put(_WAKE)
+        self._inbox.put(WAKE)
         if wait:
             deadline = None if timeout is None else time.monotonic() + timeout
             while not applied.wait(0.05):
@@ -324,7 +324,7 @@ class Generator:
             if self._error is None:
                 self._error = error
         self._stop.set()
-        self._inbox.put(_WAKE)
+        self._inbox.put(WAKE)
         self._fail_all_handles(error)
 
     def _fail_all_handles(self, error: BaseException) -> None:
@@ -367,7 +367,7 @@ class Generator:
                 continue
             self._admission_paused = False
             step.copy_to_host_async()
-            prev, self._inflight = self._inflight, _InFlight(step, tuple(self._slot_owner), self._version)
+            prev, self._inflight = self._inflight, InFlight(step, tuple(self._slot_owner), self._version)
             self._n_steps += 1
             self._live_sum += self._live
             if prev is not None:
@@ -396,16 +396,16 @@ class Generator:
                 return
 
     def _handle_message(self, msg: Any) -> None:
-        if isinstance(msg, _Submit):
+        if isinstance(msg, SubmitMsg):
             req = msg.request
             self._requests[req.id] = req
             for lo in range(0, len(req.samples), self.num_slots):
                 chunk = req.samples[lo:lo + self.num_slots]
-                self._queue.append(_WorkItem(req, req.prompt, chunk,
+                self._queue.append(WorkItem(req, req.prompt, chunk,
                                              continuation_sampling(req.sampling, req.max_new, req.max_new)))
-        elif isinstance(msg, _Abort):
+        elif isinstance(msg, AbortMsg):
             self._abort(msg.request_id)
-        elif isinstance(msg, _Release):
+        elif isinstance(msg, ReleaseMsg):
             s = msg.sample
             if not s.finished:
                 self._finish(s)
@@ -424,7 +424,7 @@ class Generator:
             self._outbox.put((time.perf_counter(), emits))
 
     # -- slots ------------------------------------------------------------------------------
-    def _finish(self, s: _Sample) -> None:
+    def _finish(self, s: SampleState) -> None:
         """Mark a sample finished (decode view) and release its slot at once."""
         s.finished = True
         if s.slot is not None:
@@ -435,7 +435,7 @@ class Generator:
         if req.num_finished_decode == len(req.samples):
             self._requests.pop(req.id, None)
 
-    def _release_slot(self, s: _Sample) -> None:
+    def _release_slot(self, s: SampleState) -> None:
         slot = s.slot
         self._state = self.engine.release(self._state, slot)
         self._slot_owner[slot] = None
@@ -447,7 +447,7 @@ class Generator:
         the most free pages first)."""
         return self.engine.order_free_slots(self._state, [i for i, o in enumerate(self._slot_owner) if o is None])
 
-    def _append(self, s: _Sample, token: int, logprob: float, version: int, engine_done: bool) -> str | None:
+    def _append(self, s: SampleState, token: int, logprob: float, version: int, engine_done: bool) -> str | None:
         s.tokens.append(token)
         s.logprobs.append(logprob)
         s.versions.append(version)
@@ -492,7 +492,7 @@ class Generator:
                 for item in batch:
                     idle = not self._live and self._inflight is None
                     free = self._free_slots()
-                    part = item if len(free) >= len(item.samples) else _WorkItem(
+                    part = item if len(free) >= len(item.samples) else WorkItem(
                         item.request, item.tokens, item.samples[:len(free)], item.sampling, item.prefix,
                         item.prefix_version)
                     try:
@@ -515,7 +515,7 @@ class Generator:
             finally:
                 self._t_prefill_iter += time.perf_counter() - t0
 
-    def _admit_item(self, item: _WorkItem, slots: list[int]) -> None:
+    def _admit_item(self, item: WorkItem, slots: list[int]) -> None:
         """Prefill `item` and insert its unfinished samples into `slots`; all-or-nothing."""
         eng = self.engine
         first = item.samples[0].index
@@ -571,15 +571,15 @@ class Generator:
                 self._finish(s)
         self._outbox.put((time.perf_counter(), emits))
 
-    def _fail_request(self, req: _Request, error: BaseException) -> None:
+    def _fail_request(self, req: RequestState, error: BaseException) -> None:
         self._queue = collections.deque(w for w in self._queue if w.request is not req)
         for s in req.samples:
             if not s.finished:
                 self._finish(s)
-        self._outbox.put(_RequestFailed(req, error))
+        self._outbox.put(RequestFailedMsg(req, error))
 
     # -- decode step results ----------------------------------------------------------------
-    def _process(self, inflight: _InFlight) -> None:
+    def _process(self, inflight: InFlight) -> None:
         t0 = time.perf_counter()
         host = inflight.step.to_host()
         self._t_wait_iter += time.perf_counter() - t0
@@ -673,12 +673,12 @@ class Generator:
             self._outbox.put((time.perf_counter(), emits))
 
     # -- preemption -------------------------------------------------------------------------
-    def _requeue_continuation(self, s: _Sample) -> None:
+    def _requeue_continuation(self, s: SampleState) -> None:
         req = s.request
         s.num_preemptions += 1
         self._n_preempt += 1
         sampling = continuation_sampling(req.sampling, req.max_new, req.max_new - len(s.tokens))
-        self._queue.appendleft(_WorkItem(req, req.prompt + s.tokens, [s], sampling))
+        self._queue.appendleft(WorkItem(req, req.prompt + s.tokens, [s], sampling))
 
     def _on_out_of_pages(self, err: OutOfPagesError) -> None:
         """`generate` could not grow some slots: free pages by preempting the newest sequence."""
@@ -717,7 +717,7 @@ class Generator:
                     continue
                 if self._error is not None:
                     return
-                if isinstance(msg, _RequestFailed):
+                if isinstance(msg, RequestFailedMsg):
                     self._deliver_failure(msg.request, msg.error)
                 else:
                     self._deliver(*msg)
@@ -742,7 +742,7 @@ class Generator:
                 stops = req.sampling.stop_strings
                 if stops and reason != "stop" and stop_string_hit(self._decode_text, v.tokens, stops, self.stop_string_window):
                     if reason is None:
-                        self._inbox.put(_Release(s))
+                        self._inbox.put(ReleaseMsg(s))
                     reason = "stop"
             if req.handle._chunks is not None:
                 req.handle._push(StreamChunk(req.id, s.index, () if token is None else (token,),
@@ -755,7 +755,7 @@ class Generator:
                 if req.num_finished_stream == len(req.samples):
                     self._complete(req)
 
-    def _complete(self, req: _Request) -> None:
+    def _complete(self, req: RequestState) -> None:
         samples = []
         for s in req.samples:
             v = s.view
@@ -770,7 +770,7 @@ class Generator:
             self._handles.pop(req.id, None)
         req.handle._complete(RequestOutput(req.id, req.prompt, samples, req.metadata))
 
-    def _deliver_failure(self, req: _Request, error: BaseException) -> None:
+    def _deliver_failure(self, req: RequestState, error: BaseException) -> None:
         with self._lock:
             self._handles.pop(req.id, None)
         req.handle._fail(error)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_async.kernels.platform import kernel_platform
 from jaxrl_async.rollout import kv_cache
 from jaxrl_async.sharding.rules import logical_to_spec
 
@@ -240,13 +241,6 @@ def write_prefix_on_replica(layout: PoolLayout, pools: dict[str, jax.Array], k: 
     return dict(zip(keys, fn(tuple(pools[key] for key in keys), k, v, dest_pages, offsets, replica)))
 
 
-def _kernel_platform() -> str:
-    from jaxrl_async.sharding.activations import active_activation_rules
-
-    active = active_activation_rules()
-    return active[0].devices.flat[0].platform if active is not None else jax.devices()[0].platform
-
-
 def _tpu_local(q, kv_lens, pages, kv_pages, *, scale: float, pages_per_block: int | None = None,
                queries_per_block: int | None = None, vmem_limit_bytes: int | None = None, kernel=None):
     """q [S, H, E], kv_pages [L*P, page, 2K, E] -> [S, H, E] with `ragged_paged_attention` (one query per slot)."""
@@ -256,7 +250,7 @@ def _tpu_local(q, kv_lens, pages, kv_pages, *, scale: float, pages_per_block: in
     cu_q_lens = jnp.arange(S + 1, dtype=jnp.int32)
     num_seqs = jnp.full((1,), S, jnp.int32)
     if kernel is None:
-        if _kernel_platform() != "tpu":
+        if kernel_platform() != "tpu":
             raise ValueError("decode attention 'tpu_ragged' runs on TPU only (use 'blocked' elsewhere)")
         kernel = functools.partial(
             rpa.ragged_paged_attention, vmem_limit_bytes=vmem_limit_bytes,
@@ -276,7 +270,7 @@ def _gpu_local(q, kv_lens, pages, k_pages, v_pages, *, scale: float, pages_per_b
     from jax.experimental.pallas.ops.gpu import paged_attention as gpa
 
     if interpret is None:
-        interpret = _kernel_platform() not in ("gpu", "cuda")
+        interpret = kernel_platform() not in ("gpu", "cuda")
     page = k_pages.shape[2]
     maxp = pages.shape[1]
     ppcb = min(pages_per_block or max(1, 64 // page), maxp)

@@ -1,7 +1,8 @@
 """The generator's public request types (``rollout/orchestrator.py`` runs them): errors, results
 (``StreamChunk``, ``SampleOutput``, ``RequestOutput``), statistics (``GeneratorStats``), the caller-side
 ``RequestHandle``, the stop rules (``finish_reason_for``, ``stop_string_hit``, ``continuation_sampling``), and
-the generator's internal per-request state (``_Sample``, ``_Request``, work items and decode-thread messages).
+the generator's per-request state (``SampleState``, ``RequestState``, work items and decode-thread messages:
+used by ``orchestrator.Generator`` only).
 """
 
 from __future__ import annotations
@@ -10,14 +11,11 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from jaxrl_async.rollout.engine_api import SamplingParams
-
-if TYPE_CHECKING:
-    from jaxrl_async.rollout.orchestrator import Generator
 
 class GeneratorError(RuntimeError):
     """A request could not be completed; `__cause__` is the original exception."""
@@ -157,7 +155,7 @@ _END = object()
 class RequestHandle:
     """Caller-side view of one request: `result()`, iteration over `StreamChunk`s, `abort()`."""
 
-    def __init__(self, generator: "Generator", request_id: str, stream: bool, poll_s: float):
+    def __init__(self, generator: Any, request_id: str, stream: bool, poll_s: float):  # orchestrator.Generator
         self.request_id = request_id
         self._generator = generator
         self._event = threading.Event()
@@ -228,13 +226,13 @@ class RequestHandle:
 # ---------------------------------------------------------------------------------------------
 # Internal bookkeeping
 # ---------------------------------------------------------------------------------------------
-class _Sample:
+class SampleState:
     """One sample of a request. Decode-side fields are owned by the decode thread; `view` by the stream thread."""
 
     __slots__ = ("request", "index", "tokens", "logprobs", "versions", "slot", "finished", "admit_seq",
                  "num_preemptions", "num_recomputes", "view", "routing")
 
-    def __init__(self, request: "_Request", index: int):
+    def __init__(self, request: "RequestState", index: int):
         self.request = request
         self.index = index
         self.tokens: list[int] = []
@@ -245,11 +243,11 @@ class _Sample:
         self.admit_seq = -1
         self.num_preemptions = 0
         self.num_recomputes = 0
-        self.view = _SampleView()
+        self.view = SampleView()
         self.routing: list[tuple[int, Any]] = []  # (first position, [n, L, k] experts), decode thread appends
 
 
-class _SampleView:
+class SampleView:
     """Stream-thread view of a sample: what is delivered to the caller."""
 
     __slots__ = ("tokens", "logprobs", "versions", "finish_reason", "first_token_time", "finish_time")
@@ -263,7 +261,7 @@ class _SampleView:
         self.finish_time = 0.0
 
 
-class _Request:
+class RequestState:
     __slots__ = ("id", "prompt", "sampling", "max_new", "metadata", "handle", "samples", "submit_time",
                  "num_finished_decode", "num_finished_stream")
 
@@ -275,53 +273,53 @@ class _Request:
         self.max_new = max_new  # sampling.max_new_tokens clamped to the engine's sequence limit
         self.metadata = metadata
         self.handle = handle
-        self.samples = [_Sample(self, i) for i in range(sampling.n)]
+        self.samples = [SampleState(self, i) for i in range(sampling.n)]
         self.submit_time = time.perf_counter()
         self.num_finished_decode = 0
         self.num_finished_stream = 0
 
 
 @dataclasses.dataclass
-class _WorkItem:
+class WorkItem:
     """Queued prefill: a request's consecutive samples (same tokens) or one preempted continuation."""
 
-    request: _Request
+    request: RequestState
     tokens: list[int]
-    samples: list[_Sample]
+    samples: list[SampleState]
     sampling: SamplingParams
     prefix: Any = None  # kept when the insert ran out of pages, reused while the version is unchanged
     prefix_version: int = -1
 
 
 @dataclasses.dataclass
-class _InFlight:
+class InFlight:
     step: Any  # StepResult (device arrays)
-    owners: tuple  # slot -> _Sample | None at dispatch
+    owners: tuple  # slot -> SampleState | None at dispatch
     version: int
 
 
 @dataclasses.dataclass
-class _Submit:
-    request: _Request
+class SubmitMsg:
+    request: RequestState
 
 
 @dataclasses.dataclass
-class _Abort:
+class AbortMsg:
     request_id: str
 
 
 @dataclasses.dataclass
-class _Release:
-    sample: _Sample
+class ReleaseMsg:
+    sample: SampleState
 
 
 @dataclasses.dataclass
-class _RequestFailed:
-    request: _Request
+class RequestFailedMsg:
+    request: RequestState
     error: BaseException
 
 
-_WAKE = object()
+WAKE = object()
 
 
 def assemble_routing(chunks, length: int):

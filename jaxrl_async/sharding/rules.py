@@ -32,7 +32,7 @@ TRAINER_RULES: Rules = (
     # the batch is split over `expert` too (MaxText): an expert shard's devices hold different tokens, which
     # the MoE layers exchange (`moe.expert_parallel_swiglu`); everywhere else `expert` acts as data parallelism
     ("batch", ("data", "fsdp", "expert")),
-    # context parallelism: rows split over `context` (attention: `attention_kernels.context_parallel_attention`)
+    # context parallelism: rows split over `context` (attention: `kernels.attention_pallas.context_parallel_attention`)
     ("length", ("context",)),
     ("vocab", ("tensor",)),
     # weights and optimizer state are sharded over `context` too (its devices would otherwise hold copies)
@@ -142,13 +142,6 @@ def tree_shardings(shapes, axes, rules: Rules | str, mesh: Mesh):
         lambda ax, s: NamedSharding(mesh, logical_to_spec(ax, s.shape, rules, mesh)),
         axes, shapes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x),
     )
-
-
-def model_shardings(cfg, mesh: Mesh, rules: Rules | str):
-    """NamedShardings of a model's parameters (`jaxrl_async.models.transformer`) on `mesh`."""
-    from jaxrl_async.models.transformer import logical_axes, param_shapes
-
-    return tree_shardings(param_shapes(cfg), logical_axes(cfg), rules, mesh)
 
 
 def activation_sharding(mesh: Mesh, rules: Rules | str, *axes: str | None) -> NamedSharding:

@@ -266,7 +266,7 @@ def validate_trajectory(traj: Trajectory, i: int, check_finite: bool = True) -> 
                 raise PackingError(f"trajectory {i}: field {name} is not finite at token {t} ({a[~np.isfinite(a)][0]})")
 
 
-def _ffd_rows(lengths: Sequence[int], row_len: int, max_seqs: int) -> list[list[int]]:
+def ffd_rows(lengths: Sequence[int], row_len: int, max_seqs: int) -> list[list[int]]:
     """First-fit-decreasing bin packing of sequence indices into rows of capacity row_len."""
     order = sorted(range(len(lengths)), key=lambda j: (-lengths[j], j))
     rows: list[list[int]] = []
@@ -305,7 +305,7 @@ def pack(trajectories: Sequence[Trajectory], cfg: PackingConfig, indices: Sequen
     row_len = cfg.row_len_for(max(lengths))
     R = cfg.rows_per_micro(row_len)
     S = cfg.max_seqs_per_row
-    rows = _ffd_rows(lengths, row_len, S)
+    rows = ffd_rows(lengths, row_len, S)
     n_real = math.ceil(len(rows) / R)
     M = cfg.n_micro_for(n_real)
     num_seqs = R * S + 1

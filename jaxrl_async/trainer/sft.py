@@ -43,8 +43,8 @@ from jax.sharding import Mesh
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params
 from jaxrl_async.trainer.optimizer import OptimizerConfig
-from jaxrl_async.trainer.packing import PackingConfig, Trajectory, _ffd_rows
-from jaxrl_async.trainer.train_step import Trainer, TrainerConfig, _batch_axis_size
+from jaxrl_async.trainer.packing import PackingConfig, Trajectory, ffd_rows
+from jaxrl_async.trainer.train_step import Trainer, TrainerConfig, batch_axis_size
 
 __all__ = [
     "nll_loss", "SFTExample", "encode_examples", "batch_schedule", "sft_packing", "sft_trainer_config", "run_sft", "SFTRun",
@@ -177,7 +177,7 @@ def sft_packing(lengths: Sequence[int], batches: Sequence[Sequence[int]], *, dat
     if not batches:
         raise ValueError("sft_packing: no batches")
     row_len = -(-max(lengths) // row_align) * row_align
-    rows = max(len(_ffd_rows([lengths[i] for i in b], row_len, max_seqs_per_row)) for b in batches)
+    rows = max(len(ffd_rows([lengths[i] for i in b], row_len, max_seqs_per_row)) for b in batches)
     rows = -(-rows // data_parallel) * data_parallel
     return PackingConfig(tokens_per_micro=rows * row_len, row_len_buckets=(row_len,), n_micro_buckets=(1,),
                          max_seqs_per_row=max_seqs_per_row, row_multiple=data_parallel)
@@ -251,7 +251,7 @@ class SFTRun:
         sft_trainer_config(cfg, PackingConfig())  # validates cfg before any planning
         self.cfg = cfg
         self.batches = batch_schedule(len(examples), cfg.batch_size, cfg.steps, seed)
-        dp = _batch_axis_size(mesh) if mesh is not None else 1
+        dp = batch_axis_size(mesh) if mesh is not None else 1
         if packing is None:
             packing = sft_packing(lengths, self.batches, data_parallel=dp)
         self.trainer = Trainer(model_cfg, sft_trainer_config(cfg, packing), mesh, loss_fn=nll_loss,

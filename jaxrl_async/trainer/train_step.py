@@ -63,7 +63,8 @@ from jaxrl_async.models import lora
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.moe import aux_loss as moe_aux_loss, routing_scope
 from jaxrl_async.models.transformer import Params, sequence_logprobs
-from jaxrl_async.sharding import activation_sharding, make_mesh, model_shardings
+from jaxrl_async.models.shardings import model_shardings
+from jaxrl_async.sharding import activation_sharding, make_mesh
 from jaxrl_async.sharding.activations import traced_with_activation_rules
 from jaxrl_async.sharding.rules import spec_axes_size
 from jaxrl_async.trainer.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
@@ -140,7 +141,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return activation_sharding(mesh, "trainer", None, "batch", "length")
 
 
-def _batch_axis_size(mesh: Mesh) -> int:
+def batch_axis_size(mesh: Mesh) -> int:
     return spec_axes_size(mesh, batch_sharding(mesh).spec[1])
 
 
@@ -326,7 +327,7 @@ class Trainer:
         if mesh is None:
             mesh = make_mesh({"fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
         self.mesh = mesh
-        dp = _batch_axis_size(mesh)
+        dp = batch_axis_size(mesh)
         pk = cfg.packing
         if pk.row_multiple % dp:
             pk = dataclasses.replace(pk, row_multiple=pk.row_multiple * dp // math.gcd(pk.row_multiple, dp))

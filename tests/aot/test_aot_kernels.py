@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_async import aot
-from jaxrl_async.models.attention_kernels import gpu_flash_attention, splash_attention
+from jaxrl_async.kernels.attention_pallas import gpu_flash_attention, splash_attention
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.plan import _abstract_batch, _abstract_state
 from jaxrl_async.sharding import make_mesh

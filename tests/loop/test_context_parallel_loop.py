@@ -12,7 +12,7 @@ from test_rl_loop import tiny_run_config
 
 
 def test_rl_loop_with_a_context_parallel_trainer(tmp_path, monkeypatch):
-    from jaxrl_async.models import attention_kernels
+    from jaxrl_async.kernels import attention_pallas as attention_kernels
 
     calls = []
     real = attention_kernels.context_parallel_attention

@@ -16,7 +16,8 @@ from jaxrl_async.models.transformer import init_params, sequence_logprobs
 from jaxrl_async.rl.losses import PolicyLossConfig
 from jaxrl_async.rollout.engine import PagedEngine
 from jaxrl_async.rollout.engine_api import SamplingParams
-from jaxrl_async.sharding import make_mesh, model_shardings
+from jaxrl_async.models.shardings import model_shardings
+from jaxrl_async.sharding import make_mesh
 from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, Trajectory
 from jaxrl_async.weight_sync import LoraPush, WeightPusher, tree_bytes
 

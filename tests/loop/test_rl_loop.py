@@ -189,7 +189,7 @@ def test_run_starts_from_a_hugging_face_directory(tmp_path):
     import jax
 
     from jaxrl_async.models.hf_io import load_hf
-    from jaxrl_async.sharding.rules import model_shardings
+    from jaxrl_async.models.shardings import model_shardings
     from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
 
     hf = make_tiny_hf_model(str(tmp_path / "hf"), "qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl_async.models import load_hf, sequence_logprobs
-from jaxrl_async.models.attention import (
+from jaxrl_async.kernels.attention import (
     BLOCKWISE_MIN_LEN, blockwise_attention, resolve_attention, segment_attention, xla_attention,
 )
 from jaxrl_async.rollout.engine import PagedEngine
@@ -84,8 +84,8 @@ def test_blockwise_bf16_close_to_xla_bf16():
 def test_skipped_blocks_do_no_work():
     """Causal and cross-segment block skipping: the key-block range each query block loops over
     (the loop bounds of the forward and backward passes) leaves out every fully masked block."""
-    from jaxrl_async.models.attention import _block_ranges as ranges
-    from jaxrl_async.models.attention import run_starts
+    from jaxrl_async.kernels.flash import _block_ranges as ranges
+    from jaxrl_async.kernels.flash import run_starts
 
     def _block_ranges(seg, bq, bk):
         return ranges(run_starts(seg), jnp.arange(seg.shape[1] // bq) * bq, seg.shape[1] // bk, bq, bk)
@@ -184,7 +184,7 @@ def test_generator_vs_trainer_logprob_parity_with_blockwise(tiny):
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", ["splash", "gpu_flash"])
 def test_accelerator_kernels_match_xla_in_interpret_mode(impl):
-    from jaxrl_async.models.attention_kernels import gpu_flash_attention, splash_attention
+    from jaxrl_async.kernels.attention_pallas import gpu_flash_attention, splash_attention
 
     kernel = splash_attention if impl == "splash" else gpu_flash_attention
     B, T, H, K, E = 2, 50, 4, 2, 32
@@ -204,7 +204,7 @@ def test_accelerator_kernels_match_xla_in_interpret_mode(impl):
 
 @pytest.mark.parametrize("shape", [(2, 2), (1, 4)])  # (1, 4): 2 kv heads cannot split over tensor = 4
 def test_accelerator_kernels_under_the_trainer_mesh(shape):
-    from jaxrl_async.models.attention_kernels import gpu_flash_attention, splash_attention
+    from jaxrl_async.kernels.attention_pallas import gpu_flash_attention, splash_attention
     from jaxrl_async.sharding import make_mesh
     from jaxrl_async.sharding.activations import activation_rules
 
@@ -275,7 +275,7 @@ def test_context_parallel_attention_matches_xla(impl, shape, T, block):
     """Each device attends its chunk of queries to the all-gathered row: outputs and the gradients of q,
     k, v (dK/dV come back by reduce-scatter) equal the reference on the whole rows, with packing and
     padding across chunk boundaries, GQA."""
-    from jaxrl_async.models.attention_kernels import context_shards
+    from jaxrl_async.kernels.attention_pallas import context_shards
     from jaxrl_async.sharding import make_mesh
     from jaxrl_async.sharding.activations import activation_rules
 
@@ -310,8 +310,8 @@ def test_context_parallel_load_balance_evens_the_causal_work():
     """Stripes d and 2C-1-d per device: every stripe is computed once, and the key blocks each device visits
     (the block loops' trip counts) are equal, where contiguous chunks give the last device 2C-1 times the
     first's."""
-    from jaxrl_async.models.attention import _block_ranges, run_starts
-    from jaxrl_async.models.attention_kernels import _balanced_pair
+    from jaxrl_async.kernels.flash import _block_ranges, run_starts
+    from jaxrl_async.kernels.attention_pallas import _balanced_pair
 
     T, C, blk = 1024, 4, 16
     starts = run_starts(jnp.ones((1, T), jnp.int32))
@@ -333,7 +333,7 @@ def test_context_parallel_load_balance_evens_the_causal_work():
 def test_context_parallel_train_step_matches_one_device(monkeypatch):
     """The trainer's step on an fsdp x context mesh (rows split in two, weights sharded over both axes)
     gives the single-device update: loss, grad norm, parameters."""
-    from jaxrl_async.models import attention_kernels
+    from jaxrl_async.kernels import attention_pallas as attention_kernels
     from jaxrl_async.models.config import ModelConfig
     from jaxrl_async.models.transformer import init_params
     from jaxrl_async.sharding import make_mesh

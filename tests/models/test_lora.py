@@ -9,7 +9,8 @@ import pytest
 from jaxrl_async.models import lora
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import apply, init_params, logical_axes, param_shapes
-from jaxrl_async.sharding import make_mesh, model_shardings
+from jaxrl_async.models.shardings import model_shardings
+from jaxrl_async.sharding import make_mesh
 
 BASE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, rope_theta=10000.0)
@@ -109,7 +110,7 @@ def test_adapters_without_lora_config_and_bad_specs_name_the_field():
 def test_nnx_module_carries_the_adapters_with_their_logical_axes():
     from flax import nnx
 
-    from jaxrl_async.models.transformer import Transformer
+    from jaxrl_async.models.nnx_module import Transformer
 
     m = Transformer(CFG, rngs=nnx.Rngs(0))
     params = m.params()

@@ -140,7 +140,8 @@ def test_export_roundtrip_identical_logits(moe, tmp_path):
 @pytest.mark.parametrize("shape,rules", [({"expert": 4, "fsdp": 2}, "trainer"), ({"expert": 2, "tensor": 4}, "trainer"),
                                          ({"data": 2, "expert": 4}, "generator")])
 def test_sharded_import_over_experts_equals_one_device(moe, shape, rules):
-    from jaxrl_async.sharding import make_mesh, model_shardings
+    from jaxrl_async.models.shardings import model_shardings
+    from jaxrl_async.sharding import make_mesh
 
     d, _ = moe
     cfg, ref_params = load_hf(d)

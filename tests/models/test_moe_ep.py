@@ -174,7 +174,7 @@ def _logprobs_and_grads(cfg, params, tokens, seg, mesh=None, rules=None):
     pytest.param({"expert": 2, "tensor": 2, "fsdp": 2}, "trainer", True, marks=pytest.mark.slow),
 ])
 def test_model_logprobs_and_gradients_equal_one_device(tmp_path_factory, shape, rules, norm_topk_prob, monkeypatch):
-    from jaxrl_async.sharding import model_shardings
+    from jaxrl_async.models.shardings import model_shardings
 
     mixed = _mixed(tmp_path_factory, norm_topk_prob)
     cfg, ref_params = load_hf(mixed)

@@ -42,7 +42,8 @@ def test_kernel_choice_by_config_and_platform():
 def test_model_with_megablox_under_a_mesh_equals_ragged(tmp_path):
     """The MoE layer's megablox path runs inside shard_map (here the expert-parallel exchange: experts split over
     `expert`, tokens over the batch axes): sequence log-probs and parameter gradients equal the ragged_dot model's (fp32)."""
-    from jaxrl_async.sharding import make_mesh, model_shardings
+    from jaxrl_async.models.shardings import model_shardings
+    from jaxrl_async.sharding import make_mesh
     from jaxrl_async.sharding.activations import activation_rules
 
     d = make_tiny_hf_model(str(tmp_path / "moe"), "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])

@@ -121,7 +121,8 @@ def test_generator_greedy_matches_transformers_and_logprobs_match_the_trainer(mi
 @pytest.mark.parametrize("shape,rules", [({"expert": 4, "fsdp": 2}, "trainer"), ({"expert": 2, "tensor": 4}, "trainer"),
                                          ({"data": 2, "expert": 4}, "generator")])
 def test_sharded_import_equals_one_device(mixed, shape, rules):
-    from jaxrl_async.sharding import make_mesh, model_shardings
+    from jaxrl_async.models.shardings import model_shardings
+    from jaxrl_async.sharding import make_mesh
 
     _, d, _ = mixed
     cfg, ref_params = load_hf(d)
@@ -142,11 +143,12 @@ def test_lora_on_attention_covers_both_stacks(mixed):
     PEFT export names every model layer once (slice s of a stack is its model layer)."""
     from jaxrl_async.export import peft_adapter_tensors
     from jaxrl_async.models import lora
+    from jaxrl_async.models import transformer
 
     _, d, _ = mixed
     cfg, base = load_hf(d)
     cfg = cfg.replace(lora=lora.LoraSpec(rank=2, alpha=4.0, targets=("q", "v")))
-    adapters = lora.init_adapters(cfg, jax.random.key(0))
+    adapters = transformer.init_adapters(cfg, jax.random.key(0))
     assert set(adapters) == {"layers", "dense_layers"}
     rng = np.random.default_rng(2)
     adapters = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape) * 0.3, jnp.float32), adapters)
@@ -170,7 +172,8 @@ def test_checkpoint_round_trip_keeps_both_stacks_and_the_layer_kinds(mixed, tmp_
     """The run checkpoint (Orbax, `checkpoint.Checkpointer`) stores the model config as its HF config: the
     layer kinds survive, and both stacks restore exactly onto a sharded target."""
     from jaxrl_async.checkpoint import Checkpointer, TrainMeta, abstract_like, rng_to_json
-    from jaxrl_async.sharding import make_mesh, model_shardings
+    from jaxrl_async.models.shardings import model_shardings
+    from jaxrl_async.sharding import make_mesh
 
     _, d, _ = mixed
     mesh = make_mesh({"fsdp": 4, "expert": 2})

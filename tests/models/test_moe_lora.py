@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 from jaxrl_async.models import lora
+from jaxrl_async.models import transformer
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.moe import grouped_swiglu, routing
 from jaxrl_async.models.transformer import apply, init_params, logical_axes, param_shapes, sequence_logprobs
-from jaxrl_async.sharding import make_mesh, model_shardings
+from jaxrl_async.models.shardings import model_shardings
+from jaxrl_async.sharding import make_mesh
 
 MOE = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, num_experts=4,
@@ -60,7 +62,7 @@ def test_expert_adapter_rows_shapes_axes_init_and_shardings():
         a = np.abs(np.asarray(params[k]))
         assert a.max() <= 1 / np.sqrt(fan_in) and a.max() > 0.5 / np.sqrt(fan_in)
     assert not np.any(np.asarray(params["moe_gate_up_lora_b"])) and not np.any(np.asarray(params["moe_down_lora_b"]))
-    assert {k for k in lora.init_adapters(CFG, jax.random.key(0))["layers"]} == {
+    assert {k for k in transformer.init_adapters(CFG, jax.random.key(0))["layers"]} == {
         k for k in shapes if lora.is_adapter_key(k)}
     # sharded over `expert` like the base experts (each expert's low-rank product stays on its device)
     sh = model_shardings(CFG, make_mesh({"expert": 4, "fsdp": 2}), "trainer")["layers"]

@@ -369,8 +369,8 @@ def test_uid_collision_denial_of_service(monkeypatch):
 
     assert race().stdout.strip() == "forked 4"  # distinct uids: the other run is not affected
     # control: force both instances onto one uid (the old per-instance pools did so) -> the victim cannot fork
-    monkeypatch.setattr(isolation._UIDS, "acquire", lambda base, count: 299_970)
-    monkeypatch.setattr(isolation._UIDS, "release", lambda uid: None)
+    monkeypatch.setattr(isolation.UIDS, "acquire", lambda base, count: 299_970)
+    monkeypatch.setattr(isolation.UIDS, "release", lambda uid: None)
     res = race()
     assert res.returncode != 0 and "BlockingIOError" in res.stderr, res
 

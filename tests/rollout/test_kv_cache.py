@@ -8,7 +8,8 @@ from jaxrl_async.models import ModelConfig
 from jaxrl_async.models.transformer import grouped_attention
 from jaxrl_async.rollout import kv_cache
 from jaxrl_async.rollout.engine_api import OutOfPagesError
-from jaxrl_async.sharding import make_mesh, model_shardings
+from jaxrl_async.models.shardings import model_shardings
+from jaxrl_async.sharding import make_mesh
 
 
 def test_pages_for():

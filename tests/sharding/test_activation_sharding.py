@@ -25,7 +25,8 @@ from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import apply, init_params, param_shapes, sequence_logprobs
 from jaxrl_async.rollout.engine import PagedEngine
 from jaxrl_async.rollout.engine_api import SamplingParams
-from jaxrl_async.sharding import make_mesh, model_shardings
+from jaxrl_async.models.shardings import model_shardings
+from jaxrl_async.sharding import make_mesh
 from jaxrl_async.sharding.activations import (
     activation_rules, active_activation_rules, constrain, traced_with_activation_rules,
 )

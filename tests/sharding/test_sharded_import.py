@@ -6,7 +6,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_async.models import apply, load_hf
-from jaxrl_async.sharding import logical_to_spec, make_mesh, model_shardings, split_devices
+from jaxrl_async.models.shardings import model_shardings
+from jaxrl_async.sharding import logical_to_spec, make_mesh, split_devices
 from jaxrl_async.testing import make_tiny_hf_model
 
 

@@ -1,7 +1,7 @@
 """Accelerator attention kernels behind ``model.attention`` (``splash`` on TPU, ``gpu_flash`` on NVIDIA GPUs).
 
 Both are JAX's own Pallas kernels, wrapped to compute exactly the reference function of
-``models/attention.py`` (causal within a segment, nothing across segments, GQA):
+``kernels/flash.py`` (causal within a segment, nothing across segments, GQA):
 
 * ``splash``: ``jax.experimental.pallas.ops.tpu.splash_attention`` (a causal ``MultiHeadMask`` plus
   ``SegmentIds``; GQA natively: K/V keep their K heads). Fully masked blocks are skipped by the kernel's
@@ -30,20 +30,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_async.kernels.platform import at_precision, kernel_platform
 from jaxrl_async.sharding.activations import active_activation_rules
 from jaxrl_async.sharding.rules import spec_axes_size
 
 Q_AXES = ("batch", "length", "activation_heads", "head_dim")
 KV_AXES = ("batch", "length", "activation_kv_heads", "head_dim")
 SEG_AXES = ("batch", "length")
-
-
-def kernel_platform() -> str:
-    """The platform the traced program targets: the active mesh's devices, else the default backend."""
-    active = active_activation_rules()
-    if active is not None:
-        return active[0].devices.flat[0].platform
-    return jax.devices()[0].platform
 
 
 def _pad_rows(q, k, v, segment_ids, multiple: int):
@@ -96,31 +89,10 @@ def _splash_local(q, k, v, seg, *, scale: float, block: int, interpret: bool):
     # Mosaic takes bf16 operands only at the default precision (a global "highest" would make it ask for
     # an fp32 contraction of bf16 vectors and fail to compile); fp32 operands get a full fp32 matmul
     precision = "highest" if q.dtype == jnp.float32 else "default"
-    run = _at_precision(lambda q_, k_, v_, s_: jax.vmap(kernel)(q_, k_, v_, segment_ids=sk.SegmentIds(q=s_, kv=s_)),
+    run = at_precision(lambda q_, k_, v_, s_: jax.vmap(kernel)(q_, k_, v_, segment_ids=sk.SegmentIds(q=s_, kv=s_)),
                         precision)
     out = run(qt, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), seg)
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
-
-
-def _at_precision(fn: Callable, precision: str) -> Callable:
-    """``fn`` traced at ``precision`` in its forward AND its backward pass (a plain context manager
-    would not cover the backward, which is traced later, under the caller's precision)."""
-
-    @jax.custom_vjp
-    def f(*args):
-        with jax.default_matmul_precision(precision):
-            return fn(*args)
-
-    def fwd(*args):
-        with jax.default_matmul_precision(precision):
-            return jax.vjp(fn, *args)
-
-    def bwd(vjp, g):
-        with jax.default_matmul_precision(precision):
-            return vjp(g)
-
-    f.defvjp(fwd, bwd)
-    return f
 
 
 def splash_attention(q, k, v, segment_ids, scale: float, block: int = 512, *, interpret: bool | None = None):
@@ -209,7 +181,7 @@ def context_parallel_attention(impl: str, q, k, v, segment_ids, scale: float, bl
     contiguous layout, only queries and attention outputs move. ``splash`` keeps contiguous chunks (its mask
     info is split by query blocks of the natural order).
     """
-    from jaxrl_async.models.attention import blockwise_attention_chunk, blockwise_attention_stripes, run_starts
+    from jaxrl_async.kernels.flash import blockwise_attention_chunk, blockwise_attention_stripes, run_starts
     from jaxrl_async.sharding.rules import logical_to_spec
 
     mesh, rules = active_activation_rules()
@@ -250,7 +222,7 @@ def context_parallel_attention(impl: str, q, k, v, segment_ids, scale: float, bl
             return jax.vmap(lambda a, b_, c, d, e: kern(a, b_, c, segment_ids=sk.SegmentIds(q=d, kv=e)))(
                 q_, k_, v_, sq, sk_)
 
-        run = _at_precision(run, precision)
+        run = at_precision(run, precision)
 
         def local(kern, q, k, v, seg):
             qt = jnp.swapaxes(q, 1, 2) * jnp.asarray(scale, q.dtype)
