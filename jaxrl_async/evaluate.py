@@ -163,7 +163,7 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
                     stop_token_ids: Sequence[int] | None = None, success_threshold: float = SUCCESS_THRESHOLD,
                     max_concurrent: int = 32, page_size: int = 16, num_pages: int | None = None,
                     reward_workers: int = 4, timeout_s: float | None = None, progress: bool = False,
-                    poll_s: float = 0.02) -> EvalResult:
+                    poll_s: float = 0.02, should_stop: Callable[[], bool] | None = None) -> EvalResult | None:
     """Generate ``n`` samples per record, score them with ``reward_fn`` and aggregate pass@k.
 
     Args:
@@ -179,6 +179,11 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
       stop_token_ids: default: the model's and the tokenizer's EOS ids.
       timeout_s: wall-clock limit of the whole evaluation (outstanding requests are aborted).
       progress: show a tqdm bar on stderr.
+      should_stop: polled while waiting; once true the outstanding requests are aborted and None is returned
+        (the RL loop abandons an evaluation on a stop signal).
+
+    This is the one evaluation path: the ``evaluate`` CLI and the RL loop's held-out evaluation
+    (``loop.evaluation``) both call it, so they score the same records the same way.
     """
     from jaxrl_async.generate import stop_token_ids as default_stops
     from jaxrl_async.rollout.engine_api import SamplingParams
@@ -242,6 +247,10 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
                                           **meta) for s in samples[i]]
                 if bar is not None:
                     bar.update(n)
+            if should_stop is not None and should_stop():
+                for h in pending.values():
+                    h.abort()
+                return None
             if deadline is not None and time.monotonic() > deadline:
                 for h in pending.values():
                     h.abort()

@@ -1,10 +1,11 @@
-"""The held-out evaluation during a run: greedy (``eval.temperature``) pass@1 on the held-out records with
-the generator service's current weights."""
+"""The held-out evaluation during a run: the ``evaluate`` CLI's own path (``evaluate.evaluate_params``) on the
+generator service's current weights, n = 1 sample per record at ``eval.temperature`` (greedy by default),
+rewards with each record's metadata, as the rollout and the CLI call them. So an in-run accuracy and
+``python -m jaxrl_async.evaluate`` on the same checkpoint and data agree (``tests/loop/test_eval_path.py``)."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import time
+import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -14,42 +15,26 @@ from jaxrl_async.api import GeneratorService
 __all__ = ["evaluate_held_out"]
 
 
-def evaluate_held_out(generator: GeneratorService, records: Sequence[Any], reward_fn: Callable, pool: cf.Executor,
-                      version: int, *, cfg: Any, eos_ids: Sequence[int], tokenizer: Any,
+def evaluate_held_out(generator: GeneratorService, records: Sequence[Any], reward_fn: Callable, version: int, *,
+                      cfg: Any, eos_ids: Sequence[int], tokenizer: Any,
                       stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """The eval metrics row ({} when there are no records, or when ``stop()`` became true while waiting:
     the evaluation is abandoned)."""
-    ev, sa = cfg.eval, cfg.rollout.sampling
+    from jaxrl_async.evaluate import evaluate_params
+
+    ev, ro = cfg.eval, cfg.rollout
     if not records:
         return {}
-    t0 = time.monotonic()
-    sp = sa.params(n=1, seed=cfg.seed, stop_token_ids=list(eos_ids), temperature=ev.temperature,
-                   max_new_tokens=ev.max_new_tokens or sa.max_new_tokens)
-    handles = [generator.submit(r.prompt_ids, sp, request_id=f"eval-v{version}-{i}") for i, r in enumerate(records)]
-    timeout = cfg.rollout.group_timeout_s or 600.0
-    lengths, versions, futures = [], set(), []
-    for r, h in zip(records, handles):
-        s = _first_sample(h, timeout, stop)
-        if s is None:
-            return {}
-        text = s.text if s.text is not None else tokenizer.decode(s.completion_ids, skip_special_tokens=True)
-        futures.append(pool.submit(reward_fn, r.prompt, text, r.answer))
-        lengths.append(len(s.completion_ids))
-        versions.update(s.versions)
-    rewards = [f.result(timeout) for f in futures]
-    return {"eval/accuracy": float(np.mean(np.asarray(rewards) > 0.5)), "eval/reward_mean": float(np.mean(rewards)),
-            "eval/n": len(rewards), "eval/length_mean": float(np.mean(lengths)), "eval/seconds": time.monotonic() - t0,
-            "eval/version_min": min(versions) if versions else version}
-
-
-def _first_sample(handle: Any, timeout: float, stop: Callable[[], bool] | None) -> Any:
-    """The request's first sample; None when ``stop()`` became true first; ``TimeoutError`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return handle.result(min(1.0, max(deadline - time.monotonic(), 0.01))).samples[0]
-        except TimeoutError:
-            if stop is not None and stop():
-                return None
-            if time.monotonic() > deadline:
-                raise
+    # each wave of at most max_concurrent_decodes requests is bounded by the group timeout
+    waves = math.ceil(len(records) / max(ro.engine.max_concurrent_decodes, 1))
+    res = evaluate_params(None, None, tokenizer, records, reward_fn, n=1, temperature=ev.temperature,
+                          max_new_tokens=ev.max_new_tokens or ro.sampling.max_new_tokens, seed=cfg.seed,
+                          generator=generator, top_p=ro.sampling.top_p, top_k=ro.sampling.top_k,
+                          stop_token_ids=list(eos_ids), reward_workers=ro.reward_workers,
+                          timeout_s=(ro.group_timeout_s or 600.0) * waves, should_stop=stop)
+    if res is None:
+        return {}
+    s = res.summary()
+    return {"eval/accuracy": res.pass_at_1, "eval/reward_mean": s["mean_reward"], "eval/n": len(res.items),
+            "eval/length_mean": float(np.mean([t for it in res.items for t in it.completion_tokens])),
+            "eval/seconds": res.elapsed_s, "eval/version_min": res.versions[0] if res.versions else version}

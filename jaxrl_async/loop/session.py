@@ -10,7 +10,6 @@ rollout error, a signal or a stall with a timeout that names what it waits for),
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import threading
 import time
@@ -55,7 +54,6 @@ class TrainingSession:
         self.pusher = self.role.pusher(self.generator, on_applied=self.staleness.set_version,
                                        timeout_s=max(300.0, ro.group_timeout_s or 0), initial_version=point.step)
         self.metrics = self._metrics()
-        self.eval_pool = cf.ThreadPoolExecutor(ro.reward_workers, thread_name_prefix="eval-reward")
         self.result = RunResult(self.run_dir, point.step, point.step, 0.0, [], {}, [], {}, warm_start=tr.sft.steps > 0)
         self.result.eval_history = [(int(r["step"]), float(r["wall_time"]), float(r["eval/accuracy"]))
                                     for r in self.metrics.history if r.get("eval/accuracy") is not None]
@@ -210,8 +208,8 @@ class TrainingSession:
     def _evaluate(self, step: int, final: bool = False) -> None:
         version = self.steps.version
         self.pusher.wait(version)
-        row = evaluate_held_out(self.generator, self.setup.eval_records, self.reward_fn, self.eval_pool, version,
-                                cfg=self.cfg, eos_ids=self.setup.eos_ids, tokenizer=self.setup.tokenizer,
+        row = evaluate_held_out(self.generator, self.setup.eval_records, self.reward_fn, version, cfg=self.cfg,
+                                eos_ids=self.setup.eos_ids, tokenizer=self.setup.tokenizer,
                                 stop=None if final else self.control.stop_requested)
         if row:
             self.metrics.log(step, row, advance=False)
@@ -257,7 +255,6 @@ class TrainingSession:
         except RuntimeError as e:
             self.control.say(str(e))
         self.role.close()
-        self.eval_pool.shutdown(wait=False, cancel_futures=True)
         if close_metrics:
             self.metrics.close(plot=False)
 

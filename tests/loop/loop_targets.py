@@ -14,6 +14,12 @@ def has_digit(prompt: str, completion: str, answer: str, **metadata) -> float:
     return float(any(ch.isdigit() for ch in completion))
 
 
+def has_digit_given_row(prompt: str, completion: str, answer: str, **metadata) -> float:
+    """has_digit, but only when the row's metadata reached the reward (its ``source``: file and row), as the
+    rollout and the evaluate CLI pass it; 0 without it."""
+    return has_digit(prompt, completion, answer) if metadata.get("source") else 0.0
+
+
 def has_digit_flaky(prompt: str, completion: str, answer: str, **metadata) -> float:
     """Like has_digit, but every 5th call raises (the loop must count it and go on)."""
     with _lock:
