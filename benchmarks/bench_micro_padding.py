@@ -20,17 +20,17 @@ import numpy as np
 
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import init_params
-from jaxrl_async.trainer.packing import PackingConfig, Trajectory
+from jaxrl_async.trainer.packing import PackingConfig, TrainSequence
 from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
 
 
-def trajectories(seed: int = 0) -> list[Trajectory]:
+def trajectories(seed: int = 0) -> list[TrainSequence]:
     rng = np.random.default_rng(seed)
     out = []
     for n in [500, 480, 470, 450, 300]:  # 5 rows of 512 tokens, one row per micro-batch
         p = 12
         mask = np.r_[np.zeros(p), np.ones(n - p)].astype(np.int32)
-        out.append(Trajectory(tokens=rng.integers(3, 1000, n).astype(np.int32), loss_mask=mask,
+        out.append(TrainSequence(tokens=rng.integers(3, 1000, n).astype(np.int32), loss_mask=mask,
                               behaviour_logprobs=(-rng.random(n) * mask).astype(np.float32),
                               advantages=(rng.standard_normal(n) * mask).astype(np.float32)))
     return out

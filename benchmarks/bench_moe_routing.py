@@ -82,12 +82,12 @@ def _train(cfg, params, trajs, replay: bool):
 def _trajectories(cfg, n, length, rng):
     import numpy as np
 
-    from jaxrl_async.trainer.packing import Trajectory
+    from jaxrl_async.trainer.packing import TrainSequence
 
     out = []
     for i in range(n):
         m = np.r_[np.zeros(length // 2), np.ones(length - length // 2)].astype(np.int32)
-        out.append(Trajectory(tokens=rng.integers(3, cfg.vocab_size, length).astype(np.int32), loss_mask=m,
+        out.append(TrainSequence(tokens=rng.integers(3, cfg.vocab_size, length).astype(np.int32), loss_mask=m,
                               behaviour_logprobs=np.where(m > 0, -2.0, 0.0).astype(np.float32),
                               advantages=np.where(m > 0, 1.0 if i % 2 else -1.0, 0.0).astype(np.float32),
                               routing=rng.integers(0, cfg.num_experts, (length, cfg.num_layers,

@@ -81,10 +81,10 @@ def _request_output():
 def _train_batch():
     import numpy as np
 
-    from jaxrl_async.trainer.packing import Trajectory
+    from jaxrl_async.trainer.packing import TrainSequence
 
     rng = np.random.default_rng(0)
-    return [Trajectory(tokens=rng.integers(0, 150000, 1024, dtype=np.int32), loss_mask=np.ones(1024, np.int32),
+    return [TrainSequence(tokens=rng.integers(0, 150000, 1024, dtype=np.int32), loss_mask=np.ones(1024, np.int32),
                        behaviour_logprobs=rng.standard_normal(1024).astype(np.float32),
                        advantages=rng.standard_normal(1024).astype(np.float32),
                        versions=np.full(1024, 3, np.int32)) for _ in range(64)]

@@ -31,7 +31,7 @@ import numpy as np
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import init_params
 from jaxrl_async.rl.losses import PolicyLossConfig
-from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, Trajectory, train_step_flops
+from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, TrainSequence, train_step_flops
 
 # Benchmark models. cpu-31m: ~31M parameters (4 layers, d=768, GQA 12/4 heads, vocab 8192).
 PRESETS = {
@@ -62,13 +62,13 @@ def matmul_peak(sizes=(1024, 2048, 3072), reps: int = 3, dtype=jnp.float32) -> d
     return {"flops": max(best.values()), "by_size": best}
 
 
-def make_trajectories(cfg: ModelConfig, n: int, seq_len: int, seed: int = 0) -> list[Trajectory]:
+def make_trajectories(cfg: ModelConfig, n: int, seq_len: int, seed: int = 0) -> list[TrainSequence]:
     """n sequences of exactly seq_len tokens (prompt 1/4, completion 3/4), random tokens/advantages."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
         mask = (np.arange(seq_len) >= seq_len // 4).astype(np.int32)
-        out.append(Trajectory(tokens=rng.integers(0, cfg.vocab_size, seq_len), loss_mask=mask,
+        out.append(TrainSequence(tokens=rng.integers(0, cfg.vocab_size, seq_len), loss_mask=mask,
                               behaviour_logprobs=np.where(mask > 0, -rng.uniform(5, 12, seq_len), 0.0),
                               advantages=np.where(mask > 0, rng.normal(size=seq_len), 0.0),
                               versions=np.where(mask > 0, 0, -1)))

@@ -39,7 +39,7 @@ WIRE_TYPES = (
     "jaxrl_async.rollout.requests:SampleOutput",
     "jaxrl_async.rollout.requests:GeneratorStats",
     "jaxrl_async.trainer.sft:SFTExample",
-    "jaxrl_async.trainer.packing:Trajectory",
+    "jaxrl_async.trainer.packing:TrainSequence",
     "jaxrl_async.checkpoint.manager:TrainMeta",
 )
 

@@ -21,7 +21,7 @@ def build_training_batch(groups: Sequence[Any], adv_cfg: Any, group_size: int) -
     and the trainer's packing expect.
     """
     from jaxrl_async.rl.advantages import compute_advantages
-    from jaxrl_async.trainer.packing import Trajectory as TrainTrajectory
+    from jaxrl_async.trainer.packing import TrainSequence
 
     trajs = [t for cg in groups for t in cg.item.trajectories]
     sizes = [len(cg.item.trajectories) for cg in groups]
@@ -38,7 +38,7 @@ def build_training_batch(groups: Sequence[Any], adv_cfg: Any, group_size: int) -
     rewards = np.asarray([t.reward for t in trajs], np.float64)
     truncated = np.asarray([t.finish_reason == "length" for t in trajs])
     adv = compute_advantages(rewards, mask, adv_cfg, group_size=sizes, truncated=truncated, logprobs=logprobs)
-    out = [TrainTrajectory(tokens=t.tokens, loss_mask=t.loss_mask, behaviour_logprobs=t.logprobs,
+    out = [TrainSequence(tokens=t.tokens, loss_mask=t.loss_mask, behaviour_logprobs=t.logprobs,
                            advantages=adv.advantages[i, : t.length].astype(np.float32), versions=t.versions,
                            routing=getattr(t, "routing", None))
            for i, t in enumerate(trajs)]

@@ -1,6 +1,6 @@
 """Sequence packing: variable-length trajectories -> fixed-shape, token-budget micro-batches.
 
-A `Trajectory` is one sampled sequence (prompt + completion) with per-token arrays that are
+A `TrainSequence` is one sampled sequence (prompt + completion) with per-token arrays that are
 *aligned with the tokens*: `x[t]` belongs to token `t` (the log-prob of token t given tokens
 < t, its advantage, whether it is trained on). This is the convention of
 `transformer.sequence_logprobs` (so no AReaL-style left roll is needed); token 0 of a
@@ -42,7 +42,7 @@ from typing import Sequence
 import numpy as np
 
 __all__ = [
-    "Trajectory", "PackingConfig", "PackedBatch", "PackedMinibatch", "PackingError",
+    "TrainSequence", "PackingConfig", "PackedBatch", "PackedMinibatch", "PackingError",
     "validate_trajectory", "pack", "split_minibatches", "unpack",
 ]
 
@@ -52,7 +52,7 @@ class PackingError(ValueError):
 
 
 @dataclasses.dataclass
-class Trajectory:
+class TrainSequence:
     """One sequence on the host, all per-token arrays of length n = len(tokens).
 
     tokens: prompt + completion token ids.
@@ -229,7 +229,7 @@ class PackedMinibatch:
         return out
 
 
-def validate_trajectory(traj: Trajectory, i: int, check_finite: bool = True) -> None:
+def validate_trajectory(traj: TrainSequence, i: int, check_finite: bool = True) -> None:
     """Raise PackingError naming trajectory `i` and the field for any malformed array."""
     tokens = np.asarray(traj.tokens)
     if tokens.ndim != 1 or tokens.shape[0] < 2:
@@ -284,7 +284,7 @@ def ffd_rows(lengths: Sequence[int], row_len: int, max_seqs: int) -> list[list[i
     return rows
 
 
-def pack(trajectories: Sequence[Trajectory], cfg: PackingConfig, indices: Sequence[int] | None = None) -> PackedMinibatch:
+def pack(trajectories: Sequence[TrainSequence], cfg: PackingConfig, indices: Sequence[int] | None = None) -> PackedMinibatch:
     """Pack trajectories into micro-batches (see module doc). `indices` label them in errors/placement."""
     if len(trajectories) == 0:
         raise PackingError("cannot pack an empty minibatch (no trajectories)")
@@ -359,7 +359,7 @@ def pack(trajectories: Sequence[Trajectory], cfg: PackingConfig, indices: Sequen
                            indices=indices, has_proximal=has_prox)
 
 
-def split_minibatches(trajectories: Sequence[Trajectory], n_minibatches: int) -> list[list[int]]:
+def split_minibatches(trajectories: Sequence[TrainSequence], n_minibatches: int) -> list[list[int]]:
     """Split trajectory indices into `n_minibatches` groups of balanced token counts.
 
     Longest-processing-time greedy (longest trajectory first, into the group with the fewest

@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params
 from jaxrl_async.trainer.optimizer import OptimizerConfig
-from jaxrl_async.trainer.packing import PackingConfig, Trajectory, ffd_rows
+from jaxrl_async.trainer.packing import PackingConfig, TrainSequence, ffd_rows
 from jaxrl_async.trainer.train_step import Trainer, TrainerConfig, batch_axis_size
 
 __all__ = [
@@ -112,11 +112,11 @@ class SFTExample:
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
-    def trajectory(self) -> Trajectory:
+    def trajectory(self) -> TrainSequence:
         """tokens = prompt + completion; loss_mask 1 on the completion; zero log-probs/advantages."""
         n, p = len(self), len(self.prompt_ids)
         zeros = np.zeros(n, np.float32)
-        return Trajectory(tokens=np.asarray(self.prompt_ids + self.completion_ids, np.int32),
+        return TrainSequence(tokens=np.asarray(self.prompt_ids + self.completion_ids, np.int32),
                           loss_mask=(np.arange(n) >= p).astype(np.int32), behaviour_logprobs=zeros,
                           advantages=zeros, versions=None, proximal_logprobs=zeros)
 

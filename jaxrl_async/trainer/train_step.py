@@ -69,7 +69,7 @@ from jaxrl_async.sharding.activations import traced_with_activation_rules
 from jaxrl_async.sharding.rules import spec_axes_size
 from jaxrl_async.trainer.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 from jaxrl_async.trainer.packing import (
-    DEVICE_FIELDS, PackedBatch, PackedMinibatch, PackingConfig, PackingError, Trajectory, pack, split_minibatches,
+    DEVICE_FIELDS, PackedBatch, PackedMinibatch, PackingConfig, PackingError, TrainSequence, pack, split_minibatches,
 )
 
 logger = logging.getLogger(__name__)
@@ -389,7 +389,7 @@ class Trainer:
         return jax.jit(init, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings)(params)
 
     # -- batches -------------------------------------------------------------------------
-    def pack(self, trajectories: Sequence[Trajectory], indices: Sequence[int] | None = None) -> PackedMinibatch:
+    def pack(self, trajectories: Sequence[TrainSequence], indices: Sequence[int] | None = None) -> PackedMinibatch:
         return pack(trajectories, self.cfg.packing, indices)
 
     def put_batch(self, packed: PackedMinibatch | PackedBatch) -> PackedBatch:
@@ -501,7 +501,7 @@ class Trainer:
                        n_micro=packed.n_micro, n_real_micro=packed.n_real_micro, row_len=packed.row_len)
         return state, metrics
 
-    def train_batch(self, state: TrainState, trajectories: Sequence[Trajectory], policy_version: int = 0
+    def train_batch(self, state: TrainState, trajectories: Sequence[TrainSequence], policy_version: int = 0
                     ) -> tuple[TrainState, list[dict[str, Any]]]:
         """`ppo_n_minibatches` optimizer steps over one batch of trajectories (AReaL ppo_update).
 

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jaxrl_async.models.config import ModelConfig  # noqa: E402
 from jaxrl_async.models.transformer import init_params  # noqa: E402
 from jaxrl_async.sharding import make_mesh  # noqa: E402
-from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, Trajectory  # noqa: E402
+from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, TrainSequence  # noqa: E402
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, rope_theta=10000.0)
@@ -39,7 +39,7 @@ def trajs(seed, n=8):
     for _ in range(n):
         L = int(rng.integers(5, ROW + 1))
         mask = (np.arange(L) >= int(rng.integers(1, 4))).astype(np.int32)
-        out.append(Trajectory(tokens=rng.integers(0, CFG.vocab_size, L), loss_mask=mask,
+        out.append(TrainSequence(tokens=rng.integers(0, CFG.vocab_size, L), loss_mask=mask,
                               behaviour_logprobs=np.where(mask > 0, -rng.uniform(0.5, 6.0, L), 0.0),
                               advantages=np.where(mask > 0, rng.normal(size=L), 0.0),
                               versions=np.where(mask > 0, seed, -1)))

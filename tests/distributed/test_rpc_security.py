@@ -316,20 +316,20 @@ def test_coordinator_and_transfer_listeners_refuse_every_interface(monkeypatch):
 
 def test_large_and_pipelined_messages_arrive_intact():
     """Frames larger than a TLS record and than the read buffer, many arrays, many in flight."""
-    from jaxrl_async.trainer.packing import Trajectory
+    from jaxrl_async.trainer.packing import TrainSequence
 
     lst = rpc.listen("127.0.0.1:0", KEY)
     client, server = _pair(lst)
     rng = np.random.default_rng(0)
     try:
         big = rng.standard_normal((3, 1 << 20)).astype(np.float32)  # 12 MiB
-        batch = [Trajectory(tokens=rng.integers(0, 1 << 17, 700, dtype=np.int32), loss_mask=np.ones(700, np.int8),
+        batch = [TrainSequence(tokens=rng.integers(0, 1 << 17, 700, dtype=np.int32), loss_mask=np.ones(700, np.int8),
                             behaviour_logprobs=rng.standard_normal(700).astype(np.float32),
                             advantages=rng.standard_normal(700).astype(np.float32)) for _ in range(100)]
         (got_big,) = client.call("echo", big, timeout=30)
         np.testing.assert_array_equal(got_big, big)
         (got,) = client.call("echo", batch, timeout=30)
-        assert len(got) == 100 and type(got[0]) is Trajectory and got[0].versions is None
+        assert len(got) == 100 and type(got[0]) is TrainSequence and got[0].versions is None
         for a, b in zip(got, batch):
             np.testing.assert_array_equal(a.tokens, b.tokens)
             np.testing.assert_array_equal(a.behaviour_logprobs, b.behaviour_logprobs)

@@ -18,7 +18,7 @@ from jaxrl_async.rollout.engine import PagedEngine
 from jaxrl_async.rollout.engine_api import SamplingParams
 from jaxrl_async.models.shardings import model_shardings
 from jaxrl_async.sharding import make_mesh
-from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, Trajectory
+from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, TrainSequence
 from jaxrl_async.weight_sync import LoraPush, WeightPusher, tree_bytes
 
 BASE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -49,7 +49,7 @@ def _trajs(seed, n=8):
     for _ in range(n):
         L, p = int(rng.integers(8, ROW + 1)), int(rng.integers(2, 5))
         mask = (np.arange(L) >= p).astype(np.int32)
-        out.append(Trajectory(tokens=rng.integers(0, BASE.vocab_size, L), loss_mask=mask,
+        out.append(TrainSequence(tokens=rng.integers(0, BASE.vocab_size, L), loss_mask=mask,
                               behaviour_logprobs=np.where(mask > 0, -rng.uniform(2.0, 5.0, L), 0.0),
                               advantages=np.where(mask > 0, rng.normal(size=L), 0.0), versions=np.where(mask > 0, 0, -1)))
     return out

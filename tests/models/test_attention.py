@@ -224,13 +224,13 @@ def test_accelerator_kernels_under_the_trainer_mesh(shape):
 
 def _trajectories(seed: int):
     """Eight RL trajectories of 20-64 tokens (5-token prompts masked out) for the train-step comparisons."""
-    from jaxrl_async.trainer.packing import Trajectory
+    from jaxrl_async.trainer.packing import TrainSequence
 
     rng = np.random.default_rng(seed)
     trajs = []
     for n in (60, 45, 30, 64, 20, 50, 33, 41):
         m = np.r_[np.zeros(5), np.ones(n - 5)].astype(np.int32)
-        trajs.append(Trajectory(tokens=rng.integers(3, 200, n).astype(np.int32), loss_mask=m,
+        trajs.append(TrainSequence(tokens=rng.integers(3, 200, n).astype(np.int32), loss_mask=m,
                                 behaviour_logprobs=(-rng.random(n) * m).astype(np.float32),
                                 advantages=(rng.standard_normal(n) * m).astype(np.float32)))
     return trajs

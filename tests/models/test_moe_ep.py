@@ -218,7 +218,7 @@ def test_trainer_step_on_an_fsdp_x_expert_mesh_equals_one_device(monkeypatch):
     from jaxrl_async.models.config import ModelConfig
     from jaxrl_async.models.transformer import init_params
     from jaxrl_async.rl.losses import PolicyLossConfig
-    from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, Trajectory
+    from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, TrainSequence
 
     cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, qk_norm=True, num_experts=8,
@@ -234,7 +234,7 @@ def test_trainer_step_on_an_fsdp_x_expert_mesh_equals_one_device(monkeypatch):
     for _ in range(8):
         n = int(rng.integers(6, 17))
         mask = (np.arange(n) >= 2).astype(np.int32)
-        trajs.append(Trajectory(tokens=rng.integers(0, cfg.vocab_size, n), loss_mask=mask,
+        trajs.append(TrainSequence(tokens=rng.integers(0, cfg.vocab_size, n), loss_mask=mask,
                                 behaviour_logprobs=np.where(mask > 0, -rng.uniform(0.5, 4.0, n), 0.0),
                                 advantages=np.where(mask > 0, rng.normal(size=n), 0.0),
                                 versions=np.where(mask > 0, 2, -1)))

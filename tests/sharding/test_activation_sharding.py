@@ -30,7 +30,7 @@ from jaxrl_async.sharding import make_mesh
 from jaxrl_async.sharding.activations import (
     activation_rules, active_activation_rules, constrain, traced_with_activation_rules,
 )
-from jaxrl_async.trainer import PackingConfig, Trainer, TrainerConfig, Trajectory
+from jaxrl_async.trainer import PackingConfig, Trainer, TrainerConfig, TrainSequence
 from jaxrl_async.trainer.packing import DEVICE_FIELDS, PackedBatch
 from jaxrl_async.trainer.train_step import TrainState
 
@@ -181,7 +181,7 @@ def _trajs(seed, n=16):
     for _ in range(n):
         L = int(rng.integers(6, ROW + 1))
         mask = (np.arange(L) >= 2).astype(np.int32)
-        out.append(Trajectory(tokens=rng.integers(0, CFG.vocab_size, L), loss_mask=mask,
+        out.append(TrainSequence(tokens=rng.integers(0, CFG.vocab_size, L), loss_mask=mask,
                               behaviour_logprobs=np.where(mask > 0, -rng.uniform(2.0, 5.0, L), 0.0),
                               advantages=np.where(mask > 0, rng.normal(size=L), 0.0),
                               versions=np.where(mask > 0, 0, -1)))

@@ -12,7 +12,7 @@ from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import init_params
 from jaxrl_async.rl.losses import PolicyLossConfig
 from jaxrl_async.sharding import make_mesh
-from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, Trajectory, pack
+from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, TrainSequence, pack
 
 BASE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, rope_theta=10000.0)
@@ -28,7 +28,7 @@ def make_trajs(seed, n=8, lo=5, hi=ROW):
     for _ in range(n):
         L, p = int(rng.integers(lo, hi + 1)), int(rng.integers(1, 4))
         mask = (np.arange(L) >= p).astype(np.int32)
-        out.append(Trajectory(tokens=rng.integers(0, BASE.vocab_size, L), loss_mask=mask,
+        out.append(TrainSequence(tokens=rng.integers(0, BASE.vocab_size, L), loss_mask=mask,
                               behaviour_logprobs=np.where(mask > 0, -rng.uniform(0.5, 6.0, L), 0.0),
                               advantages=np.where(mask > 0, rng.normal(size=L), 0.0),
                               versions=np.where(mask > 0, 2, -1),

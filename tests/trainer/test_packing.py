@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from jaxrl_async.trainer.packing import (
-    PackingConfig, PackingError, Trajectory, pack, split_minibatches, unpack, validate_trajectory,
+    PackingConfig, PackingError, TrainSequence, pack, split_minibatches, unpack, validate_trajectory,
 )
 
 
@@ -11,7 +11,7 @@ def traj(n, prompt=2, seed=0, adv=1.0, version=0):
     rng = np.random.default_rng(seed)
     mask = np.zeros(n, np.int32)
     mask[prompt:] = 1
-    return Trajectory(tokens=rng.integers(3, 50, n), loss_mask=mask,
+    return TrainSequence(tokens=rng.integers(3, 50, n), loss_mask=mask,
                       behaviour_logprobs=np.where(mask > 0, -rng.random(n), 0.0),
                       advantages=np.where(mask > 0, adv, 0.0), versions=np.where(mask > 0, version, -1))
 

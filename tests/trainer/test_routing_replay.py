@@ -22,7 +22,7 @@ from jaxrl_async.rollout.engine import PagedEngine
 from jaxrl_async.rollout.engine_api import SamplingParams
 from jaxrl_async.rollout.orchestrator import Generator
 from jaxrl_async.testing import make_tiny_hf_model
-from jaxrl_async.trainer.packing import PackingConfig, Trajectory
+from jaxrl_async.trainer.packing import PackingConfig, TrainSequence
 from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
 
 
@@ -61,7 +61,7 @@ def _trajectories(samples, with_routing=True):
     out = []
     for i, s in enumerate(samples):
         P, C = len(s.prompt_ids), len(s.completion_ids)
-        out.append(Trajectory(
+        out.append(TrainSequence(
             tokens=np.asarray(s.prompt_ids + s.completion_ids, np.int32),
             loss_mask=np.r_[np.zeros(P), np.ones(C)].astype(np.int32),
             behaviour_logprobs=np.r_[np.zeros(P), s.logprobs].astype(np.float32),

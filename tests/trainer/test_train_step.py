@@ -17,7 +17,7 @@ from jaxrl_async.models.transformer import init_params, sequence_logprobs
 from jaxrl_async.rl.losses import PolicyLossConfig
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.trainer import (
-    OptimizerConfig, PackingConfig, PackingError, Trainer, TrainerConfig, Trajectory, pack,
+    OptimizerConfig, PackingConfig, PackingError, Trainer, TrainerConfig, TrainSequence, pack,
 )
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -40,7 +40,7 @@ def make_trajs(seed, n=8, lo=5, hi=ROW, with_prox=False):
         p = int(rng.integers(1, 4))
         mask = (np.arange(L) >= p).astype(np.int32)
         behav = np.where(mask > 0, -rng.uniform(0.5, 6.0, L), 0.0)  # w = exp(lp - behav) spans the mask at 5
-        t = Trajectory(tokens=rng.integers(0, CFG.vocab_size, L), loss_mask=mask, behaviour_logprobs=behav,
+        t = TrainSequence(tokens=rng.integers(0, CFG.vocab_size, L), loss_mask=mask, behaviour_logprobs=behav,
                        advantages=np.where(mask > 0, rng.normal(size=L), 0.0),
                        versions=np.where(mask > 0, 2, -1))
         if with_prox:
