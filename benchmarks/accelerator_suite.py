@@ -35,7 +35,7 @@ from bench_attention import run_steps  # noqa: E402
 
 from jaxrl_async.models.config import ModelConfig  # noqa: E402
 from jaxrl_async.trainer.flops import train_step_flops  # noqa: E402
-from jaxrl_async.trainer.train_step import Trainer, TrainerConfig  # noqa: E402
+from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig  # noqa: E402
 
 #: dense bf16 matmul peak per device (FLOP/s), datasheets
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12,
@@ -79,7 +79,7 @@ def implementations(platform: str) -> list[str]:
 
 def time_step(cfg: ModelConfig, T: int, steps: int) -> float:
     """Median seconds of ``steps`` train steps on one packed row of T tokens (after a compiling one)."""
-    return statistics.median(run_steps(Trainer(cfg, TrainerConfig(logprob_chunk=2048)), T, steps))
+    return statistics.median(run_steps(Trainer(cfg, TrainStepConfig(logprob_chunk=2048)), T, steps))
 
 
 def main(argv=None) -> int:

@@ -27,7 +27,7 @@ from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import init_params
 from jaxrl_async.plan import _abstract_batch, _abstract_state, _compile
 from jaxrl_async.trainer.packing import DEVICE_FIELDS, PackedBatch
-from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
 
 
 def model_config(attention: str, block: int) -> ModelConfig:
@@ -37,7 +37,7 @@ def model_config(attention: str, block: int) -> ModelConfig:
 
 
 def trainer_for(attention: str, block: int) -> Trainer:
-    return Trainer(model_config(attention, block), TrainerConfig(logprob_chunk=2048))
+    return Trainer(model_config(attention, block), TrainStepConfig(logprob_chunk=2048))
 
 
 def compiled_temp_bytes(attention: str, T: int, block: int) -> tuple[int, float]:

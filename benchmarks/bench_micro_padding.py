@@ -21,7 +21,7 @@ import numpy as np
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import init_params
 from jaxrl_async.trainer.packing import PackingConfig, TrainSequence
-from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
 
 
 def trajectories(seed: int = 0) -> list[TrainSequence]:
@@ -42,7 +42,7 @@ def main() -> int:
     params = jax.device_get(init_params(cfg, jax.random.key(0)))
     trajs = trajectories()
     res = {}
-    trainers = {name: Trainer(cfg, TrainerConfig(packing=PackingConfig(tokens_per_micro=512, row_len_buckets=(512,),
+    trainers = {name: Trainer(cfg, TrainStepConfig(packing=PackingConfig(tokens_per_micro=512, row_len_buckets=(512,),
                                                                         n_micro_buckets=buckets)))
                 for name, buckets in (("padded_to_8", None), ("exact_5", (5,)))}
     states = {k: t.init_state(params) for k, t in trainers.items()}

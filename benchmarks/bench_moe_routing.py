@@ -61,9 +61,9 @@ def _decode(cfg, params, record: bool, a):
 
 def _train(cfg, params, trajs, replay: bool):
     from jaxrl_async.trainer.packing import PackingConfig
-    from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+    from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
 
-    tr = Trainer(cfg, TrainerConfig(packing=PackingConfig(tokens_per_micro=2048, row_len_buckets=(256,)),
+    tr = Trainer(cfg, TrainStepConfig(packing=PackingConfig(tokens_per_micro=2048, row_len_buckets=(256,)),
                                     routing_replay=replay))
     state = tr.init_state(params)
 

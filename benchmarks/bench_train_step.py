@@ -31,7 +31,7 @@ import numpy as np
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import init_params
 from jaxrl_async.rl.losses import PolicyLossConfig
-from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, TrainSequence, train_step_flops
+from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainStepConfig, TrainSequence, train_step_flops
 
 # Benchmark models. cpu-31m: ~31M parameters (4 layers, d=768, GQA 12/4 heads, vocab 8192).
 PRESETS = {
@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
     rows = tpm // row_len
     n_seqs = n_micro * rows * (row_len // seq_len)
     packing = PackingConfig(tokens_per_micro=tpm, row_len_buckets=(row_len,), max_seqs_per_row=row_len // seq_len)
-    tcfg = TrainerConfig(optimizer=OptimizerConfig(lr=1e-6), packing=packing,
+    tcfg = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-6), packing=packing,
                          logprob_chunk=args.chunk or tpm)
     trainer = Trainer(cfg, tcfg, loss_cfg=PolicyLossConfig())
     state = trainer.init_state(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0)))

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     from jaxrl_async.models.config import preset
     from jaxrl_async.plan import _abstract_batch, _abstract_state
     from jaxrl_async.sharding import make_mesh
-    from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+    from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
 
     if args.target == "h100" and not aot.gpu_available():
         p.error("needs the CUDA plugin (extra [aot-gpu])")
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
             moe.expert_parallel_size = lambda *a: 1
         try:
             mesh = make_mesh(shape, names, devices=devices)
-            tr = Trainer(cfg, TrainerConfig(), mesh=mesh)
+            tr = Trainer(cfg, TrainStepConfig(), mesh=mesh)
             state, batch = _abstract_state(tr), _abstract_batch((1, 4, 2048), tr.batch_sharding)
             scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=tr.replicated)  # noqa: E731
             c = tr._step_fn(5).lower(state, batch, scalar(jnp.float32), scalar(jnp.int32)).compile(

@@ -17,21 +17,21 @@ if TYPE_CHECKING:  # heavy imports stay lazy: `plan` sets the device count befor
     from jaxrl_async.config import EngineConfig, RunConfig
     from jaxrl_async.models.config import ModelConfig
     from jaxrl_async.rollout.engine import PagedEngine
-    from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+    from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
 
 __all__ = ["trainer_config", "build_trainer", "generator_model_config", "build_engine"]
 
 
-def trainer_config(run_cfg: "RunConfig", model_cfg: "ModelConfig | None" = None) -> "TrainerConfig":
+def trainer_config(run_cfg: "RunConfig", model_cfg: "ModelConfig | None" = None) -> "TrainStepConfig":
     """The train-step configuration of `run_cfg.trainer`. Log-probs are taken at the sampling
     temperature, so that pi_theta and the generator's behaviour log-probs are of the same
     distribution (temperature 0, greedy, uses 1). MoE: `trainer.router_aux_loss_coef` None takes the
     model's (the HF config's `router_aux_loss_coef`, `model_cfg`)."""
-    from jaxrl_async.trainer.train_step import TrainerConfig
+    from jaxrl_async.trainer.train_step import TrainStepConfig
 
     tr = run_cfg.trainer
     temp = run_cfg.rollout.sampling.temperature
-    return TrainerConfig(optimizer=tr.optimizer_config(), packing=tr.packing, ppo_n_minibatches=tr.ppo_n_minibatches,
+    return TrainStepConfig(optimizer=tr.optimizer_config(), packing=tr.packing, ppo_n_minibatches=tr.ppo_n_minibatches,
                          proximal=tr.proximal, temperature=temp if temp > 0 else 1.0, logprob_chunk=tr.logprob_chunk,
                          routing_replay=tr.routing_replay, router_aux_loss_coef=router_aux_loss_coef(run_cfg, model_cfg))
 

@@ -6,12 +6,12 @@ from jaxrl_async.trainer.packing import (
     validate_trajectory,
 )
 from jaxrl_async.trainer.train_step import (
-    Trainer, TrainerConfig, TrainState, accumulate_gradients, batch_sharding, default_normaliser_fn,
+    Trainer, TrainStepConfig, TrainState, accumulate_gradients, batch_sharding, default_normaliser_fn,
 )
 
 __all__ = [
     "forward_flops", "train_step_flops", "OptimizerConfig", "learning_rate_schedule", "make_optimizer",
     "PackedBatch", "PackedMinibatch", "PackingConfig", "PackingError", "TrainSequence", "pack", "split_minibatches",
-    "unpack", "validate_trajectory", "Trainer", "TrainerConfig", "TrainState", "accumulate_gradients",
+    "unpack", "validate_trajectory", "Trainer", "TrainStepConfig", "TrainState", "accumulate_gradients",
     "batch_sharding", "default_normaliser_fn",
 ]

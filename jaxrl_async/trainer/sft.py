@@ -44,7 +44,7 @@ from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params
 from jaxrl_async.trainer.optimizer import OptimizerConfig
 from jaxrl_async.trainer.packing import PackingConfig, TrainSequence, ffd_rows
-from jaxrl_async.trainer.train_step import Trainer, TrainerConfig, batch_axis_size
+from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig, batch_axis_size
 
 __all__ = [
     "nll_loss", "SFTExample", "encode_examples", "batch_schedule", "sft_packing", "sft_trainer_config", "run_sft", "SFTRun",
@@ -194,8 +194,8 @@ def _field(cfg: Any, name: str, default: Any = _REQUIRED) -> Any:
     return default
 
 
-def sft_trainer_config(cfg: Any, packing: PackingConfig) -> TrainerConfig:
-    """TrainerConfig of an SFT run: AdamW, linear warmup then cosine decay over cfg.steps.
+def sft_trainer_config(cfg: Any, packing: PackingConfig) -> TrainStepConfig:
+    """TrainStepConfig of an SFT run: AdamW, linear warmup then cosine decay over cfg.steps.
 
     `cfg` is SFTConfig-like: steps, batch_size, lr, warmup_steps, weight_decay (optional:
     min_lr_ratio = 0, max_grad_norm = 1).
@@ -213,7 +213,7 @@ def sft_trainer_config(cfg: Any, packing: PackingConfig) -> TrainerConfig:
     opt = OptimizerConfig(lr=lr, schedule="cosine", warmup_steps=warmup, total_steps=steps,
                           min_lr_ratio=_field(cfg, "min_lr_ratio", 0.0), weight_decay=wd,
                           max_grad_norm=_field(cfg, "max_grad_norm", 1.0))
-    return TrainerConfig(optimizer=opt, packing=packing, proximal="given")
+    return TrainStepConfig(optimizer=opt, packing=packing, proximal="given")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ from jaxrl_async.trainer.packing import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainerConfig", "TrainState", "Trainer", "LossFn", "accumulate_gradients", "batch_sharding"]
+__all__ = ["TrainStepConfig", "TrainState", "Trainer", "LossFn", "accumulate_gradients", "batch_sharding"]
 
 # loss_fn(logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, *, seq_ids, num_seqs,
 #         normaliser, entropy) -> (loss scalar, stats dict of scalars); arrays are [rows, row_len].
@@ -86,7 +86,7 @@ PROXIMAL_MODES = ("recompute", "loglinear", "given")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainerConfig:
+class TrainStepConfig:
     """Train-step configuration.
 
     ppo_n_minibatches: optimizer steps per batch (token-balanced split of the trajectories).
@@ -112,15 +112,15 @@ class TrainerConfig:
 
     def __post_init__(self):
         if self.ppo_n_minibatches < 1:
-            raise ValueError(f"TrainerConfig.ppo_n_minibatches: must be >= 1, got {self.ppo_n_minibatches}")
+            raise ValueError(f"TrainStepConfig.ppo_n_minibatches: must be >= 1, got {self.ppo_n_minibatches}")
         if self.proximal not in PROXIMAL_MODES:
-            raise ValueError(f"TrainerConfig.proximal: must be one of {PROXIMAL_MODES}, got {self.proximal!r}")
+            raise ValueError(f"TrainStepConfig.proximal: must be one of {PROXIMAL_MODES}, got {self.proximal!r}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"TrainerConfig.temperature: must be a positive finite float, got {self.temperature}")
+            raise ValueError(f"TrainStepConfig.temperature: must be a positive finite float, got {self.temperature}")
         if self.logprob_chunk < 1:
-            raise ValueError(f"TrainerConfig.logprob_chunk: must be >= 1, got {self.logprob_chunk}")
+            raise ValueError(f"TrainStepConfig.logprob_chunk: must be >= 1, got {self.logprob_chunk}")
         if not (self.router_aux_loss_coef >= 0 and math.isfinite(self.router_aux_loss_coef)):
-            raise ValueError(f"TrainerConfig.router_aux_loss_coef: must be a finite float >= 0, got "
+            raise ValueError(f"TrainStepConfig.router_aux_loss_coef: must be a finite float >= 0, got "
                              f"{self.router_aux_loss_coef}")
 
 
@@ -306,7 +306,7 @@ class Trainer:
 
     Typical use (one RL step, version v of the policy):
 
-        trainer = Trainer(model_cfg, TrainerConfig(...), mesh=make_mesh({"fsdp": 4, "tensor": 2}),
+        trainer = Trainer(model_cfg, TrainStepConfig(...), mesh=make_mesh({"fsdp": 4, "tensor": 2}),
                           loss_fn=functools.partial(policy_loss, cfg=loss_cfg),
                           normaliser_fn=None)  # None: implied by loss_cfg.aggregation
         state = trainer.init_state(params)
@@ -316,12 +316,12 @@ class Trainer:
     and the normaliser that `loss_cfg`'s aggregation implies (see `default_normaliser_fn`).
     """
 
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig = TrainerConfig(), mesh: Mesh | None = None, *,
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainStepConfig = TrainStepConfig(), mesh: Mesh | None = None, *,
                  loss_fn: LossFn | None = None, loss_cfg: Any = None, normaliser_fn: NormaliserFn | None = None):
         if model_cfg.param_dtype != "float32":
             model_cfg = model_cfg.replace(param_dtype="float32")  # fp32 master weights
         if cfg.routing_replay and not model_cfg.num_experts:
-            raise ValueError("TrainerConfig.routing_replay: needs a mixture-of-experts model (num_experts > 0)")
+            raise ValueError("TrainStepConfig.routing_replay: needs a mixture-of-experts model (num_experts > 0)")
         self.model_cfg = model_cfg
         self.lora = model_cfg.lora  # LoRA: only the adapters train
         if mesh is None:
@@ -519,7 +519,7 @@ class Trainer:
         if self.cfg.proximal == "given":
             for p in packed:
                 if not p.has_proximal:
-                    raise PackingError("TrainerConfig.proximal='given' but some trajectories of minibatch "
+                    raise PackingError("TrainStepConfig.proximal='given' but some trajectories of minibatch "
                                        f"{p.indices[:8]} have no proximal_logprobs")
         batches = [self.put_batch(p) for p in packed]
         gaps = [None] * len(batches)

@@ -23,7 +23,7 @@ from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.plan import _abstract_batch, _abstract_state
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.sharding.activations import activation_rules
-from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
 
 needs_tpu = pytest.mark.skipif(not aot.tpu_available(), reason="needs libtpu (extra [aot-tpu]); .ci/run runs "
                                "tests/aot in an environment with it")
@@ -43,7 +43,7 @@ FSDP_MODEL = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=102
 
 def _compile_step(mesh, cfg: ModelConfig, batch_shape: tuple[int, int, int]):
     """The trainer's step (``Trainer._step_fn``) for ``cfg`` on ``mesh``, compiled from abstract arguments."""
-    tr = Trainer(cfg, TrainerConfig(), mesh=mesh)
+    tr = Trainer(cfg, TrainStepConfig(), mesh=mesh)
     state, batch = _abstract_state(tr), _abstract_batch(batch_shape, tr.batch_sharding)
     scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=tr.replicated)  # noqa: E731
     return tr._step_fn(5).lower(state, batch, scalar(jnp.float32), scalar(jnp.int32)).compile()

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jaxrl_async.models.config import ModelConfig  # noqa: E402
 from jaxrl_async.models.transformer import init_params  # noqa: E402
 from jaxrl_async.sharding import make_mesh  # noqa: E402
-from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, TrainSequence  # noqa: E402
+from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainStepConfig, TrainSequence  # noqa: E402
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, rope_theta=10000.0)
@@ -47,7 +47,7 @@ def trajs(seed, n=8):
 
 
 mesh = make_mesh({"fsdp": 2}, devices=jax.devices())
-cfg = TrainerConfig(optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0, max_grad_norm=1.0), ppo_n_minibatches=2,
+cfg = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0, max_grad_norm=1.0), ppo_n_minibatches=2,
                     packing=PackingConfig(tokens_per_micro=2 * ROW, row_len_buckets=(ROW,), max_seqs_per_row=4))
 trainer = Trainer(CFG, cfg, mesh)
 state = trainer.init_state(jax.device_get(init_params(CFG, jax.random.key(0), 0.1)))

@@ -18,7 +18,7 @@ from jaxrl_async.rollout.engine import PagedEngine
 from jaxrl_async.rollout.engine_api import SamplingParams
 from jaxrl_async.models.shardings import model_shardings
 from jaxrl_async.sharding import make_mesh
-from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, TrainSequence
+from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainStepConfig, TrainSequence
 from jaxrl_async.weight_sync import LoraPush, WeightPusher, tree_bytes
 
 BASE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -92,7 +92,7 @@ def test_adapter_only_push_and_generator_trainer_parity_after_updates(decode, fa
     tmesh = make_mesh({"fsdp": 2, "tensor": 2}, devices=d[4:8])
     gmesh = make_mesh({"data": 2, "tensor": 2}, devices=d[:4])
     opt = OptimizerConfig(lr=5e-2, weight_decay=0.0, max_grad_norm=None)
-    trainer = Trainer(CFG, TrainerConfig(optimizer=opt, packing=PACK, proximal="given"), mesh=tmesh,
+    trainer = Trainer(CFG, TrainStepConfig(optimizer=opt, packing=PACK, proximal="given"), mesh=tmesh,
                       loss_cfg=PolicyLossConfig())
     state = trainer.init_state(init_params(CFG, jax.random.key(0), 0.1))
     # the generator: an engine of the LoRA config (unmerged) or of the base config (merged weights)

@@ -243,7 +243,7 @@ def test_blockwise_train_step_on_a_sharded_mesh_matches_xla():
     from jaxrl_async.models.transformer import init_params
     from jaxrl_async.sharding import make_mesh
     from jaxrl_async.trainer.packing import PackingConfig
-    from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+    from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
 
     trajs = _trajectories(seed=0)
     mesh = make_mesh({"fsdp": 2, "tensor": 2}, devices=jax.devices()[:4])
@@ -251,7 +251,7 @@ def test_blockwise_train_step_on_a_sharded_mesh_matches_xla():
     for impl in ("xla", "blockwise"):
         cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=16, attention=impl, attention_block=16)
-        tr = Trainer(cfg, TrainerConfig(packing=PackingConfig(tokens_per_micro=4 * 128, row_len_buckets=(128,))),
+        tr = Trainer(cfg, TrainStepConfig(packing=PackingConfig(tokens_per_micro=4 * 128, row_len_buckets=(128,))),
                      mesh=mesh)
         state, m = tr.train_batch(tr.init_state(jax.device_get(init_params(cfg, jax.random.key(0)))), trajs)
         out[impl] = (float(m[0]["loss"]), float(m[0]["grad_norm"]), jax.device_get(state.params))
@@ -338,7 +338,7 @@ def test_context_parallel_train_step_matches_one_device(monkeypatch):
     from jaxrl_async.models.transformer import init_params
     from jaxrl_async.sharding import make_mesh
     from jaxrl_async.trainer.packing import PackingConfig
-    from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+    from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
 
     trajs = _trajectories(seed=1)
     cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -351,7 +351,7 @@ def test_context_parallel_train_step_matches_one_device(monkeypatch):
     out = {}
     for name, mesh in (("one", make_mesh({"fsdp": 1}, devices=jax.devices()[:1])),
                        ("cp", make_mesh({"fsdp": 2, "context": 2}, devices=jax.devices()[:4]))):
-        tr = Trainer(cfg, TrainerConfig(packing=PackingConfig(tokens_per_micro=4 * 128, row_len_buckets=(128,))),
+        tr = Trainer(cfg, TrainStepConfig(packing=PackingConfig(tokens_per_micro=4 * 128, row_len_buckets=(128,))),
                      mesh=mesh)
         state, m = tr.train_batch(tr.init_state(init), trajs)
         assert bool(calls) == (name == "cp")

@@ -218,7 +218,7 @@ def test_trainer_step_on_an_fsdp_x_expert_mesh_equals_one_device(monkeypatch):
     from jaxrl_async.models.config import ModelConfig
     from jaxrl_async.models.transformer import init_params
     from jaxrl_async.rl.losses import PolicyLossConfig
-    from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, TrainSequence
+    from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainStepConfig, TrainSequence
 
     cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, qk_norm=True, num_experts=8,
@@ -227,7 +227,7 @@ def test_trainer_step_on_an_fsdp_x_expert_mesh_equals_one_device(monkeypatch):
     lr = 1e-2
     # AdamW's first update is lr g / (|g| + eps): eps 1e-6 (not 1e-8) keeps experts with near-zero gradients from
     # turning fp32 summation-order noise (~1e-11) into update differences of 1e-3 lr
-    tcfg = TrainerConfig(optimizer=OptimizerConfig(lr=lr, eps=1e-6, weight_decay=0.0, max_grad_norm=None),
+    tcfg = TrainStepConfig(optimizer=OptimizerConfig(lr=lr, eps=1e-6, weight_decay=0.0, max_grad_norm=None),
                          packing=PackingConfig(tokens_per_micro=8 * 16, row_len_buckets=(16,), max_seqs_per_row=1))
     rng = np.random.default_rng(4)
     trajs = []

@@ -30,7 +30,7 @@ from jaxrl_async.sharding import make_mesh
 from jaxrl_async.sharding.activations import (
     activation_rules, active_activation_rules, constrain, traced_with_activation_rules,
 )
-from jaxrl_async.trainer import PackingConfig, Trainer, TrainerConfig, TrainSequence
+from jaxrl_async.trainer import PackingConfig, Trainer, TrainStepConfig, TrainSequence
 from jaxrl_async.trainer.packing import DEVICE_FIELDS, PackedBatch
 from jaxrl_async.trainer.train_step import TrainState
 
@@ -157,7 +157,7 @@ def _abstract_step_args(trainer, n_micro):
 
 def test_train_step_keeps_activations_batch_sharded():
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
-    trainer = Trainer(CFG, TrainerConfig(packing=PackingConfig(tokens_per_micro=ROWS * ROW, row_len_buckets=(ROW,))),
+    trainer = Trainer(CFG, TrainStepConfig(packing=PackingConfig(tokens_per_micro=ROWS * ROW, row_len_buckets=(ROW,))),
                       mesh)
     args = _abstract_step_args(trainer, n_micro=2)
     num_seqs = trainer.cfg.packing.num_seqs(ROW)
@@ -190,7 +190,7 @@ def _trajs(seed, n=16):
 
 def test_nothing_recompiles_on_the_sharded_trainer(params):
     pk = PackingConfig(tokens_per_micro=ROWS * ROW, row_len_buckets=(ROW,), max_seqs_per_row=1)
-    trainer = Trainer(CFG, TrainerConfig(packing=pk), make_mesh({"fsdp": 8}))
+    trainer = Trainer(CFG, TrainStepConfig(packing=pk), make_mesh({"fsdp": 8}))
     state = trainer.init_state(params)
     state, _ = trainer.train_batch(state, _trajs(3))
     counts = trainer.n_compilations

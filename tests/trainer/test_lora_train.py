@@ -12,7 +12,7 @@ from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import init_params
 from jaxrl_async.rl.losses import PolicyLossConfig
 from jaxrl_async.sharding import make_mesh
-from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainerConfig, TrainSequence, pack
+from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainStepConfig, TrainSequence, pack
 
 BASE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, rope_theta=10000.0)
@@ -52,8 +52,8 @@ def params():
 def test_adapter_gradient_is_the_chain_rule_through_the_merged_weights(params):
     trajs = make_trajs(1)
     packed = pack(trajs, FULL)
-    t_lora = Trainer(CFG, TrainerConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
-    t_full = Trainer(BASE, TrainerConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
+    t_lora = Trainer(CFG, TrainStepConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
+    t_full = Trainer(BASE, TrainStepConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
     g, loss, _ = t_lora.gradients(params, packed)
     assert set(g) == {"layers"} and all(lora.is_adapter_key(k) for k in g["layers"])  # no base gradient
     g_full, loss_full, _ = t_full.gradients(lora.merge(params, SPEC), packed)
@@ -75,7 +75,7 @@ def test_adapter_gradient_is_the_chain_rule_through_the_merged_weights(params):
 def test_steps_update_only_adapters_with_adapter_only_adam_state(params, base_dtype):
     cfg = BASE.replace(lora=lora.LoraSpec(rank=4, alpha=8.0, base_dtype=base_dtype))
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
-    tr = Trainer(cfg, TrainerConfig(optimizer=OPT, packing=FULL), mesh=mesh, loss_cfg=LOSS)
+    tr = Trainer(cfg, TrainStepConfig(optimizer=OPT, packing=FULL), mesh=mesh, loss_cfg=LOSS)
     state = tr.init_state(params)
     adapters0, base0 = jax.device_get(lora.split(state.params))
     assert all(x.dtype == jnp.dtype(base_dtype) for x in jax.tree.leaves(base0))
@@ -100,7 +100,7 @@ def test_lora_dropout_in_training_steps_only(params):
     packed = pack(make_trajs(3), FULL)
     results = []
     for spec_cfg in (cfg, CFG, cfg):
-        tr = Trainer(spec_cfg, TrainerConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
+        tr = Trainer(spec_cfg, TrainStepConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
         state, m = tr.step(tr.init_state(params), packed)
         lp, _ = tr.compute_logprobs(state.params, tr.put_batch(packed))
         results.append((float(m["loss"]), jax.device_get(lora.split(state.params)[0]), np.asarray(lp)))
@@ -108,7 +108,7 @@ def test_lora_dropout_in_training_steps_only(params):
     assert l_do != l_plain  # the step's forward dropped adapter inputs
     assert l_do == l_do2 and all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a_do), jax.tree.leaves(a_do2)))
     # log-probs outside the step (proximal pass, generator parity) never drop: same as without dropout
-    tr_plain = Trainer(CFG, TrainerConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
+    tr_plain = Trainer(CFG, TrainStepConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
     st = tr_plain.init_state(lora.join(a_do2, lora.split(params)[1]))
     lp_plain, _ = tr_plain.compute_logprobs(st.params, tr_plain.put_batch(packed))
     np.testing.assert_array_equal(np.asarray(lp_plain), lp_do2)

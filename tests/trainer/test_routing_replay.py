@@ -23,7 +23,7 @@ from jaxrl_async.rollout.engine_api import SamplingParams
 from jaxrl_async.rollout.orchestrator import Generator
 from jaxrl_async.testing import make_tiny_hf_model
 from jaxrl_async.trainer.packing import PackingConfig, TrainSequence
-from jaxrl_async.trainer.train_step import Trainer, TrainerConfig
+from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def _prompts(cfg, lengths=(5, 12, 20, 30)):
 
 
 def _train(cfg, params, trajs, replay):
-    tr = Trainer(cfg, TrainerConfig(packing=PackingConfig(tokens_per_micro=128, row_len_buckets=(64,)),
+    tr = Trainer(cfg, TrainStepConfig(packing=PackingConfig(tokens_per_micro=128, row_len_buckets=(64,)),
                                     routing_replay=replay))
     _, ms = tr.train_batch(tr.init_state(params), trajs)
     return {k: float(v) for k, v in ms[0].items() if np.ndim(v) == 0}
@@ -184,7 +184,7 @@ def test_recompute_kv_records_the_reprefill_routing(top1):
         del engine.generate  # back to the class's method
     assert all(s.num_recomputes == 1 and 0 in s.versions and 1 in s.versions for s in samples)
     trajs = _trajectories(samples)
-    tr = Trainer(cfg, TrainerConfig(packing=PackingConfig(tokens_per_micro=128, row_len_buckets=(64,)),
+    tr = Trainer(cfg, TrainStepConfig(packing=PackingConfig(tokens_per_micro=128, row_len_buckets=(64,)),
                                     routing_replay=True))
     packed = tr.pack(trajs)
     lp, _ = tr.compute_logprobs(params, tr.put_batch(packed))
@@ -200,8 +200,8 @@ def test_router_metrics_and_aux_loss_in_the_objective(top1):
     samples = _generate(cfg, params, _prompts(cfg, (7, 11)), max_new=6)
     trajs = _trajectories(samples, with_routing=False)
     pk = PackingConfig(tokens_per_micro=128, row_len_buckets=(64,))
-    tr0 = Trainer(cfg, TrainerConfig(packing=pk))
-    tr1 = Trainer(cfg, TrainerConfig(packing=pk, router_aux_loss_coef=0.5))
+    tr0 = Trainer(cfg, TrainStepConfig(packing=pk))
+    tr1 = Trainer(cfg, TrainStepConfig(packing=pk, router_aux_loss_coef=0.5))
     packed = tr0.pack(trajs)
     _, loss0, st0 = tr0.gradients(params, packed)
     _, loss1, _ = tr1.gradients(params, packed)
@@ -303,8 +303,8 @@ def test_moe_config_validates_and_dense_models_refuse_recording():
     with pytest.raises(ValueError, match="record_routing needs a mixture-of-experts model"):
         PagedEngine(dense, max_concurrent_decodes=2, max_sequence_length=32, page_size=8, num_pages=8,
                     record_routing=True)
-    with pytest.raises(ValueError, match="TrainerConfig.routing_replay: needs a mixture-of-experts model"):
-        Trainer(dense, TrainerConfig(routing_replay=True))
+    with pytest.raises(ValueError, match="TrainStepConfig.routing_replay: needs a mixture-of-experts model"):
+        Trainer(dense, TrainStepConfig(routing_replay=True))
 
 
 def test_multi_turn_routing_is_merged_over_the_turns_last_routing_winning():

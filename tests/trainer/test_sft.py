@@ -17,7 +17,7 @@ from jaxrl_async.data.arithmetic import ArithmeticConfig, build_splits, sft_exam
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import apply, init_params, sequence_logprobs
 from jaxrl_async.sharding import make_mesh
-from jaxrl_async.trainer import PackingConfig, Trainer, TrainerConfig, pack
+from jaxrl_async.trainer import PackingConfig, Trainer, TrainStepConfig, pack
 from jaxrl_async.trainer.sft import (
     SFTExample, SFTRun, batch_schedule, encode_examples, greedy_accuracy, greedy_completions, nll_loss, run_sft,
     sft_packing,
@@ -117,7 +117,7 @@ def test_trainer_loss_and_gradient_equal_hand_computation(cfg, params, examples)
     subset = examples[:6]
     # 3 sequences per row of 128 tokens, one row per micro-batch: 2 micro-batches, accumulation + packing.
     packing = PackingConfig(tokens_per_micro=128, row_len_buckets=(128,), max_seqs_per_row=3)
-    trainer = Trainer(cfg, TrainerConfig(packing=packing, proximal="given"), loss_fn=nll_loss,
+    trainer = Trainer(cfg, TrainStepConfig(packing=packing, proximal="given"), loss_fn=nll_loss,
                       normaliser_fn=lambda n_tok, n_seq: float(n_tok))
     packed = pack([ex.trajectory() for ex in subset], packing)
     assert packed.n_real_micro == 2 and packed.n_loss_tokens == sum(len(e.completion_ids) for e in subset)

@@ -17,7 +17,7 @@ from jaxrl_async.models.transformer import init_params, sequence_logprobs
 from jaxrl_async.rl.losses import PolicyLossConfig
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.trainer import (
-    OptimizerConfig, PackingConfig, PackingError, Trainer, TrainerConfig, TrainSequence, pack,
+    OptimizerConfig, PackingConfig, PackingError, Trainer, TrainStepConfig, TrainSequence, pack,
 )
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -56,7 +56,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def trainer():
-    return Trainer(CFG, TrainerConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
+    return Trainer(CFG, TrainStepConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
 
 
 def _host(tree):
@@ -145,7 +145,7 @@ def test_single_minibatch_recompute_is_behaviour_weighted_policy_gradient(traine
 def test_sharded_step_equals_single_device_step(trainer, params):
     assert jax.device_count() >= 8
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
-    sharded = Trainer(CFG, TrainerConfig(optimizer=OPT, packing=FULL), mesh, loss_cfg=LOSS)
+    sharded = Trainer(CFG, TrainStepConfig(optimizer=OPT, packing=FULL), mesh, loss_cfg=LOSS)
     assert sharded.cfg.packing.row_multiple == 4
     trajs = make_trajs(4)
     s1, m1 = trainer.train_batch(trainer.init_state(params), trajs)
@@ -197,7 +197,7 @@ def test_no_recompilation_across_contents_of_a_bucket(trainer, params):
 def test_ppo_minibatches_share_the_proximal_of_the_batch_start(params):
     """ppo_n_minibatches=2: pi_prox of both minibatches comes from the weights before the first
     update, so r == 1 on the first minibatch only (AReaL: recompute with theta_k before any update)."""
-    tr = Trainer(CFG, TrainerConfig(optimizer=OPT, packing=FULL, ppo_n_minibatches=2), loss_cfg=LOSS)
+    tr = Trainer(CFG, TrainStepConfig(optimizer=OPT, packing=FULL, ppo_n_minibatches=2), loss_cfg=LOSS)
     state, metrics = tr.train_batch(tr.init_state(params), make_trajs(13))
     assert [m["sequences"] for m in metrics] == [4, 4] and int(state.step) == 2
     assert abs(float(metrics[0]["ratio"]) - 1.0) < 1e-6 and abs(float(metrics[0]["approx_kl"])) < 1e-6
@@ -211,7 +211,7 @@ def test_loglinear_proximal_matches_hand_derived_alpha(trainer, params):
     rng = np.random.default_rng(0)
     for t in trajs:
         t.versions = np.where(t.loss_mask > 0, rng.integers(0, 3, len(t)), -1)
-    loglin = Trainer(CFG, TrainerConfig(optimizer=OPT, packing=FULL, proximal="loglinear"), loss_cfg=LOSS)
+    loglin = Trainer(CFG, TrainStepConfig(optimizer=OPT, packing=FULL, proximal="loglinear"), loss_cfg=LOSS)
     packed = pack(trajs, FULL)
     g_ll, loss_ll, _ = loglin.gradients(params, packed, policy_version=3)
     lp, _ = trainer.compute_logprobs(params, trainer.put_batch(packed))
@@ -231,15 +231,15 @@ def test_bad_device_batch_shapes_and_minibatch_split(trainer, params):
     with pytest.raises(PackingError, match=r"batch field advantages has shape \(1, 8, 15\)"):
         trainer.put_batch(b)
     with pytest.raises(PackingError, match="ppo_n_minibatches=3"):
-        Trainer(CFG, TrainerConfig(optimizer=OPT, packing=FULL, ppo_n_minibatches=3), loss_cfg=LOSS).train_batch(
+        Trainer(CFG, TrainStepConfig(optimizer=OPT, packing=FULL, ppo_n_minibatches=3), loss_cfg=LOSS).train_batch(
             None, make_trajs(12, n=2))
-    with pytest.raises(ValueError, match="TrainerConfig.proximal"):
-        TrainerConfig(proximal="ema")
+    with pytest.raises(ValueError, match="TrainStepConfig.proximal"):
+        TrainStepConfig(proximal="ema")
 
 
 def test_bf16_compute_keeps_fp32_master_weights_and_gradients(trainer, params):
     """cfg.dtype=bfloat16: matmuls in bf16, parameters/gradients/accumulator stay fp32; loss close to fp32."""
-    tr16 = Trainer(CFG.replace(dtype="bfloat16"), TrainerConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
+    tr16 = Trainer(CFG.replace(dtype="bfloat16"), TrainStepConfig(optimizer=OPT, packing=FULL), loss_cfg=LOSS)
     packed = pack(make_trajs(15), FULL)
     g16, loss16, _ = tr16.gradients(params, packed)
     g32, loss32, _ = trainer.gradients(params, packed)
@@ -255,9 +255,9 @@ def test_empty_bucket_micro_batches_are_skipped_and_change_nothing(params):
     empty one costs no forward/backward (time saved: benchmarks/bench_micro_padding.py, RESULTS)."""
     trajs = make_trajs(11, n=6)
     common = dict(optimizer=OPT, proximal="recompute")
-    pad = Trainer(CFG, TrainerConfig(packing=dataclasses.replace(PADDED, tokens_per_micro=2 * ROW), **common),
+    pad = Trainer(CFG, TrainStepConfig(packing=dataclasses.replace(PADDED, tokens_per_micro=2 * ROW), **common),
                   loss_cfg=LOSS)
-    exact = Trainer(CFG, TrainerConfig(packing=dataclasses.replace(PADDED, tokens_per_micro=2 * ROW,
+    exact = Trainer(CFG, TrainStepConfig(packing=dataclasses.replace(PADDED, tokens_per_micro=2 * ROW,
                                                                    n_micro_buckets=(3,)), **common), loss_cfg=LOSS)
     assert (pad.pack(trajs).n_micro, pad.pack(trajs).n_real_micro, exact.pack(trajs).n_micro) == (4, 3, 3)
     s_pad, m_pad = pad.train_batch(pad.init_state(params), trajs)
