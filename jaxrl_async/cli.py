@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 from typing import Any, Callable, Iterator
 
+from jaxrl_async.data.tokenizer import (  # noqa: F401  (the tools import them from here)
+    TOKENIZER_FILES, chat_template_wanted, generation_eos_ids, has_tokenizer_files,
+)
+
 # (module, class): the package's typed errors about user input; checked through sys.modules, so this
 # module imports none of them (a class whose module was never imported cannot have been raised).
 _USER_ERROR_TYPES = (
+    ("jaxrl_async.checkpoint.hf_export", "ExportError"),
+    ("jaxrl_async.data.tokenizer", "TokenizerFilesError"),
     ("jaxrl_async.config", "ConfigError"),
     ("jaxrl_async.models.safetensors_io", "SafetensorsError"),
     ("jaxrl_async.models.hf_io", "CheckpointMismatchError"),
@@ -37,12 +42,6 @@ _USER_ERROR_TYPES = (
     ("jaxrl_async.data.datasets", "DataFormatError"),
     ("jaxrl_async.jsonl", "BadRowError"),
 )
-
-# Files that make a directory a tokenizer directory (a model saved by `save_pretrained` has none of them;
-# `AutoTokenizer.from_pretrained` would then invent an empty tokenizer whose EOS id is 0).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
-
 
 class UserError(Exception):
     """A mistake of the user (path, file content, flag value): one line ``TOOL: error: MESSAGE``, exit 2.
@@ -212,10 +211,6 @@ def load_model(flag: str, path: str, cfg: Any = None, **policy: Any) -> tuple[An
         raise UserError(f"{flag} {path}: cannot load the weights: {e}") from None
 
 
-def has_tokenizer_files(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
-
-
 def load_tokenizer(flag: str, path: str) -> Any:
     """The directory's tokenizer, or None when it has no tokenizer files (a weights + config directory).
     UserError when the files are there but do not load."""
@@ -232,27 +227,3 @@ def load_tokenizer(flag: str, path: str) -> Any:
                         ) from None
 
 
-def chat_template_wanted(tool: str, tokenizer: Any, path: str, enabled: bool) -> bool:
-    """Whether prompts are rendered with the tokenizer's chat template: by default yes when it has one; a
-    tokenizer without one falls back to raw text with a one-line note."""
-    if not enabled or tokenizer is None:
-        return False
-    if getattr(tokenizer, "chat_template", None):
-        return True
-    note(tool, f"the tokenizer in {path} has no chat template; prompts are used as raw text")
-    return False
-
-
-def generation_eos_ids(path: str) -> list[int]:
-    """EOS ids of ``path/generation_config.json`` ([] when there is none)."""
-    f = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(f):
-        return []
-    try:
-        with open(f, encoding="utf-8") as fh:
-            eos = json.load(fh).get("eos_token_id")
-    except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"{f}: cannot read ({e})") from None
-    if eos is None:
-        return []
-    return [int(x) for x in (eos if isinstance(eos, list) else [eos])]

@@ -39,9 +39,10 @@ import sys
 import time
 from typing import Any, Callable, Iterable
 
-from jaxrl_async.cli import (UserError, chat_template_wanted, cli_main, generation_eos_ids, has_tokenizer_files,
+from jaxrl_async.cli import (UserError, chat_template_wanted, cli_main, has_tokenizer_files,
                              iter_lines, load_model, load_tokenizer, make_parser, model_config, note, require_file,
                              require_output_file)
+from jaxrl_async.data.tokenizer import is_real_tokenizer, stop_token_ids  # noqa: F401  (re-exported)
 from jaxrl_async.jsonl import BadRowError, bad_rows_error, check_row, iter_json_rows
 
 PROMPT_FIELDS = ("prompt", "prompt_ids")
@@ -131,32 +132,6 @@ def output_rows(row: int, samples: list, n: int, echo: dict[str, Any] | None = N
         d.update(completion_ids=s.completion_ids, text=s.text, logprobs=s.logprobs, finish_reason=s.finish_reason)
         out.append(d)
     return out
-
-
-def is_real_tokenizer(tokenizer: Any) -> bool:
-    """False for None and for the empty tokenizer that `AutoTokenizer.from_pretrained` invents for a
-    directory without tokenizer files (its only tokens are special ones, e.g. an EOS with id 0)."""
-    if tokenizer is None:
-        return False
-    try:
-        return len(tokenizer) > len(set(getattr(tokenizer, "all_special_ids", ()) or ()))
-    except TypeError:  # not sized: trust it
-        return True
-
-
-def stop_token_ids(cfg: Any, tokenizer: Any = None, model_dir: str | None = None) -> tuple[int, ...]:
-    """EOS ids generation stops at: the model config's (`eos_token_id`, an int or a list), those of
-    `model_dir/generation_config.json` when a directory is given, and the tokenizer's EOS when it is a
-    real tokenizer (see `is_real_tokenizer`)."""
-    ids: set[int] = set()
-    eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-    if eos is not None:
-        ids.update([eos] if isinstance(eos, int) else eos)
-    if model_dir is not None:
-        ids.update(generation_eos_ids(model_dir))
-    if is_real_tokenizer(tokenizer) and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(int(i) for i in ids))
 
 
 SINGLE_BUCKET_MAX = 512  # longest prompt for which generate uses one prefill bucket

@@ -103,7 +103,7 @@ def test_peft_export_loads_onto_the_transformers_base_and_reproduces_the_logits(
 def test_peft_expert_tensor_layout():
     """The relayout itself (PEFT's ParamWrapper): lora_A [X r, in] expert-major rows, lora_B [out, r X]
     expert-minor columns, gate_up's B rows = [gate | up] with an unadapted half zero, nesting names."""
-    from jaxrl_async.export import _peft_expert_tensors
+    from jaxrl_async.checkpoint.hf_export import peft_expert_tensors as _peft_expert_tensors
 
     X, D, F, r = 3, 5, 4, 2
     rng = np.random.default_rng(0)

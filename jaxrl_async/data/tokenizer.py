@@ -15,8 +15,11 @@ then the 256 byte symbols, then merges. The saved directory holds ``tokenizer.js
 """
 from __future__ import annotations
 
+import json
 import os
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -109,3 +112,71 @@ def build_tokenizer(
     os.makedirs(out_dir, exist_ok=True)
     hf.save_pretrained(out_dir)
     return out_dir
+
+
+# -- a model directory's tokenizer and stop ids (shared by the run and every command-line tool) ---------------
+class TokenizerFilesError(ValueError):
+    """A model directory's generation files cannot be read (a user error: one line naming the file)."""
+
+
+# Files that make a directory a tokenizer directory (a model saved by `save_pretrained` has none of them;
+# `AutoTokenizer.from_pretrained` would then invent an empty tokenizer whose EOS id is 0).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def has_tokenizer_files(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def is_real_tokenizer(tokenizer: Any) -> bool:
+    """False for None and for the empty tokenizer that `AutoTokenizer.from_pretrained` invents for a
+    directory without tokenizer files (its only tokens are special ones, e.g. an EOS with id 0)."""
+    if tokenizer is None:
+        return False
+    try:
+        return len(tokenizer) > len(set(getattr(tokenizer, "all_special_ids", ()) or ()))
+    except TypeError:  # not sized: trust it
+        return True
+
+
+def generation_eos_ids(path: str) -> list[int]:
+    """EOS ids of ``path/generation_config.json`` ([] when there is none)."""
+    f = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(f):
+        return []
+    try:
+        with open(f, encoding="utf-8") as fh:
+            eos = json.load(fh).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise TokenizerFilesError(f"{f}: cannot read ({e})") from None
+    if eos is None:
+        return []
+    return [int(x) for x in (eos if isinstance(eos, list) else [eos])]
+
+
+def stop_token_ids(cfg: Any, tokenizer: Any = None, model_dir: str | None = None) -> tuple[int, ...]:
+    """EOS ids generation stops at: the model config's (`eos_token_id`, an int or a list), those of
+    `model_dir/generation_config.json` when a directory is given, and the tokenizer's EOS when it is a
+    real tokenizer (see `is_real_tokenizer`)."""
+    ids: set[int] = set()
+    eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else eos)
+    if model_dir is not None:
+        ids.update(generation_eos_ids(model_dir))
+    if is_real_tokenizer(tokenizer) and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(int(i) for i in ids))
+
+
+def chat_template_wanted(tool: str, tokenizer: Any, path: str, enabled: bool) -> bool:
+    """Whether prompts are rendered with the tokenizer's chat template: by default yes when it has one; a
+    tokenizer without one falls back to raw text with a one-line note."""
+    if not enabled or tokenizer is None:
+        return False
+    if getattr(tokenizer, "chat_template", None):
+        return True
+    print(f"{tool}: note: the tokenizer in {path} has no chat template; prompts are used as raw text", file=sys.stderr,
+          flush=True)
+    return False

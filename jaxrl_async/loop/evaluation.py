@@ -1,7 +1,7 @@
-"""The held-out evaluation during a run: the ``evaluate`` CLI's own path (``evaluate.evaluate_params``) on the
+"""The held-out evaluation during a run: the ``evaluate`` CLI's own path (``rollout.evaluation.evaluate_params``) on the
 generator service's current weights, n = 1 sample per record at ``eval.temperature`` (greedy by default),
 rewards with each record's metadata, as the rollout and the CLI call them. So an in-run accuracy and
-``python -m jaxrl_async.evaluate`` on the same checkpoint and data agree (``tests/loop/test_eval_path.py``)."""
+``python -m jaxrl_async.evaluate`` (the same function) on the same checkpoint and data agree (``tests/loop/test_eval_path.py``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def evaluate_held_out(generator: GeneratorService, records: Sequence[Any], rewar
                       stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """The eval metrics row ({} when there are no records, or when ``stop()`` became true while waiting:
     the evaluation is abandoned)."""
-    from jaxrl_async.evaluate import evaluate_params
+    from jaxrl_async.rollout.evaluation import evaluate_params
 
     ev, ro = cfg.eval, cfg.rollout
     if not records:

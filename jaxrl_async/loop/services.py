@@ -97,7 +97,7 @@ class LocalTrainer:
             self.ckpt.close()
 
     def export(self, step: int) -> Any:
-        from jaxrl_async.export import export_checkpoint, restore_for_export
+        from jaxrl_async.checkpoint.hf_export import export_checkpoint, restore_for_export
 
         if not self.writes_files:
             return restore_for_export(self.ckpt, step)  # Orbax restores are collective; only the leader writes

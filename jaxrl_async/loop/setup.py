@@ -91,7 +91,7 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
     """(tokenizer, its directory, train dataset, held-out records)."""
     from transformers import AutoTokenizer
 
-    from jaxrl_async.cli import chat_template_wanted, has_tokenizer_files
+    from jaxrl_async.data.tokenizer import chat_template_wanted, has_tokenizer_files
     from jaxrl_async.data import DatasetConfig, build_tokenizer, load_prompt_dataset, write_arithmetic_dataset
 
     c = cfg
@@ -129,7 +129,7 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
 
 def load_model(cfg: RunConfig, tokenizer: Any, trainer_mesh: Any) -> tuple[Any, Any, dict | None, list[int]]:
     """(model config, initial parameters, LoRA base reference, EOS ids)."""
-    from jaxrl_async.generate import stop_token_ids
+    from jaxrl_async.data.tokenizer import stop_token_ids
     from jaxrl_async.run_state import base_reference, initial_params
 
     c, tok = cfg, tokenizer

@@ -349,7 +349,7 @@ def run_sft(params: Params, model_cfg: ModelConfig, examples: Sequence[SFTExampl
 # Greedy evaluation
 # ---------------------------------------------------------------------------------------------
 def _stop_ids(model_cfg: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    from jaxrl_async.generate import stop_token_ids
+    from jaxrl_async.data.tokenizer import stop_token_ids
 
     ids = stop_token_ids(model_cfg, tokenizer)
     if not ids:
