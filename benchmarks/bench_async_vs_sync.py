@@ -109,7 +109,8 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.7, help="accuracy for the time-to-accuracy column")
     args, extra = ap.parse_known_args()
     results = [run_mode(m, args.out, args.steps, extra, args.eval_every, args.target) for m in args.modes.split(",")]
-    print(f"| mode | RL wall s | speedup | s to acc >= {args.target} | eval acc start -> end | reward (last 5) | slot util (per step) | "
+    print(f"| mode | RL wall s | speedup | s to acc >= {args.target} | eval acc start -> end | reward (last 5) "
+          "| slot util (per step) | "
           "generator busy | trainer idle | gen tok/s | max lag |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     base = next((r for r in results if r["mode"] == "sync"), results[0])

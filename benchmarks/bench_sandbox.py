@@ -57,7 +57,7 @@ def main() -> None:
             assert res.ok, (d, res)
         boxes.append((d, sb, []))
     per_round = max(1, args.runs // args.rounds)
-    for r in range(args.rounds):
+    for _round in range(args.rounds):
         for d, sb, times in boxes:
             for _ in range(per_round):
                 t0 = time.perf_counter()

@@ -78,7 +78,8 @@ def main(argv=None) -> int:
         tok = AutoTokenizer.from_pretrained(build_tokenizer(d, kind="arithmetic"))
     task = ArithmeticConfig(min_digits=args.min_digits, max_digits=args.max_digits, operators=tuple(args.operators),
                             min_operands=args.operands, max_operands=args.operands, num_train=args.num_train,
-                            num_eval=args.num_eval, seed=args.data_seed, styles=tuple(args.styles), style_weights=tuple(args.style_weights))
+                            num_eval=args.num_eval, seed=args.data_seed, styles=tuple(args.styles),
+                            style_weights=tuple(args.style_weights))
     train, held = build_splits(task)
     examples = encode_examples([sft_example(p, tok) for p in train], tok)
     section = ModelConfigSection(hidden_size=args.hidden, intermediate_size=args.intermediate or 3 * args.hidden,

@@ -156,7 +156,7 @@ def fp64_view(a, cfg, params, tokens, ours, ours_base, t) -> dict:
     x = jnp.take(bp["embed"], tokens, axis=0)
     per_layer = []
     for i in range(bcfg.num_layers):
-        p = jax.tree.map(lambda w: w[i], bp["layers"])
+        p = jax.tree.map(lambda w: w[i], bp["layers"])  # noqa: B023 (used within this iteration)
         x = layer(p, x, i)
         last = i == bcfg.num_layers - 1  # transformers' last hidden state is after the final norm
         mine = tr.rms_norm(x, bp["final_norm"], bcfg.rms_norm_eps) if last else x

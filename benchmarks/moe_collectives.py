@@ -119,7 +119,7 @@ def main(argv=None) -> int:
             mesh = make_mesh(shape, names, devices=devices)
             tr = Trainer(cfg, TrainStepConfig(), mesh=mesh)
             state, batch = _abstract_state(tr), _abstract_batch((1, 4, 2048), tr.batch_sharding)
-            scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=tr.replicated)  # noqa: E731
+            scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=tr.replicated)  # noqa: B023, E731
             c = tr._step_fn(5).lower(state, batch, scalar(jnp.float32), scalar(jnp.int32)).compile(
                 compiler_options=aot.compiler_options(mesh.devices.flat))
         except Exception as e:  # noqa: BLE001 -- one row per variant

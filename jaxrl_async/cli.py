@@ -151,7 +151,7 @@ def iter_lines(flag: str, path: str) -> Iterator[str]:
     n = 0
     try:
         with open(path, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, start=1):
+            for n, line in enumerate(fh, start=1):  # noqa: B007 (n: the row an error names)
                 yield line
     except UnicodeDecodeError:
         raise UserError(f"{flag} {path}: not UTF-8 text (after row {n})") from None

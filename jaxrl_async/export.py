@@ -22,7 +22,8 @@ as a plain Hugging Face model; ``--lora peft`` writes a PEFT adapter directory (
 ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the base model, plus the base itself in
 ``DIR/base`` unless the run's base is a ``model.path`` checkpoint (then ``base_model_name_or_path``
 names it and nothing of the base is written). A mixture of experts' expert adapters go to PEFT's
-``target_parameters`` on transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` (``checkpoint.hf_export.peft_expert_tensors``).
+``target_parameters`` on transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj``
+(``checkpoint.hf_export.peft_expert_tensors``).
 """
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ def plot_run(rows: Sequence[Mapping[str, Any]], out_path: str | os.PathLike, tit
     ax_s.set_ylabel("staleness (policy versions)")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-        for i, rs in enumerate(resumes):
+        for rs in resumes:
             ax.axvline(rs["at_step"], color="0.4", linestyle="--", linewidth=1)
     for rs in resumes:
         what = (f"resumed (warm start, SFT step {rs['at_sft_step']})" if rs["phase"] == "warm_start"

@@ -86,7 +86,8 @@ def test_overrides_from_the_issue_and_nested_components():
     (["rollout.reward=nope"], "rollout.reward: must be one of ['code', 'gsm8k', 'math'] or 'package.module:function'"),
     (["mesh.num_generator_devices=8"], "mesh.num_generator_devices: must be in [1, 7] with 8 devices, got 8"),
     (["mesh.generator.devices=0,1", "mesh.trainer.devices=1,2"], "mesh.trainer.devices: devices [1] are also generator"),
-    (["rollout.engine.max_sequence_length=1024"], "rollout.engine.max_sequence_length: 1024 exceeds model.max_position_embeddings=512"),
+    (["rollout.engine.max_sequence_length=1024"],
+     "rollout.engine.max_sequence_length: 1024 exceeds model.max_position_embeddings=512"),
     (["mesh.generator.shape=2,-1", "rollout.engine.num_pages=99"],
      "rollout.engine.num_pages: 99 pages do not split over the generator's 2 data replicas"),
     # expert parallelism: an `expert` axis needs an MoE model whose experts it divides

@@ -50,7 +50,8 @@ from jaxrl_async.rl.losses import BehaviourWeightConfig  # noqa: F401
 
 __all__ = [
     "ConfigError", "LoraSection", "ModelConfigSection", "DataConfig", "SamplingConfig", "EngineConfig",
-    "RolloutConfig", "SFTConfig", "TrainerConfig", "MeshAxesConfig", "MeshConfig", "EvalConfig", "CheckpointSection", "LoggingConfig", "RunConfig",
+    "RolloutConfig", "SFTConfig", "TrainerConfig", "MeshAxesConfig", "MeshConfig", "EvalConfig", "CheckpointSection",
+    "LoggingConfig", "RunConfig",
     "PolicyLossConfig", "BehaviourWeightConfig", "AdvantageConfig", "PackingConfig", "ArithmeticConfig",
     "apply_overrides", "parse_value", "check_types", "validate", "resolve_device_split", "load_config_file",
     "to_dict", "from_dict", "format_config", "save_config", "load_config_json", "parse_command_line",

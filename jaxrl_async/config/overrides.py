@@ -188,7 +188,8 @@ def _check_value(value: Any, tp: Any, field: str) -> None:
 def check_types(cfg: Any, prefix: str = "") -> None:
     """Check every field of the dataclass tree ``cfg`` against its annotation."""
     for f in dataclasses.fields(cfg):
-        _check_value(getattr(cfg, f.name), field_hints(type(cfg))[f.name], f"{prefix}{f.name}" if not prefix else f"{prefix}.{f.name}")
+        name = f"{prefix}{f.name}" if not prefix else f"{prefix}.{f.name}"
+        _check_value(getattr(cfg, f.name), field_hints(type(cfg))[f.name], name)
 
 
 # =============================================================================================

@@ -100,5 +100,6 @@ def check_resume(cfg: RunConfig) -> None:
     if fixed:
         field = next(iter(fixed))
         changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in fixed.items())
-        raise ConfigError(field, f"differs from the checkpoint this run resumes ({os.path.join(run_dir, CHECKPOINTS_DIR, str(step))}): "
+        where = os.path.join(run_dir, CHECKPOINTS_DIR, str(step))
+        raise ConfigError(field, f"differs from the checkpoint this run resumes ({where}): "
                           f"{changes}; these define the saved state and data order: restore them, or use a new run_dir")

@@ -76,7 +76,8 @@ class ArithmeticConfig:
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(f"ArithmeticConfig: need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
         if not 2 <= self.min_operands <= self.max_operands:
-            raise ValueError(f"ArithmeticConfig: need 2 <= min_operands <= max_operands, got {self.min_operands}, {self.max_operands}")
+            raise ValueError(f"ArithmeticConfig: need 2 <= min_operands <= max_operands, got {self.min_operands}, "
+                             f"{self.max_operands}")
         bad = [op for op in self.operators if op not in OPERATORS]
         if not self.operators or bad:
             raise ValueError(f"ArithmeticConfig.operators must be a non-empty subset of {OPERATORS}, got {self.operators}")

@@ -122,7 +122,7 @@ class DataLedger:
         """Bind the outstanding (to-be-replayed) item of ``draw`` to a group restored from the
         checkpoint under ``ticket``; returns the item. KeyError if ``draw`` is not outstanding."""
         with self._lock:
-            for k, (idx, item) in enumerate(self._replay):
+            for k, (idx, item) in enumerate(self._replay):  # noqa: B007 (item: used after the break)
                 if idx == draw:
                     del self._replay[k]
                     break

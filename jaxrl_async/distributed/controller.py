@@ -14,7 +14,8 @@ and the trainer is the consumer every batch goes to. The loop is the single-proc
 ``jaxrl_async.api``):
 
 * ``remote_generator.RemoteGenerators.start`` (the generator role; the ``N`` generator processes
-  (``generator_role``) were accepted by ``DistributedServices.place``): send them the engine spec, plan the cross-process push against their parameter layouts, push the initial weights and
+  (``generator_role``) were accepted by ``DistributedServices.place``): send them the engine spec, plan the
+  cross-process push against their parameter layouts, push the initial weights and
   start them; returns a ``RemoteGenerator`` (the ``Generator`` interface over RPC: ``submit`` ->
   handle with ``result(timeout)``, ``abort``, ``stats``, ``error``), so workflows, the dispatcher
   and eval run unchanged;

@@ -270,7 +270,7 @@ class GeneratorServer:
                 done = [(rid, h, r) for rid, (h, r) in self._watched.items() if h.done()]
                 for rid, _, _ in done:
                     del self._watched[rid]
-            for rid, h, reply in done:
+            for _rid, h, reply in done:
                 try:
                     reply(True, h.result(0))
                 except BaseException as e:  # noqa: BLE001

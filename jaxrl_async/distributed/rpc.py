@@ -375,7 +375,8 @@ class Peer:
                 if self._closed.is_set():
                     return
                 kind = TamperedMessageError if isinstance(e, tls.IntegrityError) else MalformedMessageError
-                self._drop(kind(f"{self.name}: {'message failed authentication' if kind is TamperedMessageError else 'malformed message'}"
+                what = "message failed authentication" if kind is TamperedMessageError else "malformed message"
+                self._drop(kind(f"{self.name}: {what}"
                                 f" ({e}); connection closed"))
                 return
             except (EOFError, OSError) as e:

@@ -21,7 +21,8 @@ same arguments and the multi-controller runtime (``jax.distributed.initialize``:
   checkpointer), ``initial_state`` (the SFT examples: the warm start runs whole here) or ``restore``
   (replies with the step restored; the leader checks it equals its own), ``train`` (the batch's
   trajectories and policy version: the batch travels leader -> followers over the RPC), ``save``,
-  ``wait_checkpoint``, ``export``, ``close_checkpoint``; and the push's: ``configure_push`` (the transfer plan; starts this process's transfer server and
+  ``wait_checkpoint``, ``export``, ``close_checkpoint``; and the push's: ``configure_push`` (the transfer plan;
+  starts this process's transfer server and
   replies with its address), ``push`` (cast + reshard + checksums of version v, kept until the
   generators have pulled it), ``base_fingerprint`` (LoRA), ``finish`` (replies with the operations
   this process ran; the leader checks they are the ones it sent, in order: ``RUN/trainer_group_ops.json``).

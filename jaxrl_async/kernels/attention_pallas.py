@@ -12,7 +12,8 @@ Both are JAX's own Pallas kernels, wrapped to compute exactly the reference func
 
 On a mesh (the trainer's, under ``sharding.activations.activation_rules``) the kernel runs under
 ``jax.shard_map`` with the activations' own shardings: batch over the data axes, heads over ``tensor``;
-the sequence axis is not sharded here (rows split over ``context``: ``context_parallel_attention``). When the kv heads are not split
+the sequence axis is not sharded here (rows split over ``context``: ``context_parallel_attention``). When the kv
+heads are not split
 like the query heads (e.g. 2 kv heads on tensor = 4), K/V are repeated to H heads first so that every
 shard holds the kv heads of its query heads.
 

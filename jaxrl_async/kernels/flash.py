@@ -67,7 +67,8 @@ def _block_ranges(q_start: jax.Array, qpos: jax.Array, nk: int, bq: int, bk: int
     ``q_start`` [B, Tq]: the run start (key index) of each query (``run_starts``; padding: past the end);
     ``qpos`` [Tq / bq]: the key position of each query block's first query (``i * bq`` in self-attention;
     chunk or stripe starts under context parallelism). hi_i: the causal bound (the block of the block's
-    last query), clipped to the last key block. lo_i: the block of the earliest run start among the block's queries over all rows (segments
+    last query), clipped to the last key block. lo_i: the block of the earliest run start among the block's queries
+    over all rows (segments
     are contiguous runs, so no key before it is visible). A block of padding only gets lo > hi (no work).
     """
     Tq = q_start.shape[1]

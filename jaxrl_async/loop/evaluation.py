@@ -1,7 +1,8 @@
 """The held-out evaluation during a run: the ``evaluate`` CLI's own path (``rollout.evaluation.evaluate_params``) on the
 generator service's current weights, n = 1 sample per record at ``eval.temperature`` (greedy by default),
 rewards with each record's metadata, as the rollout and the CLI call them. So an in-run accuracy and
-``python -m jaxrl_async.evaluate`` (the same function) on the same checkpoint and data agree (``tests/loop/test_eval_path.py``)."""
+``python -m jaxrl_async.evaluate`` (the same function) on the same checkpoint and data agree
+(``tests/loop/test_eval_path.py``)."""
 
 from __future__ import annotations
 

@@ -152,7 +152,8 @@ class RLRun:
         self.control.say(
             f"resumed from {self.trainer.checkpointer.step_dir(r.step)}: step {point.step}, policy version "
             f"{r.meta.policy_version}, {len(point.replay)} outstanding prompts ({len(point.saved_groups)} with "
-            "finished groups in the checkpoint)" + (f" (skipped unusable steps {[s for s, _ in r.skipped]})" if r.skipped else ""))
+            "finished groups in the checkpoint)"
+            + (f" (skipped unusable steps {[s for s, _ in r.skipped]})" if r.skipped else ""))
 
     def _note_changes(self, point: ResumePoint, saved: Any) -> None:
         """Settings changed since the checkpoint (the ones that would change its meaning were refused by

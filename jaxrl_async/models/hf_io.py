@@ -91,7 +91,8 @@ def check_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, source: str) -
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
     if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:20])}" + (" ..." if len(unexpected) > 20 else ""))
+        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected[:20])}"
+                        + (" ..." if len(unexpected) > 20 else ""))
     if wrong:
         problems.append(f"wrong shapes ({len(wrong)}): {'; '.join(wrong[:20])}")
     if problems:

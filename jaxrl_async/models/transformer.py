@@ -368,12 +368,12 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     for name, s0, n, i0 in cfg.layer_schedule():
         stack, body = params[name], bodies[name]
         if cfg.scan_layers:
-            xs = stack if n == jax.tree.leaves(stack)[0].shape[0] else jax.tree.map(lambda a: a[s0:s0 + n], stack)
+            xs = stack if n == jax.tree.leaves(stack)[0].shape[0] else jax.tree.map(lambda a: a[s0:s0 + n], stack)  # noqa: B023 (used within this iteration)
             (x, state), routed = jax.lax.scan(body, (x, state), (xs, jnp.arange(i0, i0 + n), jnp.arange(s0, s0 + n)))
         else:
             outs = []
             for j in range(n):
-                p_j = jax.tree.map(lambda a: a[s0 + j], stack)
+                p_j = jax.tree.map(lambda a: a[s0 + j], stack)  # noqa: B023 (used within this iteration)
                 (x, state), r = body((x, state), (p_j, i0 + j, s0 + j))
                 outs.append(r)
             routed = None if outs[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *outs)

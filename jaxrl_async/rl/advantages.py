@@ -447,7 +447,8 @@ def compute_advantages(rewards, loss_mask, cfg: AdvantageConfig, *, group_size: 
     Args: rewards [B = G·n]; loss_mask [B, T] (aligned with log-prob positions);
     group_size n, or the sizes of the consecutive groups (partial groups). Call it once on the
     WHOLE training batch: the batch-level statistics (LitePPO's std, ``adv_norm``) are over all
-    its groups (AReaL normalises the consumed batch, §4.5-4.6); response_lengths [B] (default Σ_t loss_mask); logprobs / ref_logprobs
+    its groups (AReaL normalises the consumed batch, §4.5-4.6); response_lengths [B] (default Σ_t loss_mask);
+    logprobs / ref_logprobs
     [B, T] (required when kl_coef > 0; logprobs = behaviour log-probs in decoupled mode);
     values [B, T] critic values (default 0); truncated [B] bool (no EOS).
 

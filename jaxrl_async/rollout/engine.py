@@ -503,7 +503,7 @@ class PagedEngine(Engine):
                         cols[name].append(val)
             n = len(rows)
             nb = self._sample_rows(n)
-            pad = lambda xs, dt: np.asarray(xs + [xs[-1]] * (nb - n), dt)  # noqa: E731
+            pad = lambda xs, dt: np.asarray(xs + [xs[-1]] * (nb - n), dt)  # noqa: B023, E731
             trunc = any(_truncates(reqs[i][1].sampling) for i in g)
             firsts, lps = self._sample_firsts[trunc](logits, pad(rows, np.int32), pad(cols["t"], np.float32),
                                              pad(cols["k"], np.int32), pad(cols["p"], np.float32),
@@ -799,7 +799,7 @@ class PagedEngine(Engine):
         logits_a = sds(logits_a.shape, logits_a.dtype, sharding=self.replicated)
         for t in variants:
             for nb in sample_rows:
-                col = lambda dt: host((nb,), dt)  # noqa: E731
+                col = lambda dt: host((nb,), dt)  # noqa: B023, E731
                 jobs.append((self._sample_firsts[t], (logits_a, col(np.int32), col(np.float32), col(np.int32),
                                                       col(np.float32), col(np.uint32), col(np.int32), col(np.int32))))
         jobs.append((self._release, (arrays_a, host((), np.int32))))

@@ -21,7 +21,8 @@ shared page is immutable while referenced.
 
 Decode attention: `paged_decode_attend` (the reference) gathers each slot's pages into a contiguous
 ``[S, max_pages * page_size, K, E]`` view per layer and applies a length mask; `blocked_decode_attend`
-reads only the blocks up to the longest active slot (the portable default, on the ``page_heads`` pool layout). The accelerator kernels
+reads only the blocks up to the longest active slot (the portable default, on the ``page_heads`` pool layout). The
+accelerator kernels
 and the pool layouts they need are in `paged_attention.py`.
 
 Automatic sizing (`auto_num_pages`)
@@ -31,7 +32,8 @@ Per device: budget = fraction * (limit - max(in_use, param_bytes) - incoming) - 
 minimum over the generator mesh's devices), ``param_bytes`` is the per-device size of the
 parameters under the generator shardings, ``incoming`` the same again when the engine receives
 weight pushes (``reserve_weight_push``: the new weights arrive while the old ones still serve, as
-the planner counts them) and ``workspace`` an estimate of the transient prefill/decode buffers. Backends without memory stats (CPU) use the host fallback
+the planner counts them) and ``workspace`` an estimate of the transient prefill/decode buffers. Backends without
+memory stats (CPU) use the host fallback
 limit = min(available host RAM / 4 / num_devices, 1 GiB). The page count is clamped to
 [max_pages_per_seq, S * max_pages_per_seq] (more pages than a full per-slot reservation can
 never be used; fewer than one full sequence is an error).

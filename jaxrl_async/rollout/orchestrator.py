@@ -561,7 +561,7 @@ class Generator:
                 s.routing.append((0, prefix.routing))
             reason = self._append(s, toks[k], lps[k], version, False)
             emits.append((s, toks[k], lps[k], version, reason))
-        for (k, s), slot in zip(to_insert, inserted):
+        for (_k, s), slot in zip(to_insert, inserted):
             s.slot = slot
             s.admit_seq = next(self._admit_seq)
             self._slot_owner[slot] = s

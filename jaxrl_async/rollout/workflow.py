@@ -195,13 +195,19 @@ class Trajectory:
                 ids, trained = turn
                 if trained:
                     raise ValueError(f"turn {i}: inserted tokens cannot be trained (no behaviour log-probs)")
-                tokens += list(ids); mask += [0] * len(ids); lps += [0.0] * len(ids); vers += [-1] * len(ids)
+                tokens += list(ids)
+                mask += [0] * len(ids)
+                lps += [0.0] * len(ids)
+                vers += [-1] * len(ids)
                 continue
             if list(turn.prompt_ids) != tokens:
                 raise ValueError(f"turn {i}: the sample's prompt_ids do not equal the tokens so far "
                                  f"({len(turn.prompt_ids)} vs {len(tokens)} tokens)")
             c = list(turn.completion_ids)
-            tokens += c; mask += [1] * len(c); lps += list(turn.logprobs); vers += list(turn.versions)
+            tokens += c
+            mask += [1] * len(c)
+            lps += list(turn.logprobs)
+            vers += list(turn.versions)
             finish = turn.finish_reason
             if getattr(turn, "routing", None) is not None:
                 routed.append((0, turn.routing))
@@ -462,7 +468,7 @@ class RolloutDispatcher:
     """
 
     def __init__(self, workflow: RolloutWorkflow, generator: GeneratorLike, staleness: StalenessManager,
-                 data: Iterator[Any], *, n_samples: int, sampling: SamplingParams = SamplingParams(),
+                 data: Iterator[Any], *, n_samples: int, sampling: SamplingParams = SamplingParams(),  # noqa: B008 (a frozen dataclass)
                  should_accept: Callable[[TrajectoryGroup], bool] | None = None, allow_partial_groups: bool = False,
                  seed: int = 0, group_timeout_s: float | None = None, reward_timeout_s: float | None = None,
                  max_workers: int | None = None, reward_workers: int = 4, max_consecutive_failures: int = 100,

@@ -134,7 +134,8 @@ def encode_examples(pairs: Sequence[tuple[str, str]], tokenizer: Any) -> list[SF
         try:
             prompt, completion = pair
         except (TypeError, ValueError):
-            raise ValueError(f"example {i}: expected a (prompt_text, completion_text) pair, got {type(pair).__name__}")
+            raise ValueError(f"example {i}: expected a (prompt_text, completion_text) pair, got {type(pair).__name__}"
+                             ) from None
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         c = tokenizer(completion, add_special_tokens=False)["input_ids"]
         if not p:

@@ -5,7 +5,8 @@ the Pallas/Mosaic ragged paged-attention kernel; a VMEM limit too small for its 
 (CUDA plugin + the shipped target description): `auto` picks `gpu_paged` and the step holds the Triton
 paged-attention kernel. Both on a data x tensor mesh (kernel per shard: slots over data, kv heads over tensor).
 
-Needs the extras `[aot-tpu,aot-gpu]` (`.ci/run` adds them to the test environment after the suite; `JAX_PLATFORMS=cpu .venv/bin/pytest tests/aot`); skipped without them.
+Needs the extras `[aot-tpu,aot-gpu]` (`.ci/run` adds them to the test environment after the suite; `JAX_PLATFORMS=cpu
+.venv/bin/pytest tests/aot`); skipped without them.
 """
 
 from __future__ import annotations

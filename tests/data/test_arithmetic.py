@@ -3,7 +3,9 @@ import json
 
 import pytest
 
-from jaxrl_async.data import ArithmeticConfig, DatasetConfig, build_splits, load_prompt_dataset, sft_example, write_arithmetic_dataset
+from jaxrl_async.data import (
+    ArithmeticConfig, DatasetConfig, build_splits, load_prompt_dataset, sft_example, write_arithmetic_dataset,
+)
 from jaxrl_async.data.arithmetic import evaluate_with_steps, held_out_bucket, make_problem
 from jaxrl_async.data.formats import last_boxed_content
 

@@ -238,9 +238,11 @@ def test_parquet_reader_with_field_mapping(tmp_path, arith_tok):
     pq.write_table(table, path)
     cfg = DatasetConfig(path, format="gsm8k", fields={"question": "problem", "answer": "sol", "id": "uid"})
     ds = load_prompt_dataset(cfg, arith_tok)
-    assert [(r.id, r.answer, r.metadata["raw_prompt"]) for r in ds.records] == [("101", "5", "What is 2+3?"), ("102", "6", "What is 10-4?")]
+    assert [(r.id, r.answer, r.metadata["raw_prompt"]) for r in ds.records] == [("101", "5", "What is 2+3?"),
+                                                                               ("102", "6", "What is 10-4?")]
     math_path = str(tmp_path / "boba.parquet")
-    pq.write_table(pa.table({"prompt": ["a", "b", None], "solutions": [["\\boxed{1}"], ["\\boxed{2}"], ["\\boxed{3}"]]}), math_path)
+    pq.write_table(pa.table({"prompt": ["a", "b", None],
+                             "solutions": [["\\boxed{1}"], ["\\boxed{2}"], ["\\boxed{3}"]]}), math_path)
     with pytest.raises(DataFormatError, match="missing field 'prompt'") as e:
         load_prompt_dataset(DatasetConfig(math_path, format="math"), arith_tok)
     assert (e.value.path, e.value.line) == (math_path, 3)

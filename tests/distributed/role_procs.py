@@ -27,7 +27,7 @@ def wait_or_kill(proc: subprocess.Popen, timeout: float) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        raise AssertionError(f"pid {proc.pid} still running after {timeout} s (a hang)")
+        raise AssertionError(f"pid {proc.pid} still running after {timeout} s (a hang)") from None
 
 
 def kill_all(procs) -> None:

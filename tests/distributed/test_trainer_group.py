@@ -85,7 +85,8 @@ def _start_roles(run_dir, log_dir, tag, steps, extra_gen=(), slurm=False, genera
     auto-detection from the variables srun sets (``--jax-distributed``)."""
     env = role_env(log_dir / "jax_cache")
     addr = f"127.0.0.1:{reserve_port()}"
-    common = ["--listen", addr, "--listen-reuse-port", "--generators", str(generators), "--generator-devices", "1", "--cpu-devices", "1",
+    common = ["--listen", addr, "--listen-reuse-port", "--generators", str(generators), "--generator-devices", "1",
+              "--cpu-devices", "1",
               "--accept-timeout", "120",
               "--heartbeat-timeout", "30", "--jax-heartbeat-timeout", "20"]
     job, coord = _slurm_job_id(), f"127.0.0.1:{reserve_port()}"

@@ -31,7 +31,8 @@ def test_in_run_evaluation_equals_the_evaluate_cli_on_the_same_checkpoint(tmp_pa
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-m", "jaxrl_async.evaluate", "--model", res.export_dir,
                            "--data", str(run / "data" / "eval.jsonl"), "--format", "generic", "--n", "1",
-                           "--temperature", "1.0", "--seed", str(cfg.seed), "--max-new-tokens", str(cfg.rollout.sampling.max_new_tokens),
+                           "--temperature", "1.0", "--seed", str(cfg.seed),
+                           "--max-new-tokens", str(cfg.rollout.sampling.max_new_tokens),
                            "--max-prompt-length", str(cfg.data.max_prompt_len),
                            "--reward", "loop_targets:has_digit_given_row", "--summary-json", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)

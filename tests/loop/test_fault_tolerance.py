@@ -441,7 +441,7 @@ def test_many_random_kills(tmp_path, jax_cache):
     expected_resume, mid_write = [], 0
     for k in range(kills):
         a = Attempt(run, args, jax_cache, f"kill_{k}")
-        a.wait_for(lambda: len(a.trained_steps()) >= 1 and bool(_committed(run)), "trained step", START_TIMEOUT_S,
+        a.wait_for(lambda: len(a.trained_steps()) >= 1 and bool(_committed(run)), "trained step", START_TIMEOUT_S,  # noqa: B023 (used within this iteration)
                    poll_s=0.02)
         time.sleep(rng.uniform(0.0, 2.0))
         a.kill9()

@@ -252,6 +252,7 @@ def test_trainer_step_on_an_fsdp_x_expert_mesh_equals_one_device(monkeypatch):
     np.testing.assert_allclose(float(m8[0]["loss"]), float(m1[0]["loss"]), rtol=1e-5)
     np.testing.assert_allclose(float(m8[0]["grad_norm"]), float(m1[0]["grad_norm"]), rtol=1e-5)
     diff = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), s8.params, s1.params)
-    assert max(jax.tree.leaves(diff)) <= 1e-3 * lr, [(jax.tree_util.keystr(k), v) for k, v in jax.tree.leaves_with_path(diff) if v > 1e-6]
+    assert max(jax.tree.leaves(diff)) <= 1e-3 * lr, [(jax.tree_util.keystr(k), v)
+                                                     for k, v in jax.tree.leaves_with_path(diff) if v > 1e-6]
     moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), s1.params, params)
     assert max(jax.tree.leaves(moved)) > 0.5 * lr

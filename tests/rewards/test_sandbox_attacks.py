@@ -349,7 +349,8 @@ def test_uid_never_shared_between_two_sandbox_instances():
                 assert u1 != u2, results  # two live runs never share a uid (the others waited)
 
 
-HOG = "import os, time\nfor _ in range(64):\n    try:\n        if os.fork() == 0: time.sleep(2); os._exit(0)\n    except OSError: break\ntime.sleep(1.5)"
+HOG = ("import os, time\nfor _ in range(64):\n    try:\n        if os.fork() == 0: time.sleep(2); os._exit(0)\n"
+       "    except OSError: break\ntime.sleep(1.5)")
 VICTIM = ("import os, time\npids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n        time.sleep(0.2)\n"
           "        os._exit(0)\n    pids.append(pid)\nprint('forked', len(pids))")
 

@@ -83,7 +83,8 @@ def test_paged_decode_matches_contiguous_attention():
 @pytest.mark.parametrize("block_pages", [1, 2, 3, 5, 8])
 def test_blocked_decode_matches_gather_and_reads_only_live_blocks(block_pages):
     """blocked_decode_attend (``page_heads`` pool) == paged_decode_attend (``split`` pool) (fp32, <= 1e-5) for any
-    block size, with the same pool write; pages past the longest active slot's last block are never read (NaN there would leak)."""
+    block size, with the same pool write; pages past the longest active slot's last block are never read (NaN there
+    would leak)."""
     rng = np.random.default_rng(1)
     L, P, page, K, H, E, S, maxp = 2, 48, 4, 2, 8, 8, 4, 10
     lens = np.array([3, 13, 22, 9])  # the decode token is at position lens[s]

@@ -78,7 +78,8 @@ class Echo:
     (ToolCall("echo", {}, ""), "Error: tool 'echo': missing required argument 'text'"),
     (ToolCall("echo", {"text": "a", "x": 1}, ""), "Error: tool 'echo': unknown argument(s) ['x']; expected ['text', 'times']"),
     (ToolCall("echo", {"text": "a", "times": "2"}, ""), "Error: tool 'echo': argument 'times' must be of type integer, got str"),
-    (ToolCall("echo", {"text": "a", "times": True}, ""), "Error: tool 'echo': argument 'times' must be of type integer, got bool"),
+    (ToolCall("echo", {"text": "a", "times": True}, ""),
+     "Error: tool 'echo': argument 'times' must be of type integer, got bool"),
     (ToolCall("echo", {"text": "fail"}, ""), "Error: asked to fail"),
     (ToolCall("echo", {"text": "crash"}, ""), "Error: tool 'echo' failed: KeyError: 'boom'"),
 ])
