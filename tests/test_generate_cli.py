@@ -244,7 +244,8 @@ def test_compile_cache_serves_a_second_process(model_dir, tmp_path):
 
     cache = tmp_path / "xla"
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [5, 6, 7]}, {"prompt_ids": [9]}])
-    env = {**os.environ, compile_cache.ENV: str(cache), "TQDM_DISABLE": "1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    env.update({compile_cache.ENV: str(cache), "TQDM_DISABLE": "1"})  # (not the test session's shared cache)
     outs, entries = [], []
     for k in range(2):
         out = tmp_path / f"out{k}.jsonl"
@@ -256,4 +257,11 @@ def test_compile_cache_serves_a_second_process(model_dir, tmp_path):
         entries.append(sorted(p.name for p in cache.iterdir()))
     assert len(entries[0]) >= 3 and entries[1] == entries[0]  # the second run wrote nothing new: all hits
     assert outs[0] == outs[1]
-    assert compile_cache.enable("off") is None
+    import jax
+
+    session_cache = jax.config.jax_compilation_cache_dir  # (the test session's own, tests/conftest.py)
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        assert compile_cache.enable("off") is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", session_cache)

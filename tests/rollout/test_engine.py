@@ -333,6 +333,8 @@ def test_warmup_compiles_each_program_once(fam):
     eng = make_engine(cfg, prefill_buckets=(8, 32), max_prefill_length=32)
     p = eng.place_params(params)
     jax.monitoring.register_event_duration_secs_listener(listen)
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # a persistent-cache hit is no backend compile
     try:
         eng.warmup(p, max_samples=16)
         after_warmup = dict(compiles)
@@ -340,6 +342,7 @@ def test_warmup_compiles_each_program_once(fam):
                      for i, q in enumerate(prompts(6, seed=5))])
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+        jax.config.update("jax_enable_compilation_cache", cached)
     programs = {name: n for name, n in compiles.items() if name.startswith("jit(") and "_fn" in name}
     # 2 buckets x (prefill, insert); sample_first: 2 samplers x row counts {8, 16}; 2 decode steps; release
     assert programs == {"jit(prefill_fn)": 2, "jit(insert_fn)": 2, "jit(sample_first_fn)": 4,
