@@ -35,7 +35,7 @@ class TrainingSession:
         from jaxrl_async.rewards.registry import make_reward
         from jaxrl_async.rollout.staleness import StalenessManager
 
-        self.run_, self.point, self.cfg, self.control = run, point, run.cfg, run.control
+        self.point, self.cfg, self.control = point, run.cfg, run.control
         self.setup, self.trainer, self.run_dir = run.setup, run.trainer, run.run_dir
         ro, tr = self.cfg.rollout, self.cfg.trainer
         self.eta = ro.effective_max_head_offpolicyness
