@@ -129,7 +129,7 @@ def get_device_kind(name: str) -> DeviceKind:
 
 def mesh_config(name: str, **overrides):
     """The ``mesh`` section (``config.MeshConfig``) of layout ``name`` (``mesh.layout`` set to it)."""
-    from jaxrl_async.config import MeshAxesConfig, MeshConfig
+    from jaxrl_async.config.sections import MeshAxesConfig, MeshConfig
 
     lay = get_layout(name)
     kw = dict(generator=MeshAxesConfig(shape=lay.generator_shape, axis_names=lay.generator_axes),

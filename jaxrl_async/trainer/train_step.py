@@ -340,8 +340,10 @@ class Trainer:
         self.loss_fn = loss_fn
         self.loss_cfg = loss_cfg
         self.normaliser_fn = normaliser_fn or default_normaliser_fn(loss_cfg)
-        self.tx = make_optimizer(self.cfg.optimizer)
-        self.lr_schedule = learning_rate_schedule(self.cfg.optimizer)
+        # the LR schedule steps once per RL step: ppo_n_minibatches optimizer updates make one (AReaL)
+        opt = dataclasses.replace(self.cfg.optimizer, updates_per_step=self.cfg.ppo_n_minibatches)
+        self.tx = make_optimizer(opt)
+        self.lr_schedule = learning_rate_schedule(opt)
         self.param_shardings = model_shardings(model_cfg, mesh, "trainer")
         self.param_dtypes = _storage_dtypes(model_cfg)
         self.trainable_shardings = self._trainable(self.param_shardings)
