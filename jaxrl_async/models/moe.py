@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_async.kernels.platform import at_precision, kernel_platform
 from jaxrl_async.sharding.activations import active_activation_rules, constrain
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,6 @@ def grouped_matmul_impl(kernel: str = "auto") -> str:
     [128 x 2048 x 768] ragged_dot needs 32 GiB of temporaries, every row against every expert), ``ragged``
     (``jax.lax.ragged_dot``) elsewhere. ``megablox`` off TPU runs the kernel in Pallas interpret mode (tests).
     The choice is logged once per (kernel, platform)."""
-    from jaxrl_async.kernels.platform import kernel_platform
-
     platform = kernel_platform()
     impl = kernel
     if kernel == "auto":
@@ -152,8 +151,6 @@ def megablox_grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Arra
     for the rows' gradient, ``tgmm`` for the weights'). Rows are padded to a multiple of the row tile (the
     padding belongs to no group and is cut off). rows [M, K], w [X, K, F] -> float32 [M, F]."""
     from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-
-    from jaxrl_async.kernels.platform import at_precision, kernel_platform
 
     M, K = rows.shape
     F = w.shape[-1]
