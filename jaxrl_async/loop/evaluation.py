@@ -32,7 +32,8 @@ def evaluate_held_out(generator: GeneratorService, records: Sequence[Any], rewar
                           max_new_tokens=ev.max_new_tokens or ro.sampling.max_new_tokens, seed=cfg.seed,
                           generator=generator, top_p=ro.sampling.top_p, top_k=ro.sampling.top_k,
                           stop_token_ids=list(eos_ids), reward_workers=ro.reward_workers,
-                          timeout_s=(ro.group_timeout_s or 600.0) * waves, should_stop=stop)
+                          timeout_s=(ro.group_timeout_s or 600.0) * waves, should_stop=stop,
+                          stop_strings=ro.sampling.stop_strings)
     if res is None:
         return {}
     s = res.summary()

@@ -132,7 +132,8 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
                     stop_token_ids: Sequence[int] | None = None, success_threshold: float = SUCCESS_THRESHOLD,
                     max_concurrent: int = 32, page_size: int = 16, num_pages: int | None = None,
                     reward_workers: int = 4, timeout_s: float | None = None, progress: bool = False,
-                    poll_s: float = 0.02, should_stop: Callable[[], bool] | None = None) -> EvalResult | None:
+                    poll_s: float = 0.02, should_stop: Callable[[], bool] | None = None,
+                    stop_strings: Sequence[str] = ()) -> EvalResult | None:
     """Generate ``n`` samples per record, score them with ``reward_fn`` and aggregate pass@k.
 
     Args:
@@ -148,6 +149,7 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
       stop_token_ids: default: the model's and the tokenizer's EOS ids.
       timeout_s: wall-clock limit of the whole evaluation (outstanding requests are aborted).
       progress: show a tqdm bar on stderr.
+      stop_strings: generation also stops at these strings (the run's ``rollout.sampling.stop_strings``).
       should_stop: polled while waiting; once true the outstanding requests are aborted and None is returned
         (the RL loop abandons an evaluation on a stop signal).
 
@@ -185,7 +187,7 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
         stop_token_ids = default_stops(cfg, tokenizer) if cfg is not None else \
             ((int(tokenizer.eos_token_id),) if getattr(tokenizer, "eos_token_id", None) is not None else ())
     base = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                          stop_token_ids=tuple(stop_token_ids), n=n)
+                          stop_token_ids=tuple(stop_token_ids), stop_strings=tuple(stop_strings), n=n)
     base.validate()
     tag = f"eval-{uuid.uuid4().hex[:8]}"
     bar = None
