@@ -47,6 +47,9 @@ class TrainerService(Protocol):
         """One RL step on ``trajectories`` (the proximal log-probs and every minibatch update); the held
         state becomes the updated one. Returns the per-minibatch statistics."""
 
+    def state_consumed(self) -> bool:
+        """True when a failed step left the held state's buffers donated (nothing left to save)."""
+
     def save(self, meta: Any, buffered: Sequence[Mapping[str, Any]]) -> Any:
         """Checkpoint the held state with ``meta`` (step, version, data state) and the finished groups."""
 

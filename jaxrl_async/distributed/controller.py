@@ -214,10 +214,8 @@ class DistributedServices:
                 f"#{i['process_index']} pid {i['pid']} on {i['host']}" for i in infos) + " follow this one)")
 
     def trainer(self, setup: Any, control: Any) -> Any:
-        local = LocalTrainer(setup.cfg, setup.run_dir, setup.model_cfg, setup.trainer_mesh, setup.init_params,
-                             base_ref=setup.base_ref, tokenizer_dir=setup.tokenizer_dir,
-                             warm_start=WarmStart(setup.cfg, setup.trainer_mesh, control,
-                                                  interruptible=self.group is None))
+        local = LocalTrainer.of_setup(setup, WarmStart(setup.cfg, setup.trainer_mesh, control,
+                                                       interruptible=self.group is None))
         return local if self.group is None else GroupTrainer(local, self.group)
 
     def generators(self, setup: Any, control: Any) -> RemoteGenerators:

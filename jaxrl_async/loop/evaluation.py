@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
 from jaxrl_async.api import GeneratorService
 
 __all__ = ["evaluate_held_out"]
@@ -38,5 +36,5 @@ def evaluate_held_out(generator: GeneratorService, records: Sequence[Any], rewar
         return {}
     s = res.summary()
     return {"eval/accuracy": res.pass_at_1, "eval/reward_mean": s["mean_reward"], "eval/n": len(res.items),
-            "eval/length_mean": float(np.mean([t for it in res.items for t in it.completion_tokens])),
+            "eval/length_mean": s["mean_completion_tokens"],
             "eval/seconds": res.elapsed_s, "eval/version_min": res.versions[0] if res.versions else version}

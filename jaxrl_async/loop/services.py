@@ -36,6 +36,12 @@ class LocalTrainer:
         self.warm_start, self.writes_files = warm_start, writes_files
         self.trainer = self.ckpt = self.state = None
 
+    @classmethod
+    def of_setup(cls, setup: RunSetup, warm_start: Callable[[Any, Sequence[Any], Any], Any]) -> "LocalTrainer":
+        """The leader's (or only) trainer of a run's ``setup``."""
+        return cls(setup.cfg, setup.run_dir, setup.model_cfg, setup.trainer_mesh, setup.init_params,
+                   base_ref=setup.base_ref, tokenizer_dir=setup.tokenizer_dir, warm_start=warm_start)
+
     # -- build, restore, initial state ------------------------------------------------------------
     def build(self) -> None:
         from jaxrl_async.components import build_trainer  # shared with `plan`: it compiles this trainer
@@ -177,9 +183,7 @@ class LocalServices:
         pass
 
     def trainer(self, setup: RunSetup, control: RunControl) -> LocalTrainer:
-        return LocalTrainer(setup.cfg, setup.run_dir, setup.model_cfg, setup.trainer_mesh, setup.init_params,
-                            base_ref=setup.base_ref, tokenizer_dir=setup.tokenizer_dir,
-                            warm_start=WarmStart(setup.cfg, setup.trainer_mesh, control))
+        return LocalTrainer.of_setup(setup, WarmStart(setup.cfg, setup.trainer_mesh, control))
 
     def generators(self, setup: RunSetup, control: RunControl) -> LocalGenerators:
         return LocalGenerators(setup, control.say)

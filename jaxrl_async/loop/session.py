@@ -274,7 +274,7 @@ class TrainingSession:
 
     def _emergency_save(self) -> None:
         try:
-            if getattr(self.trainer, "state_consumed", lambda: False)():
+            if self.trainer.state_consumed():
                 self.control.say("no emergency checkpoint: the training state was consumed by the failed step")
                 return
             self._save("emergency")
