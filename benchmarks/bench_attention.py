@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import init_params
-from jaxrl_async.plan import _abstract_batch, _abstract_state, _compile
+from jaxrl_async.plan.planner import _abstract_batch, _abstract_state, _compile
 from jaxrl_async.trainer.packing import DEVICE_FIELDS, PackedBatch
 from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
 

@@ -25,17 +25,18 @@ import numpy as np
 
 
 def build(cfg, params, max_seq, attention, slots, page):
-    from jaxrl_async.rollout import kv_cache
-    from jaxrl_async.rollout.engine import PagedEngine
+    from jaxrl_async.generator import kv_cache
+    from jaxrl_async.generator.factory import EngineConfig, build_engine
 
-    eng = PagedEngine(cfg, max_concurrent_decodes=slots, max_sequence_length=max_seq, prefill_buckets=(64,),
-                      page_size=page, num_pages=slots * kv_cache.pages_for(max_seq, page), attention=attention)
+    eng = build_engine(EngineConfig(max_concurrent_decodes=slots, max_sequence_length=max_seq, prefill_buckets=(64,),
+                                    page_size=page,
+                                    num_pages=slots * kv_cache.pages_for(max_seq, page)), cfg, attention=attention)
     return eng, eng.place_params(params)
 
 
 def fill(eng, params, prompts, live):
     """Every slot gets one prompt; decode until each slot holds `live` tokens (not timed)."""
-    from jaxrl_async.rollout.engine_api import SamplingParams
+    from jaxrl_async.generator.engine_api import SamplingParams
 
     state = eng.init_decode_state()
     for s, p in enumerate(prompts):

@@ -58,14 +58,15 @@ def run_ours(model_dir: str, prompts, budgets, args) -> dict:
     import jax
 
     from jaxrl_async.models import load_hf
-    from jaxrl_async.rollout.engine import PagedEngine
-    from jaxrl_async.rollout.engine_api import SamplingParams
-    from jaxrl_async.rollout.orchestrator import Generator
+    from jaxrl_async.generator.factory import EngineConfig, build_engine
+    from jaxrl_async.generator.engine_api import SamplingParams
+    from jaxrl_async.generator.orchestrator import Generator
 
     cfg, params = load_hf(model_dir)
     max_prompt = max(len(p) for p in prompts)
-    eng = PagedEngine(cfg, max_concurrent_decodes=args.batch, max_sequence_length=max_prompt + int(max(budgets)) + 1,
-                      max_prefill_length=max_prompt, page_size=16)
+    eng = build_engine(EngineConfig(max_concurrent_decodes=args.batch,
+                                    max_sequence_length=max_prompt + int(max(budgets)) + 1,
+                                    max_prefill_length=max_prompt, page_size=16), cfg)
     params = eng.place_params(params)
     t = time.perf_counter()
     eng.warmup(params, max_samples=1)

@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--eos-scale", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--ours-args", default="", help="extra flags for jaxrl_async.generate")
+    ap.add_argument("--ours-args", default="", help="extra flags for jaxrl_async.cli.generate")
     ap.add_argument("--hf-threads", default="0,1", help="torch thread counts to run (0 = torch's default); the "
                     "best is the baseline (on a loaded machine one thread can beat two)")
     ap.add_argument("--cache", choices=("cold", "warm", "both"), default="both",

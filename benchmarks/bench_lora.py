@@ -69,10 +69,10 @@ def main(argv=None) -> int:
 
     from jaxrl_async.models import lora
     from jaxrl_async.models.transformer import init_params
-    from jaxrl_async.rollout.engine import PagedEngine
+    from jaxrl_async.generator.factory import EngineConfig, build_engine
     from jaxrl_async.models.shardings import model_shardings
     from jaxrl_async.sharding import make_mesh
-    from jaxrl_async.weight_sync import LoraPush, WeightPusher
+    from jaxrl_async.generator.weight_sync import LoraPush, WeightPusher
 
     d = jax.devices()
     tmesh = make_mesh({"fsdp": 2}, devices=d[2:4])
@@ -113,12 +113,13 @@ def main(argv=None) -> int:
     gen_params = jax.device_put(jax.tree.map(lambda x: x.astype(gdt), params), gen_full_sh)
     merged = jax.jit(lambda p: lora.merge(p, cfg.lora), out_shardings=lora.split(gen_full_sh)[1])(gen_params)
     decode_rows = []
-    from jaxrl_async.rollout.engine_api import SamplingParams
+    from jaxrl_async.generator.engine_api import SamplingParams
 
     for name, ecfg, ps in (("unmerged", cfg.replace(param_dtype=args.dtype), gen_params),
                            ("merged", base_cfg.replace(param_dtype=args.dtype), merged)):
-        eng = PagedEngine(ecfg, gmesh, max_concurrent_decodes=args.slots, max_sequence_length=256,
-                          prefill_buckets=(16,), page_size=16, num_pages=args.slots * 16, attention="gather")
+        eng = build_engine(EngineConfig(max_concurrent_decodes=args.slots, max_sequence_length=256,
+                                        prefill_buckets=(16,), page_size=16,
+                                        num_pages=args.slots * 16), ecfg, gmesh, attention="gather")
         state = eng.init_decode_state()
         sp = SamplingParams(temperature=1.0, max_new_tokens=200)
         for s in range(args.slots):

@@ -31,12 +31,13 @@ def _decode(cfg, params, record: bool, a):
     import jax
     import numpy as np
 
-    from jaxrl_async.rollout.engine import PagedEngine
-    from jaxrl_async.rollout.engine_api import SamplingParams
+    from jaxrl_async.generator.factory import EngineConfig, build_engine
+    from jaxrl_async.generator.engine_api import SamplingParams
 
     max_seq = 32 + a.steps * (a.repeats + 1) + 16  # every slot stays live through all timed steps
-    eng = PagedEngine(cfg, max_concurrent_decodes=a.slots, max_sequence_length=max_seq, prefill_buckets=(32,),
-                      page_size=16, num_pages=a.slots * (max_seq // 16 + 2), record_routing=record)
+    eng = build_engine(EngineConfig(max_concurrent_decodes=a.slots, max_sequence_length=max_seq,
+                                    prefill_buckets=(32,), page_size=16,
+                                    num_pages=a.slots * (max_seq // 16 + 2)), cfg, record_routing=record)
     p = eng.place_params(params)
     state = eng.init_decode_state()
     rng = np.random.default_rng(0)

@@ -70,7 +70,7 @@ def serve(impl: str, port_file: str) -> None:
 
 
 def _request_output():
-    from jaxrl_async.rollout.orchestrator import RequestOutput, SampleOutput
+    from jaxrl_async.generator.orchestrator import RequestOutput, SampleOutput
 
     T = 512
     samples = [SampleOutput(i, list(range(100, 164)), list(range(T)), [-0.25] * T, [3] * T, "stop", None, 1.0, 1.1, 2.0)

@@ -198,7 +198,7 @@ def role_single(args) -> None:
 
     from jaxrl_async.sharding.mesh import make_mesh
     from jaxrl_async.models.shardings import model_shardings
-    from jaxrl_async.weight_sync import WeightPusher
+    from jaxrl_async.generator.weight_sync import WeightPusher
 
     class Recording:
         def update_params(self, params, version, wait=True, timeout=None):

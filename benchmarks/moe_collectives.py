@@ -6,7 +6,7 @@ parallelism left to GSPMD vs the explicit shard_map exchange (``moe.expert_paral
 
 Model: Qwen3-30B-A3B's dimensions (hidden 2048, 128 experts x width 768, top 8) cut to ``--layers`` layers and a
 ``--vocab`` vocabulary; one micro-batch of 4 x 2048 tokens; bf16 compute, fp32 master weights, full remat; the
-trainer's step (``Trainer._step_fn``) on 4 devices (``jaxrl_async.aot``: the CUDA plugin's deviceless compile,
+trainer's step (``Trainer._step_fn``) on 4 devices (``jaxrl_async.plan.aot``: the CUDA plugin's deviceless compile,
 MoE grouped matmul ``tiled``; or libtpu's for ``v5:2x2x1``, ``megablox``). The trainer's ``batch`` rule splits
 tokens over ``expert`` too. Rows: fsdp 4 (no expert axis); fsdp x expert with ``gspmd`` = the explicit exchange
 switched off (``moe.expert_parallel_size`` forced to 1: GSPMD partitions the layer from the shardings alone)
@@ -51,7 +51,7 @@ def ragged_all_to_all_compiles(devices) -> str:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from jaxrl_async import aot
+    from jaxrl_async.plan import aot
 
     n = len(devices)
     mesh = Mesh(np.array(devices).reshape(n), ("expert",))
@@ -88,10 +88,10 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_async import aot
+    from jaxrl_async.plan import aot
     from jaxrl_async.models import moe
     from jaxrl_async.models.config import preset
-    from jaxrl_async.plan import _abstract_batch, _abstract_state
+    from jaxrl_async.plan.planner import _abstract_batch, _abstract_state
     from jaxrl_async.sharding import make_mesh
     from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
 

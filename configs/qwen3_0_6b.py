@@ -4,14 +4,14 @@ Architecture (Qwen/Qwen3-0.6B config.json, ``models.config.PRESETS["qwen3-0.6b"]
 layers, 16 query / 8 kv heads, head_dim 128, intermediate 3072, vocab 151936, tied embeddings,
 rope_theta 1e6, rms_norm_eps 1e-6, q/k RMSNorm; ``model.path=None`` plans it without weights.
 
-Recipe: ``jaxrl_async.recipes.qwen3_math_rl``: AReaL's published math-RL hyper-parameters (16
+Recipe: ``jaxrl_async.config.recipes.qwen3_math_rl``: AReaL's published math-RL hyper-parameters (16
 samples per prompt, eta 4, 32 x 16 sequences per step in 4 PPO minibatches, decoupled PPO, Adam lr
 1e-5, bf16 compute with fp32 master weights, full remat); its docstring tabulates every setting
 with its source (AReaL boba_grpo.yaml, gsm8k_grpo.yaml, the AReaL paper).
 
 Layout ``h100x8``: one node of 8 H100; devices 0-5 generate (6 data-parallel decode replicas,
 AReaL's 3:1 generation/training split), devices 6-7 train (FSDP 2). Sizing (checked with
-``jaxrl_async.plan``, results in benchmarks/RESULTS.md "Plans (issue #8)"): 192 decode slots
+``jaxrl_async.plan.planner``, results in benchmarks/RESULTS.md "Plans (issue #8)"): 192 decode slots
 (32 per replica; the KV pool reserves all of them at 2048 tokens, 42 GiB per device because the
 pool is replicated over ``data``), trainer micro-batches of 32768 tokens (16384 per FSDP shard,
 AReaL boba max_tokens_per_mb).
@@ -22,7 +22,7 @@ Weights and data come from local paths; nothing downloads::
         data.train_path=/data/math/train.jsonl data.eval_path=/data/math/test.jsonl data.format=math
     python -m jaxrl_async.plan --config configs/qwen3_0_6b.py   # memory plan on 8 simulated devices
 """
-from jaxrl_async.recipes import qwen3_math_rl
+from jaxrl_async.config.recipes import qwen3_math_rl
 
 
 def get_config():

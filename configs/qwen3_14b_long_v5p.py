@@ -5,7 +5,7 @@ full remat, splash attention). Plan compiled for ``v5:2x4x4`` (benchmarks/RESULT
 85.5 GiB per chip (step temporaries 46.4 GiB), generator 59.7 GiB (KV pool 65,536 pages = 1.05 M tokens per
 replica, 256 slots).
 """
-from jaxrl_async.recipes import qwen3_math_rl_long
+from jaxrl_async.config.recipes import qwen3_math_rl_long
 
 
 def get_config():

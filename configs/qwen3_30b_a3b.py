@@ -1,7 +1,7 @@
 """Qwen3-30B-A3B (mixture of experts: 128 experts, top 8; 30.5 B parameters, 3.3 B active) math RL on ONE node
 of 8 H100, with LoRA on the attention projections.
 
-Recipe: ``jaxrl_async.recipes.qwen3_math_rl`` (AReaL's math-RL hyper-parameters; its docstring tabulates them)
+Recipe: ``jaxrl_async.config.recipes.qwen3_math_rl`` (AReaL's math-RL hyper-parameters; its docstring tabulates them)
 with the LoRA settings of ``configs/qwen3_8b_lora.py`` (rank 32, alpha 32, lr 1e-4, weight decay 0, frozen
 base in bfloat16, adapters unmerged in the generator) restricted to q, k, v, o (26.7 M adapter parameters;
 ``model.lora.targets`` with gate/up/down would also adapt each of the 128 experts, PEFT's fused-expert form:
@@ -24,7 +24,7 @@ of 72 GiB (bf16 weights 28.5, KV pool 24.0 for 256 slots), trainer 26.7 GiB (bf1
 import dataclasses
 
 from jaxrl_async.config import LoraSection
-from jaxrl_async.recipes import qwen3_math_rl
+from jaxrl_async.config.recipes import qwen3_math_rl
 
 LORA = LoraSection(rank=32, alpha=32.0, targets=("q", "k", "v", "o"), base_dtype="bfloat16", decode="unmerged")
 

@@ -1,7 +1,7 @@
 """Qwen3-30B-A3B (128 experts, top 8; 30.5 B parameters, 3.3 B active) full-weight math RL on a TPU v5p-64 slice
 (32 chips: 16 generate, 16 train).
 
-Recipe: ``jaxrl_async.recipes.qwen3_math_rl`` (AReaL's math-RL hyper-parameters: fp32 master weights and AdamW,
+Recipe: ``jaxrl_async.config.recipes.qwen3_math_rl`` (AReaL's math-RL hyper-parameters: fp32 master weights and AdamW,
 bf16 compute, full remat). Layout ``v5p-64``: generator chips 0-15 (4 replicas x tensor 4: bf16 weights and
 a push in flight, a quarter of every expert's width each), trainer chips 16-31 (FSDP 16: fp32 weights,
 AdamW moments and fp32 gradients, 16 bytes per parameter = 28 GiB per chip). MoE grouped matmul: ``auto`` =
@@ -11,7 +11,7 @@ extra; benchmarks/RESULTS.md): trainer peak 58.7 of 85.5 GiB per chip (step temp
 
     python -m jaxrl_async.plan --config configs/qwen3_30b_a3b_v5p.py --compile-for target
 """
-from jaxrl_async.recipes import qwen3_math_rl
+from jaxrl_async.config.recipes import qwen3_math_rl
 
 
 def get_config():

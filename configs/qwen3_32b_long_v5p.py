@@ -8,7 +8,7 @@ layers x 5120 hidden): more FSDP shards cannot help. Layout ``v5p-64-cp4`` split
 chip holding a quarter of one. Compiled plan (``python -m jaxrl_async.plan --config configs/qwen3_32b_long_v5p.py
 --compile-for target`` with the ``[aot-tpu]`` extra): see benchmarks/RESULTS.md.
 """
-from jaxrl_async.recipes import qwen3_math_rl_long
+from jaxrl_async.config.recipes import qwen3_math_rl_long
 
 
 def get_config():

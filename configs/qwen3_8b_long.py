@@ -11,7 +11,7 @@ allocated on demand; 96 decode slots).
 On 8 H100 see ``configs/qwen3_8b_long_h100.py`` (context parallelism, 53.5 of 72 GiB per trainer GPU); with
 the layer gradients sharded per layer the plain FSDP 4 layout fits too (``--layout h100x8-tp2``, 60.0 GiB).
 """
-from jaxrl_async.recipes import qwen3_math_rl_long
+from jaxrl_async.config.recipes import qwen3_math_rl_long
 
 
 def get_config():

@@ -7,7 +7,7 @@ splits every trainer row over 2 GPUs (fsdp 2 x context 2; weights and Adam state
 micro-batch. Compiled plan (``python -m jaxrl_async.plan --config configs/qwen3_8b_long_h100.py
 --compile-for target`` with the ``[aot-gpu]`` extra): see benchmarks/RESULTS.md.
 """
-from jaxrl_async.recipes import qwen3_math_rl_long
+from jaxrl_async.config.recipes import qwen3_math_rl_long
 
 
 def get_config():

@@ -5,7 +5,7 @@ is the splash kernel on TPU. Plan compiled for ``v5:2x4x4`` (libtpu, ``[aot-tpu]
 benchmarks/RESULTS.md): trainer peak 38.6 of 85.5 GiB per chip (one 32k row per chip per micro-batch, step
 temporaries 31.9 GiB), generator 66.7 GiB (KV pool 98,304 pages = 1.57 M tokens per replica, 256 slots).
 """
-from jaxrl_async.recipes import qwen3_math_rl_long
+from jaxrl_async.config.recipes import qwen3_math_rl_long
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """Qwen3-8B math RL with LoRA on ONE H100 (or H200): generator and trainer time-share the device.
 
-The recipe is ``jaxrl_async.recipes.qwen3_math_rl`` (AReaL's math-RL hyper-parameters, see its docstring)
+The recipe is ``jaxrl_async.config.recipes.qwen3_math_rl`` (AReaL's math-RL hyper-parameters, see its docstring)
 with LoRA (``model.lora``, ``jaxrl_async/models/lora.py``) instead of full-weight training:
 
 * rank 32, alpha 32 (scale 1) on every projection (q, k, v, o, gate, up, down): 87.3 M adapter parameters
@@ -27,7 +27,7 @@ Train (local weights and data; nothing downloads)::
 import dataclasses
 
 from jaxrl_async.config import LoraSection, MeshAxesConfig, MeshConfig
-from jaxrl_async.recipes import qwen3_math_rl
+from jaxrl_async.config.recipes import qwen3_math_rl
 
 LORA = LoraSection(rank=32, alpha=32.0, base_dtype="bfloat16", decode="unmerged")
 

@@ -12,7 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jaxrl_async.config import MeshAxesConfig, MeshConfig  # noqa: E402
-from jaxrl_async.recipes import qwen3_math_rl  # noqa: E402
+from jaxrl_async.config.recipes import qwen3_math_rl  # noqa: E402
 from qwen3_8b_lora import lora_recipe  # noqa: E402
 
 

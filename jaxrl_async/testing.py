@@ -96,7 +96,7 @@ def decode_prompts(engine, params, prompts: list[list[int]], temperature: float,
     """Drive a ``PagedEngine`` directly: prompt i is prefilled into slot i (sampling seed i), then the batch
     decodes ``max_new_tokens - 1`` steps. Returns (tokens, behaviour log-probs) per prompt, the first token
     included (the parity tests compare them with transformers and with the trainer's log-probs)."""
-    from jaxrl_async.rollout.engine_api import SamplingParams
+    from jaxrl_async.generator.engine_api import SamplingParams
 
     state = engine.init_decode_state()
     outs = []
@@ -125,10 +125,10 @@ def check_engine_against_hf_and_trainer(cfg, params, hf, mesh=None) -> None:
     import torch
 
     from jaxrl_async.models import sequence_logprobs
-    from jaxrl_async.rollout.engine import PagedEngine
+    from jaxrl_async.generator.factory import EngineConfig, build_engine
 
-    engine = PagedEngine(cfg, mesh, max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,),
-                         page_size=8, num_pages=64)
+    engine = build_engine(EngineConfig(max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,),
+                                       page_size=8, num_pages=64), cfg, mesh)
     p = engine.place_params(params)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 12, 20)]
@@ -248,3 +248,14 @@ def hf_in_float64(model, cfg):
 
             mod.forward = rope
     return model
+
+
+def subprocess_xla_flags(device_count: int | None = None) -> str:
+    """XLA_FLAGS for a process a test starts: this process's flags (the test suite's compile options) without its
+    simulated device count, plus ``device_count`` simulated CPU devices when given (else the process decides, e.g.
+    by ``mesh.cpu_devices``, as a user's run does)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if device_count is not None:
+        flags.append(f"--xla_force_host_platform_device_count={device_count}")
+    return " ".join(flags)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from jaxrl_async.rollout.orchestrator import RequestOutput, SampleOutput
+from jaxrl_async.generator.orchestrator import RequestOutput, SampleOutput
 
 
 def sample(sample_index: int, prompt_ids: Sequence[int], completion_ids: Sequence[int],

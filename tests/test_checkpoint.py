@@ -29,6 +29,7 @@ from jaxrl_async.checkpoint import (
 from jaxrl_async.models import ModelConfig, init_params, param_shapes
 from jaxrl_async.models.shardings import model_shardings
 from jaxrl_async.sharding import make_mesh
+from jaxrl_async.testing import subprocess_xla_flags
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -365,7 +366,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_usable(tmp_path):
     run, n = str(tmp_path / "run"), 2_000_000  # 8 MB of float32 per save
     script = tmp_path / "saver.py"
     script.write_text(_SAVER)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags(1), JAX_PLATFORMS="cpu")
     rng = random.Random(0)
     ckdir = os.path.join(run, "checkpoints")
     mid_write, latest_seen = 0, 0

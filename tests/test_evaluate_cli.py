@@ -6,8 +6,8 @@ import shutil
 import pytest
 
 from fakes import DoneHandle, request, sample
-from jaxrl_async import evaluate
-from jaxrl_async.evaluate import EvalResult, ItemResult, evaluate_params, pass_at_k, report_ks
+from jaxrl_async.cli import evaluate
+from jaxrl_async.cli.evaluate import EvalResult, ItemResult, evaluate_params, pass_at_k, report_ks
 from jaxrl_async.rewards.math_reward import MathReward
 from jaxrl_async.rollout.workflow import derive_seed
 

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
-from jaxrl_async.export import export_checkpoint, main
+from jaxrl_async.cli.export import export_checkpoint, main
 from jaxrl_async.models import apply, load_hf
 from jaxrl_async.models.shardings import model_shardings
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
+from jaxrl_async.testing import subprocess_xla_flags
 
 TOKENS = np.array([[1, 17, 42, 99, 3, 250, 7, 64], [1, 5, 5, 200, 31, 8, 2, 0]], np.int32)
 
@@ -50,7 +51,7 @@ def _hf_logits(out_dir, dtype="float32"):
 def test_cli_export_matches_our_logits_in_transformers(run, tmp_path):
     run_dir, cfg, params, tok_dir = run
     out = str(tmp_path / "hf_out")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags(1), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "jaxrl_async.export", "--run-dir", run_dir, "--out", out],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxrl_async import generate
+from jaxrl_async.cli import generate
 
 WORDS = "the a cat dog sat ran on under mat log red blue big small one two three and then".split()
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]  # ids 0, 1, 2, 3 (the tiny config: pad 0, bos 1, eos 2)
@@ -197,7 +197,7 @@ def test_generate_and_evaluate_agree_on_an_exported_model(tmp_path, capsys):
     import jax
     from transformers import AutoTokenizer
 
-    from jaxrl_async import evaluate
+    from jaxrl_async.cli import evaluate
     from jaxrl_async.data.tokenizer import build_tokenizer
     from jaxrl_async.models import ModelConfig, init_params, save_hf
 
@@ -240,7 +240,7 @@ def test_compile_cache_serves_a_second_process(model_dir, tmp_path):
     loads them (no new entry) and generates the same output; 'off' turns it off."""
     import os
 
-    from jaxrl_async import compile_cache
+    from jaxrl_async.cli import compile_cache
 
     cache = tmp_path / "xla"
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [5, 6, 7]}, {"prompt_ids": [9]}])

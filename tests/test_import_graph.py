@@ -1,8 +1,9 @@
 """The package's import graph (issue 24, Found 7): no cycle between modules (imports inside functions
 included: they hid four cycles), no import of another module's underscore names, and the layering the
 layout promises: ``api/`` imports nothing from jaxrl_async outside ``api/``; ``kernels/`` and ``sharding/``
-import nothing from ``models/``; the loop (``loop/``) is not imported by the roles it drives
-(``rollout/``, ``trainer/``, ``rl/``, ``models/``)."""
+import nothing from ``models/`` or the roles; the loop (``loop/``) is not imported by the roles it drives
+(``generator/``, ``rollout/``, ``trainer/``, ``rl/``, ``models/``); the generator imports no rollout or trainer
+logic; no library module imports a CLI module (``cli/common`` is their shared error style)."""
 from __future__ import annotations
 
 import ast
@@ -156,12 +157,21 @@ def test_layering():
     bad = []
     for m, deps in _deps(f"{PKG}.api").items():
         bad += [f"{m} -> {d}" for d in deps if not d.startswith(f"{PKG}.api")]
-    for layer in ("kernels", "sharding"):
+    for layer in ("kernels", "sharding"):  # below the models and the roles
         for m, deps in _deps(f"{PKG}.{layer}").items():
-            bad += [f"{m} -> {d}" for d in deps if d.startswith(f"{PKG}.models")]
-    for role in ("rollout", "trainer", "rl", "models", "kernels", "sharding", "data", "rewards", "checkpoint"):
+            bad += [f"{m} -> {d}" for d in deps if d.startswith(tuple(f"{PKG}.{p}" for p in (
+                "models", "generator", "rollout", "trainer", "rl", "loop", "distributed")))]
+    for role in ("generator", "rollout", "trainer", "rl", "models", "kernels", "sharding", "data", "rewards",
+                 "checkpoint"):
         for m, deps in _deps(f"{PKG}.{role}").items():
             bad += [f"{m} -> {d}" for d in deps if d.startswith(f"{PKG}.loop")]
+    for m, deps in _deps(f"{PKG}.generator").items():  # the engine knows nothing of episodes or training
+        bad += [f"{m} -> {d}" for d in deps if d.startswith((f"{PKG}.rollout", f"{PKG}.trainer", f"{PKG}.rl"))]
+    entry_points = {f"{PKG}.{t}" for t in ("main", "generate", "evaluate", "score", "export")} | {f"{PKG}.plan.__main__"}
+    for m, deps in _graph().items():  # a CLI module is a program, not a library: only its shared helpers are
+        if m.startswith(f"{PKG}.cli") or m in entry_points:
+            continue
+        bad += [f"{m} -> {d}" for d in deps if d.startswith(f"{PKG}.cli.") and d != f"{PKG}.cli.common"]
     assert not bad, "layering violations:\n" + "\n".join(bad)
 
 

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from jaxrl_async.testing import subprocess_xla_flags
+
 CASES = [
     ("model.lora.rank=-1", "model.lora.rank"),
     ("model.lora.rank=8 model.lora.alpha=0", "model.lora.alpha"),
@@ -18,7 +20,7 @@ CASES = [
 
 
 def _main(argv, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags())
     env.update(JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, "-m", "jaxrl_async.main", "--dry-run", *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)

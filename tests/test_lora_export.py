@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
-from jaxrl_async.export import export_checkpoint, main
+from jaxrl_async.cli.export import export_checkpoint, main
 from jaxrl_async.models import apply, load_hf, lora, transformer
 from jaxrl_async.models.hf_io import save_hf
 from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxrl_async.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, flatten, read_metrics
+from jaxrl_async.loop.metrics import METRICS_FILE, PLOT_FILE, MetricsLogger, flatten, read_metrics
 
 
 def test_flatten_and_scalar_conversion():
@@ -106,7 +106,7 @@ def test_a_resumed_run_keeps_one_history_with_a_cumulative_clock(tmp_path):
     assert [s for s, _, _ in series] == [1, 2, 3, 4, 5, 6]  # the redone steps 5 and 6 of process 1 are gone
     tb_walls = [w for _, w, _ in series]
     np.testing.assert_allclose(np.diff(tb_walls), [10, 10, 10, 15, 10], atol=0.01)  # TensorBoard: the same clock
-    from jaxrl_async.metrics import resumes_from_rows
+    from jaxrl_async.loop.metrics import resumes_from_rows
 
     assert resumes_from_rows(rows) == [{"at_step": 4, "from_checkpoint": "checkpoints/4", "phase": "rl",
                                         "wall_time": 45.0}]
@@ -115,7 +115,7 @@ def test_a_resumed_run_keeps_one_history_with_a_cumulative_clock(tmp_path):
 
 
 def test_plot_series_break_at_missing_steps_and_the_trend_restarts():
-    from jaxrl_async.metrics import _series, ema
+    from jaxrl_async.loop.metrics import _series, ema
 
     rows = [{"step": s, "reward/mean": float(s)} for s in (1, 2, 3, 7, 8)] + [{"step": 9, "reward/mean": None}]
     xs, ys = _series(rows, "reward/mean", rows)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
-from jaxrl_async.export import main, peft_adapter_tensors
+from jaxrl_async.cli.export import main, peft_adapter_tensors
 from jaxrl_async.models import apply, load_hf, lora, transformer
 from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
 

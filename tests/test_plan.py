@@ -1,4 +1,4 @@
-"""`jaxrl_async.plan` and the published-size configs: configs parse and validate, the 0.6B plan's
+"""`jaxrl_async.plan.planner` and the published-size configs: configs parse and validate, the 0.6B plan's
 resident memory matches a hand calculation made here from the architecture numbers, a plan that
 cannot fit says so with suggestions, bad configs/devices give clear errors.
 
@@ -13,8 +13,9 @@ import os
 import pytest
 
 from jaxrl_async.config import ConfigError, load_config_file, validate
-from jaxrl_async.layouts import DEVICE_KINDS, LAYOUTS, apply_layout
-from jaxrl_async.plan import default_num_devices, format_plan, load_plan_config, main, make_plan
+from jaxrl_async.config.layouts import DEVICE_KINDS, LAYOUTS, apply_layout
+from jaxrl_async.cli.plan import main
+from jaxrl_async.plan.planner import default_num_devices, format_plan, load_plan_config, make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {size: os.path.join(ROOT, "configs", f"qwen3_{size}.py") for size in ("0_6b", "1_7b", "8b", "14b", "32b")}
@@ -160,8 +161,8 @@ def test_plan_qwen3_8b_fits_its_layout():
 
 
 def test_compile_for_target_without_its_compiler_names_the_extra():
-    from jaxrl_async import aot
-    from jaxrl_async.plan import PlanError
+    from jaxrl_async.plan import aot
+    from jaxrl_async.plan.planner import PlanError
 
     if aot.gpu_available():
         pytest.skip("the CUDA plugin is installed here: tests/aot covers the target compile")
@@ -172,7 +173,7 @@ def test_compile_for_target_without_its_compiler_names_the_extra():
 
 @pytest.mark.parametrize("name", ["qwen3_8b_long", "qwen3_8b_long_v5p", "qwen3_14b_long_v5p", "qwen3_32b_long_v5p"])
 def test_reasoning_length_configs_carry_arealss_long_lengths(name):
-    from jaxrl_async.recipes import LONG_MAX_NEW_TOKENS
+    from jaxrl_async.config.recipes import LONG_MAX_NEW_TOKENS
 
     cfg = load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
     validate(cfg, LAYOUTS[cfg.mesh.layout].num_devices)

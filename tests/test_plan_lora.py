@@ -4,7 +4,7 @@ against a hand calculation from the architecture numbers."""
 import os
 
 from jaxrl_async.config import load_config_file
-from jaxrl_async.plan import format_plan, make_plan
+from jaxrl_async.plan.planner import format_plan, make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 1 << 30

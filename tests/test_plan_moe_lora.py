@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from jaxrl_async.config import LoraSection
-from jaxrl_async.default_config import get_config
-from jaxrl_async.plan import format_plan, make_plan
+from jaxrl_async.config.default import get_config
+from jaxrl_async.plan.planner import format_plan, make_plan
 
 
 @pytest.mark.slow  # compiles the four programs (~40 s on a shared 2-core CPU); the count itself is also checked in

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from jaxrl_async import score
+from jaxrl_async.cli import score
 from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
 
 
@@ -101,7 +101,7 @@ def test_text_rows_use_the_chat_template_by_default(tmp_path, capsys):
     """Text rows are encoded as generate/evaluate build prompts: the chat template by default (one line's note
     and raw text when the tokenizer has none: see test_score_matches_transformers), --no-chat-template: raw."""
     from jaxrl_async.data.tokenizer import build_tokenizer
-    from jaxrl_async.generate import encode_prompt
+    from jaxrl_async.cli.generate import encode_prompt
 
     d = build_tokenizer(str(tmp_path / "m"), kind="arithmetic")
     tok = transformers.AutoTokenizer.from_pretrained(d)

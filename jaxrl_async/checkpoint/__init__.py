@@ -2,7 +2,7 @@
 
 See `manager.py` for the run-directory layout and commit protocol, `codec.py` for how loop
 state and buffered trajectories are encoded, `failures.py` for signals and non-finite steps,
-and `jaxrl_async.export` for the Hugging Face export CLI.
+and `jaxrl_async.cli.export` for the Hugging Face export CLI.
 
 The names are imported lazily: `from jaxrl_async.checkpoint import SignalHandler` (standard library
 only) does not import Orbax/JAX, so `main` can install its signal handler before anything heavy.

@@ -83,7 +83,7 @@ def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None
                                           "(the run's Checkpointer was created without model_config)")
     tok = restored.tokenizer_dir if restored.tokenizer_dir and os.path.isdir(restored.tokenizer_dir) else None
     if tok is None:
-        print(f"[jaxrl_async.export] warning: {ckpt.run_dir} has no tokenizer copy; exporting weights and configs only",
+        print(f"[jaxrl_async.cli.export] warning: {ckpt.run_dir} has no tokenizer copy; exporting weights and configs only",
               file=sys.stderr)
     if clean and os.path.isdir(out_dir):
         for f in _export_files(out_dir):
@@ -91,7 +91,7 @@ def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None
     params = restored.arrays["params"]
     base_ref = (restored.meta.extra or {}).get("lora_base") if cfg.lora is not None else None
     if base_ref:  # the checkpoint holds the adapters; the base is the referenced model.path
-        from jaxrl_async.run_state import with_referenced_base
+        from jaxrl_async.checkpoint.lora_base import with_referenced_base
 
         params = with_referenced_base(params, base_ref, ckpt.step_dir(restored.step))
     if cfg.lora is not None and lora == "peft":

@@ -35,7 +35,8 @@ A mesh shape may contain one ``-1`` (the remaining devices of its share).
 # Layout: sections.py (the dataclasses), overrides.py (string -> typed value, type checks, dotted overrides),
 # validation.py (combinations, the device split), files.py (config files, config.json, the command line).
 from jaxrl_async.config.files import (  # noqa: F401
-    format_config, from_dict, load_config_file, load_config_json, parse_command_line, save_config, to_dict,
+    format_config, from_dict, load_config_file, load_config_json, parse_command_line, peek_config, save_config,
+    to_dict,
 )
 from jaxrl_async.config.overrides import apply_overrides, check_types, parse_value  # noqa: F401
 from jaxrl_async.config.sections import (  # noqa: F401
@@ -54,6 +55,6 @@ __all__ = [
     "LoggingConfig", "RunConfig",
     "PolicyLossConfig", "BehaviourWeightConfig", "AdvantageConfig", "PackingConfig", "ArithmeticConfig",
     "apply_overrides", "parse_value", "check_types", "validate", "resolve_device_split", "load_config_file",
-    "to_dict", "from_dict", "format_config", "save_config", "load_config_json", "parse_command_line",
+    "to_dict", "from_dict", "format_config", "save_config", "load_config_json", "parse_command_line", "peek_config",
     "trainer_data_parallel_size",
 ]

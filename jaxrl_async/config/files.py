@@ -148,3 +148,21 @@ def parse_command_line(argv: Sequence[str], default_config: RunConfig | None = N
     cfg = load_config_file(path) if path is not None else (default_config or RunConfig())
     cfg = apply_overrides(cfg, overrides)
     return validate(cfg, num_devices), flags
+
+
+def peek_config(argv: Sequence[str]) -> RunConfig:
+    """The config of a ``main`` command line (``--config FILE`` or the embedded default, then the overrides)
+    WITHOUT validation (which initialises JAX's backend): read before JAX starts (simulated CPU devices, the
+    multi-process launcher's roles)."""
+    from jaxrl_async.config.default import get_config
+
+    path, overrides, it = None, [], iter(argv)
+    for a in it:
+        if a == "--config":
+            path = next(it, None)
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        elif not a.startswith("-"):
+            overrides.append(a)
+    cfg = load_config_file(path) if path is not None else get_config()
+    return apply_overrides(cfg, overrides)

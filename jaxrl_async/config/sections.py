@@ -7,6 +7,7 @@ import os
 from typing import Any, Literal, Sequence
 
 from jaxrl_async.data.arithmetic import ArithmeticConfig
+from jaxrl_async.generator.factory import EngineConfig
 from jaxrl_async.rl.advantages import AdvantageConfig
 from jaxrl_async.rl.losses import PolicyLossConfig
 from jaxrl_async.trainer.packing import PackingConfig
@@ -158,29 +159,13 @@ class SamplingConfig:
     stop_strings: tuple[str, ...] = ()
 
     def params(self, *, n: int = 1, seed: int = 0, stop_token_ids: Sequence[int] = (), **overrides):
-        from jaxrl_async.rollout.engine_api import SamplingParams
+        from jaxrl_async.generator.engine_api import SamplingParams
 
         kw = dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                   max_new_tokens=self.max_new_tokens, stop_token_ids=tuple(int(t) for t in stop_token_ids),
                   stop_strings=self.stop_strings, seed=seed, n=n)
         kw.update(overrides)
         return SamplingParams(**kw)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """The paged generation engine (``rollout.engine.PagedEngine``)."""
-
-    max_concurrent_decodes: int = 32
-    max_sequence_length: int = 512
-    max_prefill_length: int | None = None
-    page_size: int = 16
-    num_pages: int | None = None
-    cache_memory_fraction: float = 0.9
-    max_prefills_per_step: int | None = None
-    # decode batches of S/2 and S/4 rows when the live slots fit (engine.py: "Compacted decode"); off: a row's
-    # tokens never depend on the rest of the batch (bitwise), which the eta = 0 exact-resume guarantee relies on
-    compact_decode: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,10 +280,10 @@ class MeshAxesConfig:
 class MeshConfig:
     """Generator and trainer meshes (see the module docstring for the split). ``cpu_devices``: on a
     CPU-only machine, the number of simulated CPU devices (``jax_num_cpu_devices``, set by
-    ``jaxrl_async.main`` before JAX starts; None: JAX's default of one). Ignored on accelerators.
-    ``layout``: the named hardware layout (``jaxrl_async.layouts``: target device kind, device count)
+    ``jaxrl_async.cli.main`` before JAX starts; None: JAX's default of one). Ignored on accelerators.
+    ``layout``: the named hardware layout (``jaxrl_async.config.layouts``: target device kind, device count)
     these fields were taken from; the run must then have exactly its device count, and
-    ``jaxrl_async.plan`` budgets memory against its device kind."""
+    ``jaxrl_async.plan.planner`` budgets memory against its device kind."""
 
     generator: MeshAxesConfig = MeshAxesConfig(shape=(1, -1), axis_names=("data", "tensor"))
     trainer: MeshAxesConfig = MeshAxesConfig(shape=(-1,), axis_names=("fsdp",))

@@ -126,6 +126,13 @@ def _rollout_rules(cfg: RunConfig) -> None:
     _require(en.max_sequence_length >= 2, "rollout.engine.max_sequence_length", f"must be >= 2, got {en.max_sequence_length}")
     _require(1 <= prefill < en.max_sequence_length, "rollout.engine.max_prefill_length",
              f"must be in [1, max_sequence_length) = [1, {en.max_sequence_length}), got {prefill}")
+    _require(en.max_prefill_pack >= 1, "rollout.engine.max_prefill_pack", f"must be >= 1, got {en.max_prefill_pack}")
+    if en.prefill_buckets is not None:
+        b = sorted(set(en.prefill_buckets))
+        _require(bool(b) and b[0] >= 1, "rollout.engine.prefill_buckets", f"must be positive ints, got {en.prefill_buckets}")
+        _require(b[-1] == prefill, "rollout.engine.prefill_buckets",
+                 f"the largest bucket {b[-1]} must equal the max prefill length {prefill} "
+                 f"(rollout.engine.max_prefill_length)")
     if cfg.data.max_prompt_len is not None:
         _require(cfg.data.max_prompt_len <= prefill, "data.max_prompt_len",
                  f"{cfg.data.max_prompt_len} exceeds the engine's max prefill length {prefill}")
@@ -238,7 +245,7 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
     _require(0 < m.generator_fraction < 1, "mesh.generator_fraction", f"must be in (0, 1), got {m.generator_fraction}")
     _require(m.cpu_devices is None or m.cpu_devices >= 1, "mesh.cpu_devices", f"must be >= 1 or None, got {m.cpu_devices}")
     if m.layout is not None:
-        from jaxrl_async.layouts import LAYOUTS
+        from jaxrl_async.config.layouts import LAYOUTS
 
         _require(m.layout in LAYOUTS, "mesh.layout", f"unknown layout {m.layout!r}; known: {', '.join(LAYOUTS)}")
         need = LAYOUTS[m.layout].num_devices

@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[jaxrl_async] {e}", file=sys.stderr)
         return 2
     try:
-        from jaxrl_async.main import peek_config
+        from jaxrl_async.config import peek_config
 
         cfg = role_config(peek_config(rest), a.generator_devices, jax.device_count())
     except ConfigError as e:
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, FatalRunError):
             print(f"[jaxrl_async] run failed: {e}", file=sys.stderr, flush=True)
             return 1
-        from jaxrl_async.cli import error_line, is_user_error
+        from jaxrl_async.cli.common import error_line, is_user_error
 
         if is_user_error(e):  # e.g. model.lora: a generator's base differs from the trainer's
             print(error_line("controller", e), file=sys.stderr, flush=True)

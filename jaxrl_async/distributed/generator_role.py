@@ -94,7 +94,7 @@ class GeneratorServer:
         import jax
         from transformers import AutoTokenizer
 
-        from jaxrl_async.components import engine_from_section
+        from jaxrl_async.generator.factory import build_engine
         from jaxrl_async.config import resolve_shape
         from jaxrl_async.distributed.transfer import layout_of, tree_keys
         from jaxrl_async.sharding.mesh import make_mesh
@@ -103,8 +103,8 @@ class GeneratorServer:
         devs = jax.local_devices()
         shape = resolve_shape(tuple(spec["mesh_shape"]), len(devs), "mesh.generator.shape")
         mesh = make_mesh(shape, tuple(spec["mesh_axes"]), devices=devs)
-        self.engine = engine_from_section(spec["engine"], spec["model_config"], mesh,
-                                          record_routing=bool(spec.get("record_routing", False)))
+        self.engine = build_engine(spec["engine"], spec["model_config"], mesh, reserve_weight_push=True,
+                                   record_routing=bool(spec.get("record_routing", False)))
         if spec.get("tokenizer_dir"):
             self.tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
         shardings = self.push_shardings = self.engine.param_shardings
@@ -214,7 +214,7 @@ class GeneratorServer:
         return checksum_fn(jax.tree.leaves(self.generator._params))
 
     def _start(self) -> dict[str, Any]:
-        from jaxrl_async.rollout.orchestrator import Generator
+        from jaxrl_async.generator.orchestrator import Generator
 
         if self._initial is None:
             raise RuntimeError(f"{self.name}: start() before the first weights arrived")

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from jaxrl_async.cli import UserError, cli_main, make_parser
+from jaxrl_async.cli.common import UserError, cli_main, make_parser
 
 def free_port() -> int:
     """A port that was free a moment ago (racy: anything may bind it before the caller does); the
@@ -131,7 +131,7 @@ def check_run_args(rest: list[str]) -> None:
     overrides. Loads the config and applies the overrides (no validation: that needs the role's devices)
     so that a missing config file or a wrong key stops here with one line, before any process starts."""
     from jaxrl_async.distributed.controller import split_argv
-    from jaxrl_async.main import peek_config
+    from jaxrl_async.config import peek_config
 
     _, leftover = split_argv(["--listen", "127.0.0.1:0", "--generator-devices", "1"] + rest)
     for a in leftover:

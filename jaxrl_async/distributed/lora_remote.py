@@ -24,7 +24,7 @@ import os
 import time
 from typing import Any, Mapping, Sequence
 
-from jaxrl_async.cli import UserError
+from jaxrl_async.cli.common import UserError
 
 __all__ = ["LoraBaseMismatch", "base_source", "trainer_base_fingerprint", "check_bases", "check_base", "GeneratorLora"]
 

@@ -16,9 +16,9 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from jaxrl_async.components import generator_model_config
+from jaxrl_async.generator.factory import generator_model_config
 from jaxrl_async.distributed import rpc
-from jaxrl_async.weight_sync import NewestWinsPusher
+from jaxrl_async.generator.weight_sync import NewestWinsPusher
 
 __all__ = ["PUSH_LOG", "CrossPushStats", "RemoteGenerator", "RemoteGenerators", "RemoteHandle", "TransferPusher",
            "adapters_of"]
@@ -37,7 +37,7 @@ class RemoteHandle:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> Any:
-        from jaxrl_async.rollout.orchestrator import GeneratorError
+        from jaxrl_async.generator.orchestrator import GeneratorError
 
         try:
             return self._future.result(timeout)
@@ -87,7 +87,7 @@ class RemoteGenerator:
 
     def submit(self, prompt_ids: Sequence[int], sampling: Any = None, request_id: str | None = None,
                metadata: Any = None, *, stream: bool = False) -> RemoteHandle:
-        from jaxrl_async.rollout.orchestrator import GeneratorError
+        from jaxrl_async.generator.orchestrator import GeneratorError
 
         if stream:
             raise NotImplementedError("streaming requests are not served across processes")
@@ -119,7 +119,7 @@ class RemoteGenerator:
     def stats(self) -> Any:
         """The generators' ``GeneratorStats`` summed (version: the minimum). A failed call keeps the
         last value (the peer loss itself is reported through ``error``)."""
-        from jaxrl_async.rollout.orchestrator import GeneratorStats
+        from jaxrl_async.generator.orchestrator import GeneratorStats
 
         try:
             got = [p.call("stats", timeout=self.call_timeout_s)[0] for p in self.peers]
@@ -206,7 +206,7 @@ class TransferPusher(NewestWinsPusher):
 
     def _prepare(self, params: Any) -> tuple[list, Any]:
         from jaxrl_async.distributed.transfer import prepare_wire
-        from jaxrl_async.weight_sync import transfer_guard
+        from jaxrl_async.generator.weight_sync import transfer_guard
 
         with transfer_guard(self.guard):
             return prepare_wire(self.sender, params, self.dtype)

@@ -265,7 +265,8 @@ class TrainerFollower:
 
         from jaxrl_async.loop.services import LocalTrainer
         from jaxrl_async.loop.warm_start import WarmStart
-        from jaxrl_async.run_state import base_reference, initial_params
+        from jaxrl_async.checkpoint.lora_base import base_reference
+        from jaxrl_async.loop.state import initial_params
 
         model_cfg, self.run_dir = spec["model_cfg"], spec["run_dir"]
         mesh = trainer_mesh(self.cfg)

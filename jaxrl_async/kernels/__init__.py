@@ -6,6 +6,9 @@
   ``attention_pallas``;
 * ``platform``: ``kernel_platform`` (the one copy) and ``at_precision``.
 
-The decode attention over the paged KV cache is switched in ``rollout/paged_attention.py`` (its layouts are
-the KV cache's) and the grouped matmul of mixture-of-experts layers in ``models/moe.py``.
+* ``paged_attention``: decode attention over the paged KV pool (``PagedEngine(attention=...)``: gather, blocked,
+  tpu_ragged, gpu_paged, auto) and its ``resolve``, with the pool layout each implementation reads; the portable
+  implementations, the pool's spec and the prefill attention that fills the pool in ``paged``;
+* ``grouped_matmul``: the mixture-of-experts grouped matmul (``model.moe_kernel``: ragged, tiled, megablox,
+  auto) and its ``grouped_matmul_impl``.
 """

@@ -65,6 +65,6 @@ stores it), ``metrics.jsonl``/TensorBoard/``curves.png`` keep the earlier rows u
 
 from jaxrl_async.loop.run import RLRun, run
 from jaxrl_async.loop.step import FatalRunError
-from jaxrl_async.run_record import RunResult
+from jaxrl_async.loop.record import RunResult
 
 __all__ = ["FatalRunError", "RLRun", "RunResult", "run"]

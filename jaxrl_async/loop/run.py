@@ -27,7 +27,7 @@ from jaxrl_async.data.ledger import DataLedger, record_from_json
 from jaxrl_async.loop.control import WARM_START_DIR, RunControl
 from jaxrl_async.loop.services import LocalServices
 from jaxrl_async.loop.setup import RunSetup, attention_choice, load_model, load_tokenizer_and_data, sft_examples
-from jaxrl_async.run_record import RunResult
+from jaxrl_async.loop.record import RunResult
 
 __all__ = ["RLRun", "ResumePoint", "run"]
 

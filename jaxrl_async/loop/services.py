@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxrl_async import run_state
+from jaxrl_async.loop import state as run_state
 from jaxrl_async.config import RunConfig
 from jaxrl_async.loop.control import RunControl
 from jaxrl_async.loop.setup import Placement, RunSetup, local_placement
@@ -44,7 +44,7 @@ class LocalTrainer:
 
     # -- build, restore, initial state ------------------------------------------------------------
     def build(self) -> None:
-        from jaxrl_async.components import build_trainer  # shared with `plan`: it compiles this trainer
+        from jaxrl_async.trainer.factory import build_trainer  # shared with `plan`: it compiles this trainer
 
         self.trainer = build_trainer(self.cfg, self.model_cfg, self.mesh)
         self.ckpt = run_state.build_checkpointer(self.cfg, self.run_dir, self.model_cfg, self.tokenizer_dir)
@@ -111,7 +111,7 @@ class LocalTrainer:
 
 
 class LocalGenerators:
-    """``GeneratorRole``: the engine on this process's generator mesh (``components.build_engine``), the
+    """``GeneratorRole``: the engine on this process's generator mesh (``generator.factory.run_engine``), the
     weights copied device-to-device, the ``Generator`` threads, and the ``WeightPusher`` onto it (LoRA:
     adapters only, onto the generator's base)."""
 
@@ -120,11 +120,11 @@ class LocalGenerators:
         self.engine = self.lora_shardings = self.lora_base = None
 
     def start(self, params: Any, version: int) -> Any:
-        from jaxrl_async.components import build_engine  # shared with `plan`: it compiles this engine
-        from jaxrl_async.rollout.orchestrator import Generator
+        from jaxrl_async.generator.factory import run_engine  # shared with `plan`: it compiles this engine
+        from jaxrl_async.generator.orchestrator import Generator
 
         s, ro = self.setup, self.setup.cfg.rollout
-        engine = build_engine(s.cfg, s.model_cfg, s.gen_mesh)
+        engine = run_engine(s.cfg, s.model_cfg, s.gen_mesh)
         gen_dtype = jnp.dtype(s.model_cfg.dtype)
         if s.model_cfg.lora is not None:
             gen_params = self._place_lora(params, engine)
@@ -158,7 +158,7 @@ class LocalGenerators:
 
     def pusher(self, generator: Any, *, on_applied: Callable[[int], None], timeout_s: float,
                initial_version: int) -> Any:
-        from jaxrl_async.weight_sync import LoraPush, WeightPusher
+        from jaxrl_async.generator.weight_sync import LoraPush, WeightPusher
 
         model_cfg = self.setup.model_cfg
         dtype = jnp.dtype(model_cfg.dtype)

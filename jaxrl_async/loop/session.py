@@ -21,8 +21,8 @@ from jaxrl_async.data.ledger import LEDGER_LOG, DataLedger, repair_jsonl_tail
 from jaxrl_async.loop.evaluation import evaluate_held_out
 from jaxrl_async.loop.step import FatalRunError, StepRunner
 from jaxrl_async.loop.summary import StepClock, run_counts, step_row, write_summary
-from jaxrl_async.run_record import RunResult
-from jaxrl_async.run_state import group_record, restore_buffered_groups
+from jaxrl_async.loop.record import RunResult
+from jaxrl_async.loop.state import group_record, restore_buffered_groups
 
 __all__ = ["TrainingSession"]
 
@@ -98,7 +98,7 @@ class TrainingSession:
             on_draw=ledger.on_draw, on_reject=ledger.on_reject)
 
     def _metrics(self) -> Any:
-        from jaxrl_async.metrics import METRICS_FILE, MetricsLogger
+        from jaxrl_async.loop.metrics import METRICS_FILE, MetricsLogger
 
         c, p = self.cfg, self.point
         repair_jsonl_tail(os.path.join(self.run_dir, METRICS_FILE))

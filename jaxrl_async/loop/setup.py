@@ -130,7 +130,8 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
 def load_model(cfg: RunConfig, tokenizer: Any, trainer_mesh: Any) -> tuple[Any, Any, dict | None, list[int]]:
     """(model config, initial parameters, LoRA base reference, EOS ids)."""
     from jaxrl_async.data.tokenizer import stop_token_ids
-    from jaxrl_async.run_state import base_reference, initial_params
+    from jaxrl_async.checkpoint.lora_base import base_reference
+    from jaxrl_async.loop.state import initial_params
 
     c, tok = cfg, tokenizer
     if c.model.path is not None:

@@ -70,7 +70,7 @@ def run_counts(sc: Any, ledger: Any) -> dict[str, Any]:
 
 def write_summary(session: Any, final_data: dict[str, Any], signal_name: str | None, plot: Any) -> None:
     """``RUN/summary.json`` of a session that ended (its ``result`` filled in)."""
-    from jaxrl_async.metrics import resumes_from_rows
+    from jaxrl_async.loop.metrics import resumes_from_rows
 
     r = session.result
     r.resumes = resumes_from_rows(session.metrics.history + session.resume_rows)

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from jaxrl_async.config import RunConfig, to_dict
 from jaxrl_async.loop.control import WARM_START_DIR, RunControl
-from jaxrl_async.run_state import restore_train_state, state_from_items, state_items
+from jaxrl_async.loop.state import restore_train_state, state_from_items, state_items
 
 __all__ = ["WarmStart"]
 

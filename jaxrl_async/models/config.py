@@ -138,7 +138,7 @@ class ModelConfig:
             bad("dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         if self.param_dtype not in _DTYPES:
             bad("param_dtype", f"must be one of {_DTYPES}, got {self.param_dtype!r}")
-        if self.moe_kernel not in ("auto", "ragged", "tiled", "megablox"):  # moe.MOE_KERNELS
+        if self.moe_kernel not in ("auto", "ragged", "tiled", "megablox"):  # kernels.grouped_matmul.MOE_KERNELS
             bad("moe_kernel", f"must be one of auto, ragged, tiled, megablox, got {self.moe_kernel!r}")
         from jaxrl_async.models.remat import REMAT_POLICIES
 

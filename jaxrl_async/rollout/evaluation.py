@@ -1,7 +1,7 @@
 """Evaluation of a policy on prompt records: n samples per record from a generator service, rewards with each
-record's metadata, pass@k (AReaL's protocol; formulas in ``jaxrl_async.evaluate``'s docstring).
+record's metadata, pass@k (AReaL's protocol; formulas in ``jaxrl_async.cli.evaluate``'s docstring).
 
-The one evaluation path: the ``evaluate`` CLI (``jaxrl_async/evaluate.py``) and the RL loop's held-out
+The one evaluation path: the ``evaluate`` CLI (``jaxrl_async/cli/evaluate.py``) and the RL loop's held-out
 evaluation (``loop/evaluation.py``, on its running generator) both call :func:`evaluate_params`.
 """
 
@@ -133,7 +133,7 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
                     max_concurrent: int = 32, page_size: int = 16, num_pages: int | None = None,
                     reward_workers: int = 4, timeout_s: float | None = None, progress: bool = False,
                     poll_s: float = 0.02, should_stop: Callable[[], bool] | None = None,
-                    stop_strings: Sequence[str] = ()) -> EvalResult | None:
+                    stop_strings: Sequence[str] = (), fields: Any = None) -> EvalResult | None:
     """Generate ``n`` samples per record, score them with ``reward_fn`` and aggregate pass@k.
 
     Args:
@@ -144,21 +144,23 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
       reward_fn: ``fn(prompt, completion, answer, **metadata) -> float``, run in a thread pool while
         later items are still generating.
       generator: an already running ``orchestrator.Generator`` (e.g. the RL loop's); its current
-        weights are evaluated and it is left running. Otherwise a PagedEngine (on ``mesh``, sized for
-        the longest prompt + ``max_new_tokens``) and a Generator are built and stopped afterwards.
+        weights are evaluated and it is left running. Otherwise an engine (on ``mesh``, sized for these prompts
+        by ``generator.factory.for_prompts``) and a Generator are built and stopped afterwards.
       stop_token_ids: default: the model's and the tokenizer's EOS ids.
       timeout_s: wall-clock limit of the whole evaluation (outstanding requests are aborted).
       progress: show a tqdm bar on stderr.
       stop_strings: generation also stops at these strings (the run's ``rollout.sampling.stop_strings``).
       should_stop: polled while waiting; once true the outstanding requests are aborted and None is returned
         (the RL loop abandons an evaluation on a stop signal).
+      fields: what the caller calls the engine's sizing settings (``generator.factory.EngineFields``, default the
+        CLI flags), named by a sizing error.
 
     This is the one evaluation path: the ``evaluate`` CLI and the RL loop's held-out evaluation
     (``loop.evaluation``) both call it, so they score the same records the same way.
     """
     from jaxrl_async.data.tokenizer import stop_token_ids as default_stops
-    from jaxrl_async.rollout.engine_api import SamplingParams
-    from jaxrl_async.rollout.orchestrator import GeneratorError
+    from jaxrl_async.generator.engine_api import SamplingParams
+    from jaxrl_async.generator.orchestrator import GeneratorError
     from jaxrl_async.rollout.workflow import derive_seed
 
     if n < 1 or max_new_tokens < 1 or temperature < 0:
@@ -175,7 +177,7 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
         if params is None or cfg is None:
             raise ValueError("evaluate_params needs params and model_cfg when no generator is given")
         generator = _start_generator(params, cfg, tokenizer, records, max_new_tokens, mesh, max_concurrent, page_size,
-                                     num_pages)
+                                     num_pages, n, fields)
     else:
         limit = getattr(getattr(generator, "engine", None), "max_prefill_length", None)
         long = [(_field(r, "id"), len(_field(r, "prompt_ids"))) for r in records
@@ -247,18 +249,17 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
 
 
 def _start_generator(params: Any, cfg: Any, tokenizer: Any, records: Sequence[Any], max_new_tokens: int, mesh: Any,
-                     max_concurrent: int, page_size: int, num_pages: int | None) -> Any:
-    from jaxrl_async.rollout.engine import PagedEngine
-    from jaxrl_async.rollout.orchestrator import Generator
+                     max_concurrent: int, page_size: int, num_pages: int | None, n: int, fields: Any) -> Any:
+    from jaxrl_async.generator.factory import CLI_FLAGS, build_engine, for_prompts
+    from jaxrl_async.generator.orchestrator import Generator
 
     model_max = cfg.max_position_embeddings - 1
     lengths = [len(_field(r, "prompt_ids")) for r in records]
-    too_long = [(_field(r, "id"), n) for r, n in zip(records, lengths) if n > model_max]
+    too_long = [(_field(r, "id"), length) for r, length in zip(records, lengths) if length > model_max]
     if too_long:
         raise ValueError(f"{len(too_long)} prompt(s) longer than the model maximum of {model_max} tokens "
                          f"(max_position_embeddings - 1), e.g. id {too_long[0][0]!r} with {too_long[0][1]} tokens")
-    max_prompt = max(lengths)
-    engine = PagedEngine(cfg, mesh, max_concurrent_decodes=max_concurrent,
-                         max_sequence_length=min(max_prompt + max_new_tokens, cfg.max_position_embeddings),
-                         max_prefill_length=max_prompt, page_size=page_size, num_pages=num_pages)
+    spec = for_prompts(lengths, max_new_tokens, cfg, max_concurrent=max_concurrent, samples_per_prompt=n,
+                       page_size=page_size, num_pages=num_pages)
+    engine = build_engine(spec, cfg, mesh, fields=fields or CLI_FLAGS)
     return Generator(engine, engine.place_params(params), tokenizer=tokenizer).start()

@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from jaxrl_async.rollout.engine_api import SamplingParams
+from jaxrl_async.generator.engine_api import SamplingParams
 from jaxrl_async.rollout.staleness import StalenessManager, StalenessViolation, Ticket
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class Trajectory:
             finish = turn.finish_reason
             if getattr(turn, "routing", None) is not None:
                 routed.append((0, turn.routing))
-        from jaxrl_async.rollout.requests import assemble_routing
+        from jaxrl_async.generator.requests import assemble_routing
 
         return cls(tokens=np.asarray(tokens), loss_mask=np.asarray(mask), logprobs=np.asarray(lps),
                    versions=np.asarray(vers), reward=reward, prompt_len=len(prompt_ids),

@@ -363,15 +363,15 @@ def generate_completions(params: Params, model_cfg: ModelConfig, tokenizer: Any,
                          mesh: Mesh | None = None, max_concurrent: int = 64, page_size: int = 16) -> list[list[str]]:
     """`n` completions per rendered prompt text (temperature 0: greedy), stopping on the EOS ids.
 
-    Runs a `PagedEngine` (one prefill bucket: the longest prompt rounded up to 8 tokens; a page
-    pool that holds every slot's longest sequence, so nothing is preempted) under a `Generator`.
+    Runs the engine `generator.factory.for_prompts` sizes for these prompts under a `Generator` (the one-shot
+    engine of `generate` and `evaluate`).
     Request i samples with seed `seed + i`. Returns, in prompt order, the decoded completions
     (special tokens, incl. the EOS, skipped). `mesh`: generator mesh (data, tensor), None = first
     device.
     """
-    from jaxrl_async.rollout.engine import PagedEngine
-    from jaxrl_async.rollout.engine_api import SamplingParams
-    from jaxrl_async.rollout.orchestrator import Generator
+    from jaxrl_async.generator.engine_api import SamplingParams
+    from jaxrl_async.generator.factory import build_engine, for_prompts
+    from jaxrl_async.generator.orchestrator import Generator
 
     if not prompts:
         raise ValueError("generate_completions: no prompts")
@@ -383,15 +383,13 @@ def generate_completions(params: Params, model_cfg: ModelConfig, tokenizer: Any,
     for i, x in enumerate(ids):
         if not x:
             raise ValueError(f"generate_completions: prompt {i} is empty after tokenisation")
-    bucket = -(-max(len(x) for x in ids) // 8) * 8
-    max_seq = bucket + max_new_tokens
-    if max_seq > model_cfg.max_position_embeddings:
-        raise ValueError(f"generate_completions: prompt bucket {bucket} + max_new_tokens {max_new_tokens} > the "
+    longest = max(len(x) for x in ids)
+    if longest + max_new_tokens > model_cfg.max_position_embeddings:
+        raise ValueError(f"generate_completions: a prompt of {longest} tokens + max_new_tokens {max_new_tokens} > the "
                          f"model's max_position_embeddings {model_cfg.max_position_embeddings}")
-    slots = max(n, min(max_concurrent, len(prompts) * n))
-    engine = PagedEngine(model_cfg, mesh, max_concurrent_decodes=slots, max_sequence_length=max_seq,
-                         prefill_buckets=(bucket,), page_size=page_size,
-                         num_pages=slots * -(-max_seq // page_size))
+    spec = for_prompts([len(x) for x in ids], max_new_tokens, model_cfg, max_concurrent=max_concurrent,
+                       samples_per_prompt=n, page_size=page_size)
+    engine = build_engine(spec, model_cfg, mesh)
     stops = _stop_ids(model_cfg, tokenizer)
     with Generator(engine, engine.place_params(params), tokenizer=tokenizer) as gen:
         handles = [gen.submit(x, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxrl_async import aot
+from jaxrl_async.plan import aot
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import param_shapes
-from jaxrl_async.rollout.engine import PagedEngine
+from jaxrl_async.generator.engine import PagedEngine
 from jaxrl_async.sharding import make_mesh
 
 needs_tpu = pytest.mark.skipif(not aot.tpu_available(), reason="needs libtpu (extra [aot-tpu]); .ci/run runs "

@@ -17,10 +17,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_async import aot
+from jaxrl_async.plan import aot
 from jaxrl_async.kernels.attention_pallas import gpu_flash_attention, splash_attention
 from jaxrl_async.models.config import ModelConfig
-from jaxrl_async.plan import _abstract_batch, _abstract_state
+from jaxrl_async.plan.planner import _abstract_batch, _abstract_state
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.sharding.activations import activation_rules
 from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
@@ -160,7 +160,7 @@ def test_context_parallel_train_step_compiles_and_halves_the_row(kind):
 def test_moe_grouped_matmul_on_h100_is_not_dense():
     """XLA:GPU lowers ragged_dot densely (every row against every expert); the tiled path the MoE layer picks on
     GPUs keeps the temporaries near the rows' own size. Same shapes, both compiled for H100."""
-    from jaxrl_async.models.moe import grouped_matmul, grouped_matmul_impl
+    from jaxrl_async.kernels.grouped_matmul import grouped_matmul, grouped_matmul_impl
 
     mesh = make_mesh((1,), ("data",), devices=aot.h100_devices(1))
     sh = NamedSharding(mesh, P())

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from jaxrl_async import aot
-from jaxrl_async.plan import load_plan_config, make_plan
+from jaxrl_async.plan import aot
+from jaxrl_async.plan.planner import load_plan_config, make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "qwen3_0_6b.py")

@@ -7,7 +7,7 @@ import pytest
 
 from jaxrl_async.config import ConfigError, apply_overrides, to_dict, validate
 from jaxrl_async.config.resume import changed_fields, check_resume
-from jaxrl_async.default_config import get_config
+from jaxrl_async.config.default import get_config
 
 
 def _cfg(tmp_path, *overrides):
@@ -83,7 +83,7 @@ def _areal_lr(k, *, lr, warmup, total, min_ratio, schedule):
 def test_lr_schedule_advances_once_per_rl_step(tmp_path, schedule):
     """With 4 minibatch updates per step, every update of RL step k uses AReaL's lr(k): the warm-up ends and
     the cosine reaches its floor at the configured RL steps, not 4x early."""
-    from jaxrl_async.components import trainer_config
+    from jaxrl_async.trainer.factory import trainer_config
     from jaxrl_async.trainer.optimizer import learning_rate_schedule
 
     T, m = 40, 4

@@ -5,6 +5,8 @@ import os
 import secrets
 import subprocess
 
+from jaxrl_async.testing import subprocess_xla_flags
+
 
 def role_env(cache_dir=None) -> dict:
     """The environment for role processes: a fresh RPC secret, unbuffered output, each process's own
@@ -14,7 +16,7 @@ def role_env(cache_dir=None) -> dict:
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    env.pop("XLA_FLAGS", None)  # each role sets its own simulated device count
+    env["XLA_FLAGS"] = subprocess_xla_flags()  # each role sets its own simulated device count
     env["JAXRL_RPC_AUTHKEY"] = secrets.token_hex(16)
     env["PYTHONUNBUFFERED"] = "1"
     return env

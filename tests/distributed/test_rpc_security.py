@@ -234,8 +234,8 @@ def test_short_or_missing_keys_are_refused(monkeypatch):
 
 def test_codec_round_trips_the_wire_types_and_refuses_others():
     from jaxrl_async.distributed.transfer import Layout, LeafPlan
-    from jaxrl_async.rollout.engine_api import SamplingParams
-    from jaxrl_async.rollout.orchestrator import RequestOutput, SampleOutput
+    from jaxrl_async.generator.engine_api import SamplingParams
+    from jaxrl_async.generator.orchestrator import RequestOutput, SampleOutput
 
     lay = Layout((("fsdp", 2),), (("fsdp",), None))
     msg = {"layout": lay, "plan": LeafPlan("['w']", (4, 2), "bfloat16", "direct", lay, lay, (((0, 2), (0, 2)),)),

@@ -24,7 +24,7 @@ def _record_restore(out_dir: str) -> None:
     import jax
     import numpy as np
 
-    from jaxrl_async import run_state
+    from jaxrl_async.loop import state as run_state
 
     original = run_state.state_from_items
 
@@ -77,6 +77,6 @@ if __name__ == "__main__":
         _record_restore(args.record_restore)
     if args.nan_advantages_from_batch:
         _nan_advantages(args.nan_advantages_from_batch)
-    from jaxrl_async.main import main
+    from jaxrl_async.cli.main import main
 
     sys.exit(main(argv[split + 1:]))

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_rl_loop import tiny_run_config  # noqa: E402
 
 from jaxrl_async.loop import RLRun  # noqa: E402
+from jaxrl_async.testing import subprocess_xla_flags  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -28,7 +29,7 @@ def test_in_run_evaluation_equals_the_evaluate_cli_on_the_same_checkpoint(tmp_pa
     assert step == 2
     out = tmp_path / "summary.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = subprocess_xla_flags()
     proc = subprocess.run([sys.executable, "-m", "jaxrl_async.evaluate", "--model", res.export_dir,
                            "--data", str(run / "data" / "eval.jsonl"), "--format", "generic", "--n", "1",
                            "--temperature", "1.0", "--seed", str(cfg.seed),

@@ -40,6 +40,7 @@ import pytest
 
 from jaxrl_async.checkpoint import HOST, Checkpointer
 from jaxrl_async.data.ledger import LEDGER_LOG, read_data_ledger
+from jaxrl_async.testing import subprocess_xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -59,7 +60,7 @@ def jax_cache(tmp_path_factory):
 
 
 def _env(cache: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # mesh.cpu_devices decides
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags())  # mesh.cpu_devices decides
     env.update(JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

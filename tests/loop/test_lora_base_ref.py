@@ -14,7 +14,7 @@ import pytest
 from test_fault_tolerance import START_TIMEOUT_S, Attempt, _committed, _final_state
 
 from jaxrl_async.checkpoint import HOST, CheckpointIncompatibleError, Checkpointer
-from jaxrl_async.export import export_checkpoint
+from jaxrl_async.cli.export import export_checkpoint
 from jaxrl_async.models import apply, load_hf, lora
 from jaxrl_async.data.ledger import read_data_ledger
 from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer

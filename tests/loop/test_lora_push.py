@@ -14,12 +14,12 @@ from jaxrl_async.models import lora
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import init_params, sequence_logprobs
 from jaxrl_async.rl.losses import PolicyLossConfig
-from jaxrl_async.rollout.engine import PagedEngine
-from jaxrl_async.rollout.engine_api import SamplingParams
+from jaxrl_async.generator.factory import EngineConfig, build_engine
+from jaxrl_async.generator.engine_api import SamplingParams
 from jaxrl_async.models.shardings import model_shardings
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.trainer import OptimizerConfig, PackingConfig, Trainer, TrainStepConfig, TrainSequence
-from jaxrl_async.weight_sync import LoraPush, WeightPusher, tree_bytes
+from jaxrl_async.generator.weight_sync import LoraPush, WeightPusher, tree_bytes
 
 BASE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, rope_theta=10000.0, attention="xla")
@@ -96,8 +96,8 @@ def test_adapter_only_push_and_generator_trainer_parity_after_updates(decode, fa
                       loss_cfg=PolicyLossConfig())
     state = trainer.init_state(init_params(CFG, jax.random.key(0), 0.1))
     # the generator: an engine of the LoRA config (unmerged) or of the base config (merged weights)
-    engine = PagedEngine(CFG if decode == "unmerged" else BASE, gmesh, max_concurrent_decodes=4,
-                         max_sequence_length=64, prefill_buckets=(16,), page_size=8, num_pages=40)
+    engine = build_engine(EngineConfig(max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(16,),
+                                       page_size=8, num_pages=40), CFG if decode == "unmerged" else BASE, gmesh)
     adapters0, base0 = lora.split(state.params)
     adapters0 = jax.device_get(adapters0)  # the step donates the state
     gen_shardings = model_shardings(CFG, gmesh, "generator")
@@ -156,14 +156,14 @@ def test_adapter_only_push_and_generator_trainer_parity_after_updates(decode, fa
 
 def test_engine_sizing_reserves_room_for_the_adapters_only(monkeypatch):
     """An RL engine keeps KV room for an incoming push: with unmerged LoRA a push brings the adapters."""
-    from jaxrl_async.rollout import kv_cache
+    from jaxrl_async.generator import kv_cache
 
     mesh = make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
     monkeypatch.setattr(kv_cache, "device_memory", lambda devices: (64 << 20, 1 << 20, "memory_stats"))
     sizes = {}
     for name, cfg in (("full", BASE), ("lora", CFG)):
-        eng = PagedEngine(cfg, mesh, max_concurrent_decodes=8, max_sequence_length=64, prefill_buckets=(16,),
-                          page_size=8, cache_memory_fraction=0.5, reserve_weight_push=True)
+        eng = build_engine(EngineConfig(max_concurrent_decodes=8, max_sequence_length=64, prefill_buckets=(16,),
+                                        page_size=8, cache_memory_fraction=0.5), cfg, mesh, reserve_weight_push=True)
         sizes[name] = eng.sizing
     adapters = sum(x.size * 4 for x in jax.tree.leaves(lora.split(init_params(CFG, jax.random.key(0)))[0]))
     assert sizes["full"].incoming_weight_bytes == sizes["full"].param_bytes

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from jaxrl_async.main import main
+from jaxrl_async.cli.main import main
+from jaxrl_async.testing import subprocess_xla_flags
 
 
 @pytest.mark.parametrize("args, field", [
@@ -39,8 +40,8 @@ def test_config_file_with_overrides(tmp_path, capsys):
 
 def test_cpu_devices_are_configured_before_jax_starts(tmp_path):
     """In a fresh process the default's mesh.cpu_devices=2 gives the generator and the trainer a device each."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    code = ("import sys; from jaxrl_async.main import main; rc = main(['--dry-run']); "
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags())
+    code = ("import sys; from jaxrl_async.cli.main import main; rc = main(['--dry-run']); "
             "import jax; print('DEVICES', jax.device_count()); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -63,7 +64,7 @@ def _main_process(tmp_path, name: str) -> tuple[subprocess.Popen, str]:
     import time
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags())
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     log = str(tmp_path / f"{name}.log")
     with open(log, "w") as f:

@@ -12,7 +12,7 @@ import pytest
 
 from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
 from jaxrl_async.data.ledger import LEDGER_LOG, DataLedger, read_data_ledger, repair_jsonl_tail
-from jaxrl_async.run_state import group_from_record, group_record, restore_buffered_groups
+from jaxrl_async.loop.state import group_from_record, group_record, restore_buffered_groups
 from jaxrl_async.rollout.staleness import StalenessManager, StalenessViolation
 from jaxrl_async.rollout.workflow import Trajectory, TrajectoryGroup
 

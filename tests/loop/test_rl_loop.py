@@ -115,7 +115,7 @@ def test_async_run_learns_and_writes_artifacts(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(res.export_dir, dtype=torch.float32)
     assert model.config.num_hidden_layers == 1
     # the evaluate CLI on the export reproduces the accuracy the run logged (greedy, fp32, same prompts)
-    from jaxrl_async.evaluate import main as evaluate_main
+    from jaxrl_async.cli.evaluate import main as evaluate_main
 
     summary = tmp_path / "eval.json"
     assert evaluate_main(["--model", res.export_dir, "--data", os.path.join(res.run_dir, "data", "eval.jsonl"),

@@ -25,7 +25,7 @@ from jaxrl_async.data.ledger import read_data_ledger  # noqa: E402
 from jaxrl_async.loop import RLRun  # noqa: E402
 from jaxrl_async.loop.services import LocalGenerators, LocalServices  # noqa: E402
 from jaxrl_async.loop.step import StepRunner  # noqa: E402
-from jaxrl_async.weight_sync import WeightPushError  # noqa: E402
+from jaxrl_async.generator.weight_sync import WeightPushError  # noqa: E402
 
 
 class _FailingPusher:

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_async.sharding.mesh import make_mesh
-from jaxrl_async.weight_sync import WeightPusher, WeightPushError
+from jaxrl_async.generator.weight_sync import WeightPusher, WeightPushError
 
 
 class RecordingGenerator:
@@ -59,7 +59,7 @@ def test_push_reshards_onto_generator_devices_without_host_round_trip():
 def test_guard_catches_the_host_path_of_a_naive_device_put():
     """jax.device_put from a tensor-sharded array to a replicated one on other devices gathers on the
     host; under the pusher's guard that raises, and the pusher's planned route does the same move."""
-    from jaxrl_async.weight_sync import transfer_guard
+    from jaxrl_async.generator.weight_sync import transfer_guard
 
     tm, gm = _meshes()
     b = _params(tm)["b"]  # P("tensor") on the trainer mesh

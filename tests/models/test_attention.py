@@ -13,7 +13,7 @@ from jaxrl_async.models import load_hf, sequence_logprobs
 from jaxrl_async.kernels.attention import (
     BLOCKWISE_MIN_LEN, blockwise_attention, resolve_attention, segment_attention, xla_attention,
 )
-from jaxrl_async.rollout.engine import PagedEngine
+from jaxrl_async.generator.factory import EngineConfig, build_engine
 from jaxrl_async.testing import decode_prompts, make_tiny_hf_model
 
 
@@ -161,8 +161,8 @@ def test_generator_vs_trainer_logprob_parity_with_blockwise(tiny):
     `sequence_logprobs` through `blockwise`: behaviour log-probs equal within 1e-5 (fp32)."""
     cfg, params = tiny
     cfg = cfg.replace(attention="blockwise", attention_block=8)
-    engine = PagedEngine(cfg, max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,),
-                         page_size=8, num_pages=64)
+    engine = build_engine(EngineConfig(max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,),
+                                       page_size=8, num_pages=64), cfg)
     p = engine.place_params(params)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 200, n).tolist() for n in (5, 17, 29)]

@@ -200,7 +200,7 @@ def test_lora_on_expert_mlps_takes_no_dropout():
 def test_tiled_grouped_matmul_equals_ragged_dot_values_and_gradients(tile):
     """The GPU path (single-expert tiles, groups padded to the tile, empty groups, a group larger than many
     tiles) equals ragged_dot in fp32, and so do the gradients of rows and weights."""
-    from jaxrl_async.models.moe import tiled_grouped_matmul
+    from jaxrl_async.kernels.grouped_matmul import tiled_grouped_matmul
 
     out, ref, gt, gr = grouped_matmul_against_ragged_dot(
         lambda r, w, g: tiled_grouped_matmul(r, w, g, jnp.float32, tile), [0, 13, 1, 0, 40, 6], K=8, F=5)

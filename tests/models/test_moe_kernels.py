@@ -12,7 +12,7 @@ import pytest
 
 from jaxrl_async.models import load_hf, sequence_logprobs
 from jaxrl_async.models.config import ModelConfig
-from jaxrl_async.models.moe import grouped_matmul, grouped_matmul_impl, megablox_grouped_matmul
+from jaxrl_async.kernels.grouped_matmul import grouped_matmul, grouped_matmul_impl, megablox_grouped_matmul
 from jaxrl_async.testing import grouped_matmul_against_ragged_dot, make_tiny_hf_model
 
 

@@ -141,7 +141,7 @@ def test_sharded_import_equals_one_device(mixed, shape, rules):
 def test_lora_on_attention_covers_both_stacks(mixed):
     """Adapters on q and v live in both stacks; the adapted forward equals the merged weights', and the
     PEFT export names every model layer once (slice s of a stack is its model layer)."""
-    from jaxrl_async.export import peft_adapter_tensors
+    from jaxrl_async.cli.export import peft_adapter_tensors
     from jaxrl_async.models import lora
     from jaxrl_async.models import transformer
 

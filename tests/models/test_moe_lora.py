@@ -262,7 +262,7 @@ def test_run_config_refuses_dropout_on_expert_adapters_naming_the_field():
     import dataclasses
 
     from jaxrl_async.config import ConfigError, LoraSection, validate
-    from jaxrl_async.default_config import get_config
+    from jaxrl_async.config.default import get_config
 
     cfg = get_config()
     moe = dataclasses.replace(cfg.model, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxrl_async.rollout.engine_api import Engine, OutOfPagesError, Prefix, SamplingParams, StepResult
+from jaxrl_async.generator.engine_api import Engine, OutOfPagesError, Prefix, SamplingParams, StepResult
 
 _M = 0xFFFFFFFF
 

@@ -11,7 +11,7 @@ import pytest
 from fakes import DoneHandle, request, sample
 from jaxrl_async.rewards.math_reward import MathReward
 from jaxrl_async.rollout.agent import AgentWorkflow, EnvStep, MultiTurnMathWorkflow, discounted_return
-from jaxrl_async.rollout.engine_api import SamplingParams
+from jaxrl_async.generator.engine_api import SamplingParams
 from jaxrl_async.rollout.tools import CalculatorTool
 from jaxrl_async.rollout.workflow import EpisodeContext, GroupRejected, GroupSampler
 
@@ -318,21 +318,21 @@ def test_module_docstring_example_runs(tok):
 @pytest.fixture(scope="module")
 def tiny_generator(tok_dir, tok):
     from jaxrl_async.models import load_hf
-    from jaxrl_async.rollout.engine import PagedEngine
-    from jaxrl_async.rollout.orchestrator import Generator
+    from jaxrl_async.generator.factory import EngineConfig, build_engine
+    from jaxrl_async.generator.orchestrator import Generator
     from jaxrl_async.testing import make_tiny_hf_model
 
     make_tiny_hf_model(tok_dir, "qwen3", vocab_size=len(tok))
     cfg, params = load_hf(tok_dir)
-    engine = PagedEngine(cfg, max_concurrent_decodes=4, max_sequence_length=192, prefill_buckets=(160,),
-                         page_size=16, num_pages=64)
+    engine = build_engine(EngineConfig(max_concurrent_decodes=4, max_sequence_length=192, prefill_buckets=(160,),
+                                       page_size=16, num_pages=64), cfg)
     gen = Generator(engine, engine.place_params(params), tokenizer=tok).start()
     yield gen, cfg, params
     gen.stop()
 
 
 def test_multi_turn_on_real_engine_matches_score_path(tok, tiny_generator):
-    from jaxrl_async.score import ScoreItem, score_items
+    from jaxrl_async.cli.score import ScoreItem, score_items
 
     gen, cfg, params = tiny_generator
     wf = MultiTurnMathWorkflow(tok, lambda *a, **k: 0.0, max_turns=3, turn_discount=0.5)  # never correct

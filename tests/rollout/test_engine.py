@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from jaxrl_async.models import load_hf, sequence_logprobs
-from jaxrl_async.rollout.engine import PagedEngine
-from jaxrl_async.rollout.engine_api import OutOfPagesError, SamplingParams
+from jaxrl_async.generator.engine import PagedEngine
+from jaxrl_async.generator.engine_api import OutOfPagesError, SamplingParams
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.testing import TINY_FAMILIES, make_tiny_hf_model
 
@@ -410,7 +410,7 @@ def test_decode_attention_paths_agree(fam, attention, mesh_shape):
 
 
 def test_auto_decode_attention_by_platform():
-    from jaxrl_async.rollout import paged_attention
+    from jaxrl_async.kernels import paged_attention
 
     assert [paged_attention.resolve("auto", p) for p in ("cpu", "tpu", "gpu", "cuda")] == [
         "blocked", "tpu_ragged", "gpu_paged", "gpu_paged"]
@@ -576,7 +576,7 @@ def test_prefill_many_packs_prompts_and_equals_single_prefills(fam):
     family, cfg, params, engine, hf = fam
     if family != "qwen3":
         pytest.skip("engine-level property; one family suffices")
-    from jaxrl_async.rollout.engine_api import PrefillRequest
+    from jaxrl_async.generator.engine_api import PrefillRequest
 
     ps = [prompts(1, seed=40 + i, lo=n, hi=n + 1)[0] for i, n in enumerate((5, 9, 17, 3, 40, 12))]
     sps = [SamplingParams(temperature=t, max_new_tokens=5, seed=i, top_k=k) for i, (t, k) in

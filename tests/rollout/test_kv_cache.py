@@ -6,8 +6,8 @@ import pytest
 
 from jaxrl_async.models import ModelConfig
 from jaxrl_async.models.transformer import grouped_attention
-from jaxrl_async.rollout import kv_cache
-from jaxrl_async.rollout.engine_api import OutOfPagesError
+from jaxrl_async.generator import kv_cache
+from jaxrl_async.generator.engine_api import OutOfPagesError
 from jaxrl_async.models.shardings import model_shardings
 from jaxrl_async.sharding import make_mesh
 
@@ -200,13 +200,12 @@ def test_auto_sizing_keeps_room_for_a_weight_push(monkeypatch):
     assert plain.incoming_weight_bytes == 0 and rl.incoming_weight_bytes == rl.param_bytes > 0
     budget = 0.5 * (limit - max(in_use, rl.param_bytes) - rl.param_bytes) - rl.workspace_bytes
     assert rl.num_pages == int(budget // rl.page_bytes) < plain.num_pages < 64 * 16  # the cap does not bind
-    from jaxrl_async.components import engine_from_section
-    from jaxrl_async.config import EngineConfig
+    from jaxrl_async.generator.factory import EngineConfig, build_engine
 
     monkeypatch.setattr(kv_cache, "device_memory", lambda devices: (limit, in_use, "memory_stats"))
-    engine = engine_from_section(EngineConfig(max_concurrent_decodes=64, max_sequence_length=256,
-                                              max_prefill_length=128, page_size=16, cache_memory_fraction=0.5),
-                                 cfg, mesh)
+    engine = build_engine(EngineConfig(max_concurrent_decodes=64, max_sequence_length=256,
+                                       max_prefill_length=128, page_size=16, cache_memory_fraction=0.5),
+                          cfg, mesh, reserve_weight_push=True)
     assert engine.sizing.incoming_weight_bytes == engine.sizing.param_bytes  # the RL engine reserves it
 
 
@@ -218,7 +217,9 @@ def test_auto_sizing_clamps_and_errors(monkeypatch):
         _sizing(cfg, mesh, monkeypatch, 2 << 20, 0)
 
 
-def test_host_fallback_is_capped():
+def test_cpu_sizes_from_the_hosts_available_ram_without_a_fixed_cap():
+    """Issue 30: on a CPU the pool's limit is what the host can give (MemAvailable / the devices), not 1 GiB."""
+    avail = kv_cache.host_available_bytes()
     limit, in_use, source = kv_cache.device_memory(jax.devices("cpu")[:2])
-    assert source == "host_fallback" and in_use == 0
-    assert 0 < limit <= kv_cache.CPU_FALLBACK_CAP_BYTES
+    assert source == "host RAM" and in_use == 0
+    assert 0.8 * avail / 2 <= limit <= 1.2 * avail / 2  # (the free memory moves a little between the two reads)

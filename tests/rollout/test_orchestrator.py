@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from jaxrl_async.rollout.engine_api import OutOfPagesError, SamplingParams, StepResult
-from jaxrl_async.rollout.orchestrator import (
+from jaxrl_async.generator.engine_api import OutOfPagesError, SamplingParams, StepResult
+from jaxrl_async.generator.orchestrator import (
     Generator, GeneratorClosedError, GeneratorError, finish_reason_for, stop_string_hit,
 )
 from mock_engine import GatedEngine, MockEngine, MockParams, reference_tokens
@@ -416,15 +416,15 @@ def real(tmp_path_factory):
     import transformers
 
     from jaxrl_async.models import load_hf
-    from jaxrl_async.rollout.engine import PagedEngine
+    from jaxrl_async.generator.factory import EngineConfig, build_engine
     from jaxrl_async.testing import make_tiny_hf_model
 
     dirs = [make_tiny_hf_model(str(tmp_path_factory.mktemp(f"m{s}")), "qwen3", seed=s) for s in (0, 1)]
     cfg, pa = load_hf(dirs[0])
     _, pb = load_hf(dirs[1])
     # 18 pages of 8 tokens: three 37-token sequences fit (weight-swap test), three ~50-token ones do not
-    eng = PagedEngine(cfg, max_concurrent_decodes=3, max_sequence_length=64, prefill_buckets=(16, 48),
-                      page_size=8, num_pages=18)
+    eng = build_engine(EngineConfig(max_concurrent_decodes=3, max_sequence_length=64, prefill_buckets=(16, 48),
+                                    page_size=8, num_pages=18), cfg)
     pa, pb = eng.place_params(pa), eng.place_params(pb)
     torch_models = [transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in dirs]
     return eng, {0: pa, 1: pb}, {0: torch_models[0], 1: torch_models[1]}
@@ -495,11 +495,11 @@ def test_real_engine_recompute_kv_reprefills_sequences_longer_than_the_largest_b
     sequence at the swap (>= 22 tokens): each is re-prefilled in chunks under the new weights (checked
     token by token against transformers with the recompute arrangement; the old code kept their KV of
     the previous weights, which the keep_kv arrangement would match instead), with no fallback."""
-    from jaxrl_async.rollout.engine import PagedEngine
+    from jaxrl_async.generator.factory import EngineConfig, build_engine
 
     base, params, models = real
-    eng = PagedEngine(base.cfg, max_concurrent_decodes=3, max_sequence_length=64, prefill_buckets=(16,),
-                      page_size=8, num_pages=40)
+    eng = build_engine(EngineConfig(max_concurrent_decodes=3, max_sequence_length=64, prefill_buckets=(16,),
+                                    page_size=8, num_pages=40), base.cfg)
     assert eng.max_prefill_length == 16 and eng.max_reprefill_length == 63
     gated = GatedEngine(eng, gate_step=12)
     ps = [[(7 * i + 3 * j) % 250 + 3 for j in range(10 + 2 * i)] for i in range(3)]

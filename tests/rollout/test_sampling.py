@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxrl_async.rollout import sampling
+from jaxrl_async.generator import sampling
 
 # probabilities chosen so the truncated supports are easy to derive by hand
 PROBS = np.array([0.05, 0.40, 0.02, 0.25, 0.15, 0.10, 0.03], np.float64)  # sorted: 1, 3, 4, 5, 0, 6, 2

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_async.rollout.engine_api import SamplingParams
+from jaxrl_async.generator.engine_api import SamplingParams
 from jaxrl_async.rollout.staleness import StalenessManager
 from jaxrl_async.rollout.workflow import (
     EpisodeContext, GroupRejected, GroupSampler, RLVRWorkflow, RolloutDispatcher, RolloutWorkflow, Trajectory,

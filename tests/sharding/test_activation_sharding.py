@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import apply, init_params, param_shapes, sequence_logprobs
-from jaxrl_async.rollout.engine import PagedEngine
-from jaxrl_async.rollout.engine_api import SamplingParams
+from jaxrl_async.generator.factory import EngineConfig, build_engine
+from jaxrl_async.generator.engine_api import SamplingParams
 from jaxrl_async.models.shardings import model_shardings
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.sharding.activations import (
@@ -207,8 +207,8 @@ def test_nothing_recompiles_on_the_sharded_trainer(params):
 @pytest.mark.slow
 def test_nothing_recompiles_on_the_sharded_engine(params):
     mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
-    engine = PagedEngine(CFG, mesh, max_concurrent_decodes=4, max_sequence_length=32, prefill_buckets=(16,),
-                         page_size=8, num_pages=16)
+    engine = build_engine(EngineConfig(max_concurrent_decodes=4, max_sequence_length=32, prefill_buckets=(16,),
+                                       page_size=8, num_pages=16), CFG, mesh)
     gen_params = engine.place_params(params)
     engine.warmup(gen_params, max_samples=4)
     before = engine.compile_counts()

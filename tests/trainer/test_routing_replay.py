@@ -18,9 +18,9 @@ import pytest
 from jaxrl_async.models import load_hf
 from jaxrl_async.models.moe import routing_scope
 from jaxrl_async.models.transformer import sequence_logprobs
-from jaxrl_async.rollout.engine import PagedEngine
-from jaxrl_async.rollout.engine_api import SamplingParams
-from jaxrl_async.rollout.orchestrator import Generator
+from jaxrl_async.generator.factory import EngineConfig, build_engine
+from jaxrl_async.generator.engine_api import SamplingParams
+from jaxrl_async.generator.orchestrator import Generator
 from jaxrl_async.testing import make_tiny_hf_model
 from jaxrl_async.trainer.packing import PackingConfig, TrainSequence
 from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig
@@ -44,8 +44,9 @@ _ENGINES: dict = {}
 def _engine(cfg):
     """One recording engine per model config for the whole module (params are arguments: no recompilation)."""
     if cfg not in _ENGINES:
-        _ENGINES[cfg] = PagedEngine(cfg, max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,),
-                                    page_size=8, num_pages=64, record_routing=True)
+        _ENGINES[cfg] = build_engine(EngineConfig(max_concurrent_decodes=4, max_sequence_length=64,
+                                                  prefill_buckets=(32,), page_size=8,
+                                                  num_pages=64), cfg, record_routing=True)
     return _ENGINES[cfg]
 
 
@@ -261,7 +262,7 @@ def test_routing_survives_the_checkpointed_group_record():
     from jaxrl_async.checkpoint import pack_records
     from jaxrl_async.checkpoint.codec import unpack_records
     from jaxrl_async.rollout.workflow import Trajectory as WTrajectory, TrajectoryGroup
-    from jaxrl_async.run_state import group_from_record, group_record
+    from jaxrl_async.loop.state import group_from_record, group_record
 
     rng = np.random.default_rng(0)
     routed = rng.integers(0, 4, (7, 2, 2)).astype(np.int16)
@@ -301,8 +302,8 @@ def test_moe_config_validates_and_dense_models_refuse_recording():
     dense = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                         num_kv_heads=1, head_dim=16)
     with pytest.raises(ValueError, match="record_routing needs a mixture-of-experts model"):
-        PagedEngine(dense, max_concurrent_decodes=2, max_sequence_length=32, page_size=8, num_pages=8,
-                    record_routing=True)
+        build_engine(EngineConfig(max_concurrent_decodes=2, max_sequence_length=32, page_size=8,
+                                  num_pages=8), dense, record_routing=True)
     with pytest.raises(ValueError, match="TrainStepConfig.routing_replay: needs a mixture-of-experts model"):
         Trainer(dense, TrainStepConfig(routing_replay=True))
 

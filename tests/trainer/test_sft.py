@@ -191,7 +191,7 @@ def test_stopped_warm_start_continues_from_its_checkpoint_bit_for_bit(sft_runner
     loop's checkpoint path, then continued: the same losses and params as the uninterrupted run, bit
     for bit (the compiled step of the fixture's run is reused)."""
     from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
-    from jaxrl_async.run_state import state_from_items, state_items, restore_train_state
+    from jaxrl_async.loop.state import state_from_items, state_items, restore_train_state
 
     out, hist = sft_run
     sft, seen = sft_runner, []

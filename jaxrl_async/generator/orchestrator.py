@@ -103,13 +103,13 @@ import threading
 import time
 from typing import Any, Sequence
 
-from jaxrl_async.rollout.engine_api import Engine, OutOfPagesError, PrefillRequest, SamplingParams
-# the public request types live in rollout/requests.py; re-exported here
-from jaxrl_async.rollout.requests import (  # noqa: F401
+from jaxrl_async.generator.engine_api import Engine, OutOfPagesError, PrefillRequest, SamplingParams
+# the public request types live in generator/requests.py; re-exported here
+from jaxrl_async.generator.requests import (  # noqa: F401
     GeneratorClosedError, GeneratorError, GeneratorStats, RequestHandle, RequestOutput, SampleOutput, StreamChunk,
     assemble_routing, continuation_sampling, finish_reason_for, stop_string_hit,
 )
-from jaxrl_async.rollout.requests import (
+from jaxrl_async.generator.requests import (
     WAKE, AbortMsg, InFlight, ReleaseMsg, RequestState, RequestFailedMsg, SampleState, SubmitMsg, WorkItem,
 )
 

@@ -40,7 +40,8 @@ _USER_ERROR_TYPES = (
     ("jaxrl_async.models.hf_io", "CheckpointMismatchError"),
     ("jaxrl_async.models.config", "UnsupportedModelError"),
     ("jaxrl_async.data.datasets", "DataFormatError"),
-    ("jaxrl_async.jsonl", "BadRowError"),
+    ("jaxrl_async.cli.jsonl", "BadRowError"),
+    ("jaxrl_async.generator.factory", "EngineSizingError"),
 )
 
 class UserError(Exception):

@@ -85,9 +85,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params
-from jaxrl_async.rollout import kv_cache, paged_attention, sampling
-from jaxrl_async.rollout.engine_api import Engine, Prefix, PrefillRequest, SamplingParams, StepResult
-from jaxrl_async.rollout.engine_steps import (
+from jaxrl_async.generator import kv_cache
+from jaxrl_async.kernels import paged_attention
+from jaxrl_async.generator import sampling
+from jaxrl_async.generator.engine_api import Engine, Prefix, PrefillRequest, SamplingParams, StepResult
+from jaxrl_async.generator.engine_steps import (
     SLOT_INTS, decode_rows_fn, decode_step_fn, insert_fn, prefill_chunk_fn, prefill_fn, release_fn, sample_first_fn,
 )
 from jaxrl_async.sharding.activations import traced_with_activation_rules
@@ -202,6 +204,10 @@ class PagedEngine(Engine):
       record_routing: (MoE models) prefill and decode also return the experts every token was routed to in
           each layer (`Prefix.routing`, `StepResult.routing`, int16), for rollout routing replay. Off: no
           extra output is compiled.
+      check_fit: an explicit `num_pages` must fit the free memory too (`kv_cache.check_num_pages`;
+          `generator.factory.build_engine` turns it on). A pool that does not fit raises `kv_cache.KVSizingError`.
+
+    Build engines with `generator.factory.build_engine` (the one sizing path and its one-line errors).
     """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None = None, *, max_concurrent_decodes: int,
@@ -211,7 +217,7 @@ class PagedEngine(Engine):
                  attention: str = "auto", decode_block_pages: int | None = None,
                  kernel_options: dict | None = None, max_prefill_pack: int = 8, record_routing: bool = False,
                  compact_decode: bool = False, compact_levels: int = 2, compact_min_rows: int = 8,
-                 compact_in_background: bool = False):
+                 compact_in_background: bool = False, check_fit: bool = False):
         if max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
         if max_sequence_length < 2:
@@ -261,17 +267,18 @@ class PagedEngine(Engine):
         self.kv_replicas = self.mesh.shape[self.pages_axis] if self.pages_axis else 1
         spec_kw = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                        page_size=self.page_size, max_pages_per_seq=self.max_pages_per_seq, dtype=cfg.dtype)
+        size_kw = dict(max_slots=self._S, max_prefill=buckets[-1], max_seq=self._max_seq,
+                       reserve_weight_push=reserve_weight_push, replicas=self.kv_replicas)
         if num_pages is None:
-            self.sizing = kv_cache.auto_num_pages(spec_kw, cfg, self.mesh, self.param_shardings, max_slots=self._S,
-                                                  max_prefill=buckets[-1], max_seq=self._max_seq,
-                                                  fraction=cache_memory_fraction,
-                                                  reserve_weight_push=reserve_weight_push,
-                                                  replicas=self.kv_replicas)
+            self.sizing = kv_cache.auto_num_pages(spec_kw, cfg, self.mesh, self.param_shardings,
+                                                  fraction=cache_memory_fraction, **size_kw)
             num_pages = self.sizing.num_pages
         else:
             if int(num_pages) % self.kv_replicas:
                 raise ValueError(f"num_pages={num_pages} must be a multiple of the {self.kv_replicas} decode replicas "
                                  f"(the generator mesh's {self.pages_axis!r} axis: each owns an equal range of pages)")
+            if check_fit:
+                kv_cache.check_num_pages(int(num_pages), spec_kw, cfg, self.mesh, self.param_shardings, **size_kw)
             self.sizing = kv_cache.SizingReport(int(num_pages), "explicit", 0, 0, 0, 0, 0)
         self.cache_spec = kv_cache.KVCacheSpec(num_pages=int(num_pages), **spec_kw)
         self.pages_per_replica = self.cache_spec.num_pages // self.kv_replicas

@@ -1,4 +1,4 @@
-"""The generator's public request types (``rollout/orchestrator.py`` runs them): errors, results
+"""The generator's public request types (``generator/orchestrator.py`` runs them): errors, results
 (``StreamChunk``, ``SampleOutput``, ``RequestOutput``), statistics (``GeneratorStats``), the caller-side
 ``RequestHandle``, the stop rules (``finish_reason_for``, ``stop_string_hit``, ``continuation_sampling``), and
 the generator's per-request state (``SampleState``, ``RequestState``, work items and decode-thread messages:
@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from jaxrl_async.rollout.engine_api import SamplingParams
+from jaxrl_async.generator.engine_api import SamplingParams
 
 class GeneratorError(RuntimeError):
     """A request could not be completed; `__cause__` is the original exception."""

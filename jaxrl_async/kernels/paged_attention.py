@@ -4,9 +4,9 @@
 attention         pool arrays (layout)                            reads per decode step
 ================  ==============================================  ==========================================
 ``gather``        k_pool, v_pool [L, P, page, K, E] (``split``)   every slot's pages up to max_sequence_length
-                                                                  (the reference; `kv_cache.paged_decode_attend`)
+                                                                  (the reference; `paged.paged_decode_attend`)
 ``blocked``       k_pool, v_pool [L, P, K, page, E]               blocks of pages up to the longest *active*
-                  (``page_heads``: a gathered block is laid out   slot (`kv_cache.blocked_decode_attend`;
+                  (``page_heads``: a gathered block is laid out   slot (`paged.blocked_decode_attend`;
                   as its two dots read it)                        portable, the CPU default)
 ``tpu_ragged``    kv_pool [L, P, page, 2K, E] (``combined``:      each slot's own pages, Pallas/Mosaic
                   k at even, v at odd heads, the kernel's         `ragged_paged_attention` (TPU default)
@@ -21,7 +21,7 @@ lengths are ``pos + 1`` for active slots and 1 for free or finished ones (their 
 On a mesh every path runs per shard (``jax.shard_map``): slots over ``data`` where the decode batch is
 split, kv heads over ``tensor`` where the pool's are, and, when the slots split over ``data``, the pool's
 pages too: each decode replica owns a range of pages (local page ids, its own allocator in
-`kv_cache.ReplicaAllocators`), so per-device KV bytes = pool / data and no page crosses devices. The
+`generator.kv_cache.ReplicaAllocators`), so per-device KV bytes = pool / data and no page crosses devices. The
 portable paths run anywhere; a kernel path traced for another platform runs in Pallas interpret mode
 (``gpu_paged``, for tests) or is refused.
 """
@@ -38,12 +38,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_async.kernels.platform import kernel_platform
-from jaxrl_async.rollout import kv_cache
+from jaxrl_async.kernels import paged
 from jaxrl_async.sharding.rules import logical_to_spec
 
 DECODE_ATTENTION = ("gather", "blocked", "tpu_ragged", "gpu_paged")
 LAYOUT_OF = {"gather": "split", "blocked": "page_heads", "tpu_ragged": "combined", "gpu_paged": "heads_first"}
-_SPLIT_AXES = kv_cache.POOL_AXES  # layers, cache_pages, cache_page, cache_kv_heads, head_dim
+_SPLIT_AXES = paged.POOL_AXES  # layers, cache_pages, cache_page, cache_kv_heads, head_dim
 _HEADS_FIRST_AXES = ("cache_kv_heads", "layers", "cache_pages", "cache_page", "head_dim")
 
 
@@ -74,7 +74,7 @@ class PoolLayout:
         self.head_axis = {"heads_first": 0, "page_heads": 2}.get(name, 3)
         self.pages_dim = 2 if name == "heads_first" else 1
 
-    def shapes(self, spec: kv_cache.KVCacheSpec) -> dict[str, tuple[int, ...]]:
+    def shapes(self, spec: paged.KVCacheSpec) -> dict[str, tuple[int, ...]]:
         L, Pn, page, K, E = spec.pool_shape
         shape = {"split": (L, Pn, page, K, E), "page_heads": (L, Pn, K, page, E), "combined": (L, Pn, page, 2 * K, E),
                  "heads_first": (K, L, Pn, page, E)}[self.name]
@@ -87,14 +87,14 @@ class PoolLayout:
         dims[self.pages_dim], dims[self.head_axis] = pages_axis, kv_axis
         return P(*dims)
 
-    def shardings(self, spec: kv_cache.KVCacheSpec, mesh: Mesh, rules: Any = "generator",
+    def shardings(self, spec: paged.KVCacheSpec, mesh: Mesh, rules: Any = "generator",
                   pages_axis: str | None = None) -> dict[str, NamedSharding]:
         """The pool's shardings: kv heads by the rules (split iff K divides), pages over `pages_axis` (the engine
         passes its decode replicas' axis when the slots split over it, see `PagedEngine`)."""
         kv_ax = logical_to_spec(_SPLIT_AXES, spec.pool_shape, rules, mesh)[3]
         return dict.fromkeys(self.keys, NamedSharding(mesh, self.spec(pages_axis, kv_ax)))
 
-    def zeros(self, spec: kv_cache.KVCacheSpec) -> dict[str, jax.Array]:
+    def zeros(self, spec: paged.KVCacheSpec) -> dict[str, jax.Array]:
         return {k: jnp.zeros(s, spec.dtype) for k, s in self.shapes(spec).items()}
 
     def num_pages(self, pools: dict[str, jax.Array]) -> int:
@@ -105,8 +105,8 @@ class PoolLayout:
                      offsets: jax.Array) -> dict[str, jax.Array]:
         """Prompt k/v [L, T, K, E] to (dest_pages[t], offsets[t]) of every layer (null page: dropped)."""
         if self.name == "split":
-            return {"k_pool": kv_cache.write_prefix(pools["k_pool"], k, dest_pages, offsets),
-                    "v_pool": kv_cache.write_prefix(pools["v_pool"], v, dest_pages, offsets)}
+            return {"k_pool": paged.write_prefix(pools["k_pool"], k, dest_pages, offsets),
+                    "v_pool": paged.write_prefix(pools["v_pool"], v, dest_pages, offsets)}
         if self.name == "combined":
             pool = pools["kv_pool"]
             return {"kv_pool": pool.at[:, dest_pages, offsets].set(interleave(k, v).astype(pool.dtype), mode="drop")}
@@ -166,10 +166,10 @@ def decode_attend(attention: str, page_table: jax.Array, positions: jax.Array, a
 
     def local(q, k, v, layer_idx, pools, pt, pos, act, wp):
         if attention == "gather":
-            return kv_cache.paged_decode_attend(pt, pos, wp, page_size, scale)(q, k, v, layer_idx, pools)
+            return paged.paged_decode_attend(pt, pos, wp, page_size, scale)(q, k, v, layer_idx, pools)
         if attention == "blocked":
-            nblk = kv_cache.live_blocks(pos, act, block_pages * page_size)
-            return kv_cache.blocked_decode_attend(pt, pos, wp, page_size, scale, nblk, block_pages)(
+            nblk = paged.live_blocks(pos, act, block_pages * page_size)
+            return paged.blocked_decode_attend(pt, pos, wp, page_size, scale, nblk, block_pages)(
                 q, k, v, layer_idx, pools)
         pools = layout.write_token(pools, layer_idx, wp, pos % page_size, k[:, 0], v[:, 0])
         kv_lens = jnp.where(act, pos + 1, 1).astype(jnp.int32)

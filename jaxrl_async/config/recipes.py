@@ -2,9 +2,9 @@
 
 :func:`qwen3_math_rl` is the math RL recipe (GSM8K / MATH-style prompts, math-verify reward, GRPO
 group normalisation, decoupled PPO) with AReaL's published hyper-parameters; each config file
-picks a model size and a hardware layout (``jaxrl_async.layouts``) and sizes the two
+picks a model size and a hardware layout (``jaxrl_async.config.layouts``) and sizes the two
 memory-driven knobs (decode slots, trainer micro-batch tokens) so that ``python -m
-jaxrl_async.plan`` says the layout fits.
+jaxrl_async.plan.planner`` says the layout fits.
 
 Sources (AReaL repository at commit 00d07c04 unless noted; ``../shared/reference/areal-semantics.md`` (beside the checkout)):
 
@@ -95,7 +95,7 @@ def qwen3_math_rl(size: str, *, layout: str, max_concurrent_decodes: int, tokens
     together; a multiple of the layout's data axis so the decode batch splits evenly).
     ``tokens_per_micro``: trainer micro-batch token budget (all data shards together).
     """
-    from jaxrl_async.layouts import mesh_config
+    from jaxrl_async.config.layouts import mesh_config
 
     max_seq = MAX_PROMPT_LEN + MAX_NEW_TOKENS
     return RunConfig(

@@ -1,5 +1,5 @@
-"""`python -m jaxrl_async.plan --config FILE [--devices N] [--platform cpu|native] [--layout NAME]
-[--target KIND] [--headroom F] [--json] [--list] [key=value ...]`: will this run fit its hardware?
+"""Will this run fit its hardware? (``python -m jaxrl_async.plan --config FILE [--devices N] [--platform
+cpu|native] [--layout NAME] [--target KIND] [--headroom F] [--json] [--list] [key=value ...]``, ``cli/plan.py``)
 
 The planner builds the run's generator and trainer meshes (on simulated CPU devices by default:
 ``jax_num_cpu_devices`` is set before JAX starts, so a 64-GPU layout can be checked on a laptop),
@@ -41,7 +41,7 @@ the float32 temporaries: an upper bound of the bf16 program's (no buffer is smal
 
 Compiled for the target (``--compile-for target``, default ``auto`` = when installed; extras
 ``[aot-tpu]`` / ``[aot-gpu]``): the trainer's AND the generator's programs are compiled deviceless for
-the layout's device kind (``jaxrl_async.aot``: libtpu topologies, the CUDA plugin with an H100 target
+the layout's device kind (``jaxrl_async.plan.aot``: libtpu topologies, the CUDA plugin with an H100 target
 description) in the configured dtypes, with the attention each platform picks (splash / the Pallas-
 Triton kernel in the trainer, the ragged / Pallas paged decode kernels in the generator), and the
 resident KV bytes are those of the target engine's pool layout. GPU compiles use XLA's sort instead
@@ -55,16 +55,13 @@ Exit codes: 0 = fits, 1 = does not fit (suggestions printed), 2 = configuration 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import os
-import sys
 import time
 from typing import Any, Sequence
 
-from jaxrl_async.cli import UserError, cli_main, make_parser
+from jaxrl_async.cli.common import UserError
 
 GiB = 1 << 30
 
@@ -75,26 +72,8 @@ class PlanError(UserError, ValueError):
 
 
 # =============================================================================================
-# Command line and config (no JAX before the device count is set)
+# Config (no JAX before the device count is set)
 # =============================================================================================
-def _parser() -> argparse.ArgumentParser:
-    p = make_parser("python -m jaxrl_async.plan", "Will this run fit its hardware?\n\n" + __doc__.split("\n", 2)[2].strip())
-    p.add_argument("--config", help="config file (default: the embedded default run)")
-    p.add_argument("--devices", type=int, default=None, help="number of (simulated) devices; default: the layout's")
-    p.add_argument("--platform", choices=("cpu", "native"), default="cpu",
-                   help="cpu: simulated CPU devices; native: this machine's accelerators")
-    p.add_argument("--layout", default=None, help="replace the mesh section with this layout (jaxrl_async.layouts)")
-    p.add_argument("--target", default=None, help="device kind to budget against (default: the layout's)")
-    p.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free")
-    p.add_argument("--compile-for", choices=("auto", "target", "cpu"), default="auto",
-                   help="compile the trainer for the target device itself (libtpu / CUDA plugin, deviceless: extras "
-                        "aot-tpu / aot-gpu), or on the CPU (float32 upper bound); auto = target when installed")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--list", action="store_true", help="list the layouts and device kinds, then exit")
-    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
-    return p
-
-
 def load_plan_config(config: str | None, layout: str | None, overrides: Sequence[str]):
     """Config file (or the embedded default) + ``layout`` mesh + overrides, NOT validated (validation
     needs the device count, i.e. JAX)."""
@@ -103,11 +82,11 @@ def load_plan_config(config: str | None, layout: str | None, overrides: Sequence
     if config is not None:
         cfg = load_config_file(config)
     else:
-        from jaxrl_async.default_config import get_config
+        from jaxrl_async.config.default import get_config
 
         cfg = get_config()
     if layout is not None:
-        from jaxrl_async.layouts import apply_layout, get_layout
+        from jaxrl_async.config.layouts import apply_layout, get_layout
 
         try:
             get_layout(layout)
@@ -122,14 +101,14 @@ def load_plan_config(config: str | None, layout: str | None, overrides: Sequence
 
 def default_num_devices(cfg) -> int:
     """The layout's device count, else ``mesh.cpu_devices``, else 1."""
-    from jaxrl_async.layouts import LAYOUTS
+    from jaxrl_async.config.layouts import LAYOUTS
 
     if cfg.mesh.layout is not None and cfg.mesh.layout in LAYOUTS:
         return LAYOUTS[cfg.mesh.layout].num_devices
     return cfg.mesh.cpu_devices or 1
 
 
-def _configure_devices(n: int, platform: str) -> None:
+def configure_devices(n: int, platform: str) -> None:
     """Before JAX starts: CPU platform with ``n`` simulated devices (unless XLA_FLAGS forces a count)."""
     import jax
 
@@ -327,13 +306,14 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_async.components import build_engine, build_trainer, generator_model_config
+    from jaxrl_async.generator.factory import generator_model_config, run_engine
+    from jaxrl_async.trainer.factory import build_trainer
     from jaxrl_async.config import ConfigError, resolve_shape, resolve_device_split, validate
-    from jaxrl_async.layouts import get_device_kind, get_layout
+    from jaxrl_async.config.layouts import get_device_kind, get_layout
     from jaxrl_async.models.transformer import param_shapes
-    from jaxrl_async.rollout import kv_cache
+    from jaxrl_async.generator import kv_cache
     from jaxrl_async.sharding.mesh import make_mesh
-    from jaxrl_async.weight_sync import plan_push
+    from jaxrl_async.generator.weight_sync import plan_push
 
     t_start = time.perf_counter()
     if not 0 <= headroom < 1:
@@ -352,7 +332,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     elif layout is not None:
         kind = layout.kind
     else:
-        raise PlanError("no target device: the config has no mesh.layout; pass --layout NAME (jaxrl_async.layouts) "
+        raise PlanError("no target device: the config has no mesh.layout; pass --layout NAME (jaxrl_async.config.layouts) "
                         "or --target KIND (e.g. h100, h200, v5p, v4)")
     n = num_devices if num_devices is not None else default_num_devices(cfg)
     if n < 1:
@@ -388,7 +368,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
         raise PlanError(f"--compile-for must be auto, target or cpu, got {compile_for!r}")
     tdevs = None
     if compile_for != "cpu" and platform == "cpu":
-        from jaxrl_async import aot
+        from jaxrl_async.plan import aot
 
         try:
             tdevs, described = aot.target_devices(kind.name, n)
@@ -431,19 +411,19 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     if tdevs is not None:  # the generator's programs for the target too, in the configured dtypes
         g_mesh = make_mesh(dict(gen_mesh.shape), tuple(gen_mesh.axis_names), devices=[tdevs[i] for i in gen_ids])
         try:
-            engine_c = build_engine(cfg, model_cfg, g_mesh, num_pages=num_pages)
+            engine_c = run_engine(cfg, model_cfg, g_mesh, num_pages=num_pages, check_fit=False)
         except Exception as err:  # noqa: BLE001 - reported, and the CPU bound is used instead
             notes.append(f"generator compiled on the CPU, not for {kind.name}: {type(err).__name__}: {err}")
         else:
             compile_gen_cfg, gen_compiled_for = model_cfg, described
     if engine_c is None:
         compile_gen_cfg = compile_cfg
-        engine_c = build_engine(cfg, compile_cfg, gen_mesh, num_pages=num_pages)
+        engine_c = run_engine(cfg, compile_cfg, gen_mesh, num_pages=num_pages, check_fit=False)
     gen_compile_cfg = generator_model_config(compile_gen_cfg)
     # the engine of the resident bytes and the push plan: the configured dtypes on the simulated generator mesh
     # (the compiled engine itself when it is that one)
     engine_r = (engine_c if engine_c.mesh is gen_mesh and compile_gen_cfg is model_cfg
-                else build_engine(cfg, model_cfg, gen_mesh, num_pages=num_pages))
+                else run_engine(cfg, model_cfg, gen_mesh, num_pages=num_pages, check_fit=False))
     gen_params_c = _with_shardings(param_shapes(gen_compile_cfg), engine_c.param_shardings)
     arrays_c = _with_shardings(jax.eval_shape(engine_c._init_arrays), engine_c.state_shardings)
     new_pages = _sds((S,), jnp.int32, engine_c.slot_sharding)
@@ -732,8 +712,8 @@ def format_plan(r: dict[str, Any]) -> str:
 
 
 def format_layouts() -> str:
-    """The layouts and device kinds of ``jaxrl_async.layouts`` as text."""
-    from jaxrl_async.layouts import DEVICE_KINDS, LAYOUTS
+    """The layouts and device kinds of ``jaxrl_async.config.layouts`` as text."""
+    from jaxrl_async.config.layouts import DEVICE_KINDS, LAYOUTS
 
     lines = ["device kinds:"]
     for k in DEVICE_KINDS.values():
@@ -753,25 +733,3 @@ def _ids(ids: Sequence[int]) -> str:
     if ids and ids == list(range(ids[0], ids[-1] + 1)):
         return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
     return ",".join(map(str, ids))
-
-
-@cli_main("plan")
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
-    args, unknown = parser.parse_known_args(argv)  # -h/--help: usage, the description and every default
-    if unknown:
-        raise PlanError(f"unknown option {unknown[0]!r} (see --help)")
-    if args.list:
-        print(format_layouts())
-        return 0
-    cfg = load_plan_config(args.config, args.layout, args.overrides)
-    n = args.devices if args.devices is not None else default_num_devices(cfg)
-    _configure_devices(n, args.platform)
-    report = make_plan(cfg, num_devices=n, target=args.target, headroom=args.headroom, compile_for=args.compile_for)
-    print(json.dumps(report, indent=2) if args.json else format_plan(report))
-    return 0 if report["fits"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,7 +12,9 @@ from jax.sharding import Mesh
 
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params, forward, logits_from_hidden
-from jaxrl_async.rollout import kv_cache, paged_attention, sampling
+from jaxrl_async.generator import kv_cache
+from jaxrl_async.kernels import paged_attention
+from jaxrl_async.generator import sampling
 
 SLOT_INTS = ("pos", "last_token", "num_generated", "max_new", "top_k", "sample_index", "done")
 STEP_WRITES = ("page_table", "pos", "num_generated", "last_token", "done")  # the slot state a decode step changes

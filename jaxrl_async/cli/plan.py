@@ -1,0 +1,60 @@
+"""`python -m jaxrl_async.plan --config FILE [--devices N] [--platform cpu|native] [--layout NAME]
+[--target KIND] [--headroom F] [--json] [--list] [key=value ...]`: will this run fit its hardware?
+
+The planner itself (what it compiles, how it counts, exit codes) is ``plan/planner.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from jaxrl_async.cli.common import cli_main, make_parser
+from jaxrl_async.plan import planner
+from jaxrl_async.plan.planner import (
+    PlanError, configure_devices, default_num_devices, format_layouts, format_plan, load_plan_config, make_plan,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    about = planner.__doc__.split("\n", 2)[2].strip()
+    p = make_parser("python -m jaxrl_async.plan", "Will this run fit its hardware?\n\n" + about)
+    p.add_argument("--config", help="config file (default: the embedded default run)")
+    p.add_argument("--devices", type=int, default=None, help="number of (simulated) devices; default: the layout's")
+    p.add_argument("--platform", choices=("cpu", "native"), default="cpu",
+                   help="cpu: simulated CPU devices; native: this machine's accelerators")
+    p.add_argument("--layout", default=None, help="replace the mesh section with this layout (jaxrl_async.config.layouts)")
+    p.add_argument("--target", default=None, help="device kind to budget against (default: the layout's)")
+    p.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free")
+    p.add_argument("--compile-for", choices=("auto", "target", "cpu"), default="auto",
+                   help="compile the trainer for the target device itself (libtpu / CUDA plugin, deviceless: extras "
+                        "aot-tpu / aot-gpu), or on the CPU (float32 upper bound); auto = target when installed")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--list", action="store_true", help="list the layouts and device kinds, then exit")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    return p
+
+
+
+@cli_main("plan")
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)  # -h/--help: usage, the description and every default
+    if unknown:
+        raise PlanError(f"unknown option {unknown[0]!r} (see --help)")
+    if args.list:
+        print(format_layouts())
+        return 0
+    cfg = load_plan_config(args.config, args.layout, args.overrides)
+    n = args.devices if args.devices is not None else default_num_devices(cfg)
+    configure_devices(n, args.platform)
+    report = make_plan(cfg, num_devices=n, target=args.target, headroom=args.headroom, compile_for=args.compile_for)
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    return 0 if report["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Issue 30: a real-size checkpoint on a CPU sizes its KV cache from what the host can give (no 1 GiB cap, no
+sizing flag needed), and a pool that cannot fit is one line naming the flags with the values that fit (exit 2).
+
+The model: the Qwen3-0.6B vocabulary and width (151,936 x 1024, untied) on one layer, fp32: 1.24 GB of weights,
+more than the old CPU limit of min(RAM / 4, 1 GiB) per device could hold with any KV cache at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    from jaxrl_async.testing import make_tiny_hf_model
+
+    d = str(tmp_path_factory.mktemp("big"))
+    make_tiny_hf_model(d, "qwen3_untied", vocab_size=151_936, hidden_size=1024, intermediate_size=512,
+                       num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                       max_position_embeddings=1 << 22, std=0.02)
+    size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
+    assert size > GIB, size
+    return d
+
+
+def _generate(model_dir, tmp_path, *flags):
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"prompt_ids": [(7 * i + j) % 1000 + 3 for j in range(5 + 3 * i)]}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "jaxrl_async.generate", "--model", model_dir, "--input", str(rows), "--output",
+           str(out), "--temperature", "0", "--ignore-eos", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600), out
+
+
+def test_a_model_over_1_gib_generates_on_cpu_without_sizing_flags(big_model, tmp_path):
+    res, out = _generate(big_model, tmp_path, "--max-new-tokens", "32", "--max-concurrent", "4")
+    assert res.returncode == 0, res.stderr[-3000:]
+    outs = [json.loads(line) for line in open(out)]
+    assert len(outs) == 4 and all(len(o["completion_ids"]) == 32 for o in outs)
+
+
+def test_a_kv_cache_that_cannot_fit_is_one_line_with_the_values_that_fit(big_model, tmp_path):
+    # an explicit pool far beyond the host's RAM: the largest --num-pages that fits is named
+    res, _ = _generate(big_model, tmp_path, "--max-new-tokens", "32", "--max-concurrent", "4",
+                       "--num-pages", str(1 << 40))
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert lines[0].startswith("generate: note:") and "no tokenizer files" in lines[0]  # prompt_ids rows
+    assert lines[1].startswith("generate: error: the KV cache does not fit") and "--num-pages <= " in lines[1]
+    fit = int(lines[1].split("--num-pages <= ")[1].split()[0])
+    assert 0 < fit < 1 << 40
+    # one sequence longer than the whole host can hold: --max-new-tokens is named with a bound
+    res, _ = _generate(big_model, tmp_path, "--max-new-tokens", str((1 << 22) - 64), "--max-concurrent", "1")
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert last.startswith("generate: error: the KV cache does not fit") and "lower --max-new-tokens" in last, last
