@@ -74,15 +74,24 @@ def test_a_pool_that_cannot_hold_one_sequence_names_the_callers_fields(monkeypat
 
     from jaxrl_async.generator.factory import CLI_FLAGS, CONFIG_FIELDS, EngineConfig, EngineSizingError, build_engine
 
+    from jaxrl_async.generator import kv_cache
+
     model_cfg = _model_cfg(_cfg())
-    pbytes = model_cfg.num_params() * 4
-    _limit(monkeypatch, pbytes + (2 << 20))  # the weights and ~2 MiB: the workspace eats the rest
     e = EngineConfig(max_concurrent_decodes=4, max_sequence_length=128, max_prefill_length=64)
+    _limit(monkeypatch, 1 << 40)
+    ok = build_engine(e, model_cfg).sizing
+    # room for 2 pages after the weights and the workspace; one 128-token sequence needs 8 pages of 16
+    _limit(monkeypatch, ok.param_bytes + int((ok.workspace_bytes + 2.5 * ok.page_bytes) / 0.9))
     for fields in (CLI_FLAGS, CONFIG_FIELDS):
         with pytest.raises(EngineSizingError) as info:
             build_engine(e, model_cfg, fields=fields)
         msg = str(info.value)
-        assert "\n" not in msg and "does not fit" in msg and fields.max_sequence_length in msg, msg
+        assert "\n" not in msg and msg.startswith("the KV cache does not fit"), msg
+        assert f"needs {kv_cache.pages_for(128, 16)} pages and 2 fit: lower {fields.max_sequence_length} so that a " \
+               f"sequence has at most 32 tokens" in msg, msg
+    _limit(monkeypatch, ok.param_bytes // 2)  # not even the weights
+    with pytest.raises(EngineSizingError, match="the weights alone do not fit.*use a smaller model or dtype"):
+        build_engine(e, model_cfg)
 
 
 def test_an_explicit_pool_too_large_gets_the_largest_values_that_fit(monkeypatch):
