@@ -36,9 +36,9 @@ GSM = [{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}, {"question
 # paths of the `files` fixture: {model} a tiny model directory with a chat-template tokenizer, {missing}
 # a path that does not exist, {noconfig} a directory without config.json, {trunc} the model with its
 # model.safetensors truncated to half, {t} the temporary directory.
-GEN = "jaxrl_async.cli.generate"
-SCORE = "jaxrl_async.cli.score"
-EVAL = "jaxrl_async.cli.evaluate"
+GEN = "jaxrl_async.generate"
+SCORE = "jaxrl_async.score"
+EVAL = "jaxrl_async.evaluate"
 CASES = [
     # generate
     ("generate-missing-model", GEN, "--model {missing} --input {t}/prompts.jsonl --output {t}/o1.jsonl",
@@ -79,22 +79,22 @@ CASES = [
      "{t}/mixed.jsonl: row 1 looks like gsm8k but {t}/mixed.jsonl: row 2 looks like generic"),
     ("evaluate-bad-flag", EVAL, "--model {model} --data {t}/gsm.jsonl --n 0", "--n must be >= 1"),
     # export
-    ("export-missing-run-dir", "jaxrl_async.cli.export", "--run-dir {missing} --out {t}/e1", "--run-dir {missing}: not found"),
-    ("export-no-checkpoints", "jaxrl_async.cli.export", "--run-dir {noconfig} --out {t}/e1",
+    ("export-missing-run-dir", "jaxrl_async.export", "--run-dir {missing} --out {t}/e1", "--run-dir {missing}: not found"),
+    ("export-no-checkpoints", "jaxrl_async.export", "--run-dir {noconfig} --out {t}/e1",
      "{noconfig}: no checkpoints/ directory"),
-    ("export-missing-step", "jaxrl_async.cli.export", "--run-dir {t}/run --step 7 --out {t}/e1",
+    ("export-missing-step", "jaxrl_async.export", "--run-dir {t}/run --step 7 --out {t}/e1",
      "no committed checkpoint at step 7"),
-    ("export-corrupt-checkpoint", "jaxrl_async.cli.export", "--run-dir {t}/run_corrupt --out {t}/e1",
+    ("export-corrupt-checkpoint", "jaxrl_async.export", "--run-dir {t}/run_corrupt --out {t}/e1",
      "checkpoint step 1 is corrupt: params/"),
-    ("export-out-not-empty", "jaxrl_async.cli.export", "--run-dir {t}/run --out {model}",
+    ("export-out-not-empty", "jaxrl_async.export", "--run-dir {t}/run --out {model}",
      "--out {model}: directory exists and is not empty (pass --overwrite"),
-    ("export-bad-flag", "jaxrl_async.cli.export", "--run-dir {t}/run --out {t}/e1 --dtype int8",
+    ("export-bad-flag", "jaxrl_async.export", "--run-dir {t}/run --out {t}/e1 --dtype int8",
      "argument --dtype: invalid choice: 'int8'"),
     # plan
-    ("plan-missing-config", "jaxrl_async.plan.planner", "--config {t}/nope.py", "--config: file '{t}/nope.py' does not exist"),
-    ("plan-bad-key", "jaxrl_async.plan.planner", "rollout.n_sample=3", "rollout.n_sample: unknown field"),
-    ("plan-bad-layout", "jaxrl_async.plan.planner", "--layout nope", "--layout: unknown layout 'nope'"),
-    ("plan-bad-flag", "jaxrl_async.plan.planner", "--bogus", "unknown option '--bogus'"),
+    ("plan-missing-config", "jaxrl_async.plan", "--config {t}/nope.py", "--config: file '{t}/nope.py' does not exist"),
+    ("plan-bad-key", "jaxrl_async.plan", "rollout.n_sample=3", "rollout.n_sample: unknown field"),
+    ("plan-bad-layout", "jaxrl_async.plan", "--layout nope", "--layout: unknown layout 'nope'"),
+    ("plan-bad-flag", "jaxrl_async.plan", "--bogus", "unknown option '--bogus'"),
     # distributed.launch (checked before any process starts)
     ("launch-missing-config", "jaxrl_async.distributed.launch", "--config {t}/nope.py",
      "--config: file '{t}/nope.py' does not exist"),
@@ -102,34 +102,37 @@ CASES = [
     ("launch-bad-flag", "jaxrl_async.distributed.launch", "--generators 0", "--generators must be >= 1"),
     ("launch-unknown-option", "jaxrl_async.distributed.launch", "--bogus", "unknown option '--bogus'"),
     # main (the RL run)
-    ("main-missing-config", "jaxrl_async.cli.main", "--config {t}/nope.py", "--config: file '{t}/nope.py' does not exist"),
-    ("main-bad-key", "jaxrl_async.cli.main", "rollout.n_sample=3", "rollout.n_sample: unknown field"),
-    ("main-missing-model", "jaxrl_async.cli.main", "model.path={missing}", "model.path: '{missing}' has no config.json"),
-    ("main-no-config", "jaxrl_async.cli.main", "model.path={noconfig}", "model.path: '{noconfig}' has no config.json"),
-    ("main-truncated-weights", "jaxrl_async.cli.main",
+    ("main-missing-config", "jaxrl_async.main", "--config {t}/nope.py", "--config: file '{t}/nope.py' does not exist"),
+    ("main-bad-key", "jaxrl_async.main", "rollout.n_sample=3", "rollout.n_sample: unknown field"),
+    ("main-missing-model", "jaxrl_async.main", "model.path={missing}", "model.path: '{missing}' has no config.json"),
+    ("main-no-config", "jaxrl_async.main", "model.path={noconfig}", "model.path: '{noconfig}' has no config.json"),
+    ("main-truncated-weights", "jaxrl_async.main",
      "run_dir={t}/run_trunc model.path={trunc} data.task=dataset data.train_path={t}/gsm.jsonl data.format=gsm8k",
      "{trunc}/model.safetensors: tensor"),
-    ("main-missing-input", "jaxrl_async.cli.main", "data.task=dataset data.train_path={t}/nope.jsonl",
+    ("main-missing-input", "jaxrl_async.main", "data.task=dataset data.train_path={t}/nope.jsonl",
      "data.train_path: file '{t}/nope.jsonl' does not exist"),
-    ("main-malformed-row", "jaxrl_async.cli.main",
+    ("main-malformed-row", "jaxrl_async.main",
      "run_dir={t}/run_bad model.path={model} data.task=dataset data.train_path={t}/gsm_bad.jsonl data.format=gsm8k",
      "{t}/gsm_bad.jsonl: row 2: [gsm8k]"),
-    ("main-bad-flag", "jaxrl_async.cli.main", "--bogus", "unknown option '--bogus'"),
-    ("main-no-tokenizer", "jaxrl_async.cli.main",
+    ("main-bad-flag", "jaxrl_async.main", "--bogus", "unknown option '--bogus'"),
+    ("main-no-tokenizer", "jaxrl_async.main",
      "run_dir={t}/run_notok model.path={notok} data.task=dataset data.train_path={t}/gsm.jsonl data.format=gsm8k",
      "model.path: {notok} has no tokenizer files"),
     # main: settings that used to validate and then crash after the warm start (issue 24, Found 2)
-    ("main-kl-coef", "jaxrl_async.cli.main", "run_dir={t}/run_kl trainer.advantage.kl_coef=0.1",
+    ("main-kl-coef", "jaxrl_async.main", "run_dir={t}/run_kl trainer.advantage.kl_coef=0.1",
      "trainer.advantage.kl_coef: must be 0: a KL penalty needs a reference policy"),
-    ("main-short-buckets", "jaxrl_async.cli.main", "run_dir={t}/run_len rollout.engine.max_sequence_length=256 "
+    ("main-short-buckets", "jaxrl_async.main", "run_dir={t}/run_len rollout.engine.max_sequence_length=256 "
      "rollout.sampling.max_new_tokens=192 model.max_position_embeddings=256",
      "trainer.packing.row_len_buckets: largest bucket 128 is shorter than rollout.engine.max_sequence_length=256"),
-    ("main-sft-warmup", "jaxrl_async.cli.main", "run_dir={t}/run_sft trainer.sft.steps=5",
+    ("main-sft-warmup", "jaxrl_async.main", "run_dir={t}/run_sft trainer.sft.steps=5",
      "trainer.sft.warmup_steps: must be in [0, trainer.sft.steps=5), got 10"),
-    ("main-resume-never-used-dir", "jaxrl_async.cli.main", "run_dir={t}/run checkpoint.resume=never",
+    ("main-resume-never-used-dir", "jaxrl_async.main", "run_dir={t}/run checkpoint.resume=never",
      "checkpoint.resume: 'never', but {t}/run/checkpoints holds committed checkpoints (steps [1])"),
-    ("main-resume-changed-seed", "jaxrl_async.cli.main", "run_dir={t}/run_cfg seed=7",
+    ("main-resume-changed-seed", "jaxrl_async.main", "run_dir={t}/run_cfg seed=7",
      "seed: differs from the checkpoint this run resumes ({t}/run_cfg/checkpoints/1): seed 0 -> 7"),
+    # issue 30: a KV pool beyond the host's memory names the config field and the largest value that fits
+    ("main-kv-too-large", "jaxrl_async.main", "run_dir={t}/run_kv rollout.engine.num_pages=1099511627776",
+     "main: error: the KV cache does not fit: 1099511627776 pages asked"),
 ]
 
 
@@ -239,7 +242,7 @@ def test_cli_main_keeps_tracebacks_of_internal_errors(capsys):
     ("jaxrl_async.cli.score", "build_parser", ["(default: 8192)"]),
     ("jaxrl_async.cli.evaluate", "build_parser", ["(default: auto)", "(default: 0.6)", "(default: math)"]),
     ("jaxrl_async.cli.export", "build_parser", ["(default: 2.0)"]),
-    ("jaxrl_async.plan.planner", "_parser", ["(default: cpu)", "(default: 0.1)"]),
+    ("jaxrl_async.cli.plan", "_parser", ["(default: cpu)", "(default: 0.1)"]),
     ("jaxrl_async.distributed.launch", "build_parser", ["(default: 1)", "(default: 60.0)"]),
 ])
 def test_help_shows_defaults(module, parser, expected):

@@ -41,6 +41,18 @@ def _configure_cpu_devices(n: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", int(n))
 
 
+def _print_host_estimate(cfg) -> None:
+    """On a CPU-only machine: what the run needs here (memory per role, a rough time per step; ``plan/host.py``)."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return
+    from jaxrl_async.loop.setup import dry_run_model_config
+    from jaxrl_async.plan.host import format_host_estimate, host_estimate
+
+    print(format_host_estimate(host_estimate(cfg, dry_run_model_config(cfg)), cores=os.cpu_count()))
+
+
 @cli_main("main", handle_interrupt=False)  # user errors (config, model files, data rows): one line, exit 2
 @handle_signals  # SIGTERM/SIGINT from here on: every phase of the run stops in order (one line, exit 0)
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_config(cfg), file=sys.stderr)
     if flags["dry_run"]:
         print("config OK (dry run)", file=sys.stderr)
+        _print_host_estimate(cfg)
         return 0
     from jaxrl_async.cli import compile_cache
     from jaxrl_async.loop import FatalRunError, RLRun

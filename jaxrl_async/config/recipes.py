@@ -64,7 +64,7 @@ from jaxrl_async.rl.losses import BehaviourWeightConfig, PolicyLossConfig
 __all__ = ["qwen3_model_section", "qwen3_math_rl", "qwen3_math_rl_long", "SAMPLE_TRAIN_PATH", "MAX_PROMPT_LEN",
            "MAX_NEW_TOKENS", "LONG_MAX_NEW_TOKENS", "LONG_MAX_PROMPT_LEN"]
 
-SAMPLE_TRAIN_PATH = os.path.join(os.path.dirname(__file__), "data", "samples", "gsm8k_sample.jsonl")
+SAMPLE_TRAIN_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "samples", "gsm8k_sample.jsonl")
 BOXED_INSTRUCTION = "\nPlease put your final answer within \\boxed{}."
 MAX_PROMPT_LEN = 1024
 MAX_NEW_TOKENS = 1024

@@ -117,16 +117,14 @@ class ModelConfigSection:
 
         if self.path is not None:
             return ModelConfig.from_hf(self.path, **self.numerics()).replace(lora=self.lora.spec())
-        return ModelConfig(lora=self.lora.spec(),
-            model_type=self.model_type, vocab_size=self.vocab_size if self.vocab_size is not None else vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
-            tie_word_embeddings=self.tie_word_embeddings, max_position_embeddings=self.max_position_embeddings,
-            qkv_bias=self.model_type == "qwen2", qk_norm=self.model_type in ("qwen3", "qwen3_moe"),
-            bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-            num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-            moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob, **self.numerics())
+        # the section's architecture fields ARE ModelConfig's (same names, checked by tests/config/test_rules.py);
+        # what the section does not carry follows from the model type and the tokenizer
+        shared = {f.name for f in dataclasses.fields(ModelConfig)} & {f.name for f in dataclasses.fields(self)}
+        kw = {name: getattr(self, name) for name in shared}
+        kw.update(lora=self.lora.spec(), vocab_size=self.vocab_size if self.vocab_size is not None else vocab_size,
+                  qkv_bias=self.model_type == "qwen2", qk_norm=self.model_type in ("qwen3", "qwen3_moe"),
+                  bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        return ModelConfig(**kw)
 
 
 @dataclasses.dataclass(frozen=True)

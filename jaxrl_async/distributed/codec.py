@@ -33,7 +33,7 @@ WIRE_TYPES = (
     "jaxrl_async.distributed.transfer:LeafPlan",
     "jaxrl_async.models.config:ModelConfig",
     "jaxrl_async.models.lora:LoraSpec",
-    "jaxrl_async.config.sections:EngineConfig",
+    "jaxrl_async.generator.factory:EngineConfig",
     "jaxrl_async.generator.engine_api:SamplingParams",
     "jaxrl_async.generator.requests:RequestOutput",
     "jaxrl_async.generator.requests:SampleOutput",

@@ -180,7 +180,12 @@ class LocalServices:
         return local_placement(cfg, control.say)
 
     def after_setup(self, setup: RunSetup, control: RunControl) -> None:
-        pass
+        """Fail fast: an engine whose KV pool cannot fit even now (before the trainer's state, the SFT warm start
+        and the compilations) is one line naming ``rollout.engine.*`` (``EngineSizingError``, exit 2) here, not
+        minutes later. The engine is built again, sized from the memory left then, when the generator starts."""
+        from jaxrl_async.generator.factory import run_engine
+
+        run_engine(setup.cfg, setup.model_cfg, setup.gen_mesh)
 
     def trainer(self, setup: RunSetup, control: RunControl) -> LocalTrainer:
         return LocalTrainer.of_setup(setup, WarmStart(setup.cfg, setup.trainer_mesh, control))

@@ -148,6 +148,13 @@ def load_model(cfg: RunConfig, tokenizer: Any, trainer_mesh: Any) -> tuple[Any, 
     return model_cfg, params, base_reference(c, model_cfg), eos_ids
 
 
+def dry_run_model_config(cfg: RunConfig) -> Any:
+    """The run's model config without loading anything but ``config.json`` (for ``--dry-run``'s estimates): the
+    checkpoint's at ``model.path``, else the random-init architecture with ``model.vocab_size`` (or the size of the
+    local tokenizer's vocabulary order, 512, when the run builds its own tokenizer)."""
+    return cfg.model.model_config(cfg.model.vocab_size or 512)
+
+
 def sft_examples(setup: RunSetup) -> list[Any]:
     """The warm start's examples: every train prompt with its gold completion (+ EOS)."""
     from jaxrl_async.trainer.sft import SFTExample

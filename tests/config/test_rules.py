@@ -95,3 +95,28 @@ def test_lr_schedule_advances_once_per_rl_step(tmp_path, schedule):
         want = _areal_lr(k, lr=1e-3, warmup=8, total=T, min_ratio=0.1, schedule=schedule)
         for j in range(m):
             assert math.isclose(float(sched(k * m + j)), want, rel_tol=1e-5, abs_tol=1e-12), (k, j)
+
+
+def test_the_model_section_is_the_model_configs_fields_not_a_copy():
+    """Issue 24 Found 6: `model.*` carries ModelConfig's own field names (plus what only a run has), and its random-init
+    ModelConfig takes them by name, so a field added to one cannot silently be lost by the other."""
+    import dataclasses
+
+    from jaxrl_async.config import ModelConfigSection, apply_overrides
+    from jaxrl_async.config.default import get_config
+    from jaxrl_async.models.config import ModelConfig
+
+    section_only = {"path", "tokenizer_path", "init_seed"}  # where the weights come from (lora: LoraSection -> spec)
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert {f.name for f in dataclasses.fields(ModelConfigSection)} - model_fields == section_only
+    for overrides in ([], ["model.model_type=qwen2", "model.hidden_size=48", "model.num_heads=6"],
+                      ["model.model_type=qwen3_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+                       "model.moe_intermediate_size=32", "model.lora.rank=2", "model.dtype=bfloat16"]):
+        sec = apply_overrides(get_config(), overrides).model
+        m = sec.model_config(100, eos_token_id=2)
+        for f in dataclasses.fields(ModelConfigSection):
+            if f.name in model_fields and f.name not in ("lora", "vocab_size"):
+                assert getattr(m, f.name) == getattr(sec, f.name), f.name
+        assert m.vocab_size == (sec.vocab_size or 100) and m.eos_token_id == 2
+        assert m.qkv_bias == (sec.model_type == "qwen2") and m.qk_norm == (sec.model_type != "qwen2")
+        assert (m.lora is None) == (sec.lora.rank == 0)
