@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-concurrent", type=int, default=32, help="decode slots")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute/param/KV dtype")
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
-    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from device memory)")
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="KV pages (default: sized from the free memory; on a CPU the host's available RAM)")
     return ap
 
 

@@ -157,7 +157,8 @@ def build_parser():
     ap.add_argument("--max-prompt-length", type=int, default=None,
                     help="longest prompt (largest prefill bucket; default: the longest of the file)")
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
-    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from device memory)")
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="KV pages (default: sized from the free memory; on a CPU the host's available RAM)")
     ap.add_argument("--no-compact-decode", dest="compact_decode", action="store_false",
                     help="always decode with the full batch of --max-concurrent rows, so that a row's tokens never "
                          "depend on the rest of the batch (default: batches of 1/2 or 1/4 of it while the live "

@@ -256,11 +256,13 @@ class TrainerConfig:
     sft: SFTConfig = SFTConfig()
 
     def optimizer_config(self):
+        """``trainer.optimizer.OptimizerConfig`` of this section: the fields of the same names (the section is
+        flat, as users write ``trainer.lr``; tests/config/test_rules.py checks the names), the schedule stepped
+        once per RL step (``updates_per_step`` = ``ppo_n_minibatches``)."""
         from jaxrl_async.trainer.optimizer import OptimizerConfig
 
-        return OptimizerConfig(lr=self.lr, schedule=self.schedule, warmup_steps=self.warmup_steps,
-                               total_steps=self.total_steps, min_lr_ratio=self.min_lr_ratio, b1=self.b1, b2=self.b2,
-                               eps=self.eps, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm,
+        shared = {f.name for f in dataclasses.fields(OptimizerConfig)} & {f.name for f in dataclasses.fields(self)}
+        return OptimizerConfig(**{name: getattr(self, name) for name in shared},
                                updates_per_step=self.ppo_n_minibatches)
 
 

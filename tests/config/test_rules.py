@@ -120,3 +120,20 @@ def test_the_model_section_is_the_model_configs_fields_not_a_copy():
         assert m.vocab_size == (sec.vocab_size or 100) and m.eos_token_id == 2
         assert m.qkv_bias == (sec.model_type == "qwen2") and m.qk_norm == (sec.model_type != "qwen2")
         assert (m.lora is None) == (sec.lora.rank == 0)
+
+
+def test_the_trainer_sections_optimizer_fields_are_the_optimizers():
+    """Same for `trainer.*`'s optimizer settings: OptimizerConfig's fields by name (only `decay_norms_and_biases`
+    keeps the optimizer's default, and `updates_per_step` comes from `ppo_n_minibatches`)."""
+    import dataclasses
+
+    from jaxrl_async.config import TrainerConfig
+    from jaxrl_async.trainer.optimizer import OptimizerConfig
+
+    opt_fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    shared = opt_fields & {f.name for f in dataclasses.fields(TrainerConfig)}
+    assert opt_fields - shared == {"decay_norms_and_biases", "updates_per_step"}
+    tr = TrainerConfig(lr=3e-4, schedule="cosine", warmup_steps=3, total_steps=40, min_lr_ratio=0.1, b1=0.8,
+                       b2=0.9, eps=1e-6, weight_decay=0.05, max_grad_norm=0.5, ppo_n_minibatches=4)
+    opt = tr.optimizer_config()
+    assert all(getattr(opt, n) == getattr(tr, n) for n in shared) and opt.updates_per_step == 4
