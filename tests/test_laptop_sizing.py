@@ -62,3 +62,24 @@ def test_a_kv_cache_that_cannot_fit_is_one_line_with_the_values_that_fit(big_mod
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert last.startswith("generate: error: the KV cache does not fit") and "lower --max-new-tokens" in last, last
+
+
+def test_the_readmes_own_model_recipe_runs_on_cpu(tmp_path):
+    """README "Bring your own model": `configs/cpu_own_model.py` with a model directory and GSM8K-format files runs
+    (`--dry-run` with the machine's estimate, then two RL steps to a Hugging Face export) with no other setting."""
+    from jaxrl_async.config.recipes import SAMPLE_TRAIN_PATH
+    from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer, subprocess_xla_flags
+
+    model = str(tmp_path / "model")
+    make_tiny_hf_model(model, "qwen3", max_position_embeddings=1024)
+    make_tiny_tokenizer(model)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [sys.executable, "-m", "jaxrl_async.main", "--config", os.path.join(root, "configs", "cpu_own_model.py"),
+            f"model.path={model}", f"data.train_path={SAMPLE_TRAIN_PATH}", f"data.eval_path={SAMPLE_TRAIN_PATH}",
+            f"run_dir={tmp_path / 'run'}"]
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags())
+    dry = subprocess.run(args + ["--dry-run"], capture_output=True, text=True, timeout=300, env=env)
+    assert dry.returncode == 0 and "rough time per RL step" in dry.stdout, dry.stderr[-2000:]
+    run = subprocess.run(args + ["trainer.total_steps=2"], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "done: 2 steps" in run.stderr and os.path.isfile(tmp_path / "run" / "hf" / "config.json")

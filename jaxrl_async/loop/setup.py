@@ -117,7 +117,13 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
                   skip_bad_rows=c.data.skip_bad_rows)
     train_ds = load_prompt_dataset(DatasetConfig(path=train_path, **common), tokenizer)
     if len(train_ds) == 0:
-        raise ValueError(f"data.train_path: {train_path} has no usable prompt (all filtered or empty)")
+        st = train_ds.stats
+        if st.too_long:
+            raise ConfigError("data.max_prompt_len", f"all {st.too_long} prompts of {train_path} are longer than "
+                              f"{c.data.max_prompt_len} tokens (the longest has {st.max_prompt_tokens}); raise "
+                              "data.max_prompt_len and rollout.engine.max_prefill_length / max_sequence_length")
+        raise ConfigError("data.train_path", f"{train_path} has no usable prompt ({st.rows_read} rows read, "
+                                             f"{st.bad_rows} bad)")
     eval_records: list = []
     if eval_path is not None:
         eval_records = load_prompt_dataset(DatasetConfig(path=eval_path, **common), tokenizer).records
