@@ -29,7 +29,7 @@ import time
 def _model_cfg(name: str, dtype: str):
     from jaxrl_async.models.config import ModelConfig, preset
 
-    if name == "default":  # the embedded default's model (default_config.py; vocabulary of its tokenizer)
+    if name == "default":  # the embedded default's model (config/default.py; vocabulary of its tokenizer)
         return ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=512, dtype=dtype)
     if name == "moe-small":  # a small Qwen3-MoE (16 experts, top 4): adapters on attention and every expert

@@ -31,7 +31,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # One persistent compilation cache for the whole session (a temporary directory, removed at exit): the many tests
 # that build the same tiny models compile each program once, in-process and in the subprocesses they start (role
 # processes, CLIs: through the environment; a test that measures the cache itself sets its own). Tests that count
-# backend compiles turn it off around the count (tests/rollout/test_engine.py).
+# backend compiles turn it off around the count (tests/generator/test_engine.py).
 # Under pytest-xdist the workers inherit the controller's directory (one cache for the whole run); whoever created
 # the directory removes it.
 _XLA_CACHE = os.environ.get("JAXRL_ASYNC_TEST_XLA_CACHE", "")

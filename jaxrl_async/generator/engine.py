@@ -781,7 +781,7 @@ class PagedEngine(Engine):
         """Compile the programs `warmup` runs from abstract arguments, all at once on a pool of threads (the
         decode step first: the largest), and start the compacted steps' compiles after them. The later calls
         with concrete arguments of the same shapes and shardings reuse these compilations (JAX's in-memory
-        cache), which `tests/rollout/test_engine.py` checks by counting backend compiles."""
+        cache), which `tests/generator/test_engine.py` checks by counting backend compiles."""
         import concurrent.futures
 
         sds = jax.ShapeDtypeStruct

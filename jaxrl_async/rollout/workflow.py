@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
-# Generator protocol (implemented by rollout.orchestrator.Generator)
+# Generator protocol (implemented by generator.orchestrator.Generator)
 # ---------------------------------------------------------------------------------------------
 class _Handle(Protocol):
     def result(self, timeout: float | None = None) -> Any: ...

@@ -1,4 +1,4 @@
-"""Orchestrator tests on the deterministic mock engine (tests/rollout/mock_engine.py).
+"""Orchestrator tests on the deterministic mock engine (tests/generator/mock_engine.py).
 
 Expected tokens come from `reference_tokens`, an independent re-implementation of the mock's
 decoding rule given the per-token versions, so every check can fail on a wrong token, a lost
