@@ -130,6 +130,13 @@ CASES = [
      "checkpoint.resume: 'never', but {t}/run/checkpoints holds committed checkpoints (steps [1])"),
     ("main-resume-changed-seed", "jaxrl_async.main", "run_dir={t}/run_cfg seed=7",
      "seed: differs from the checkpoint this run resumes ({t}/run_cfg/checkpoints/1): seed 0 -> 7"),
+    # issue 31 item 5: every import string of a config resolves at validation (--dry-run included)
+    ("main-bad-reward", "jaxrl_async.main", "--dry-run rollout.reward=nope_pkg.mod:fn",
+     "rollout.reward: reward 'nope_pkg.mod:fn': cannot import module 'nope_pkg.mod'"),
+    ("main-bad-workflow", "jaxrl_async.main", "--dry-run rollout.workflow=json:dumps",
+     "rollout.workflow: 'json:dumps' is not a RolloutWorkflow subclass"),
+    ("main-param-dtype", "jaxrl_async.main", "--dry-run model.param_dtype=bfloat16",
+     "model.param_dtype: bfloat16 would be ignored: the trainer keeps float32 master weights"),
     # issue 30: a KV pool beyond the host's memory names the config field and the largest value that fits
     ("main-kv-too-large", "jaxrl_async.main", "run_dir={t}/run_kv rollout.engine.num_pages=1099511627776",
      "main: error: the KV cache does not fit: 1099511627776 pages asked"),

@@ -122,3 +122,23 @@ def test_export_refuses_to_overwrite_without_flag(run, tmp_path, capsys):
                                               "tokenizer.json", "tokenizer_config.json"])
     assert main(["--run-dir", run_dir, "--out", str(out / "notes.txt")]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_export_takes_the_runs_dtype_and_refuses_peft_without_adapters(run, tmp_path, capsys):
+    """Issue 31 item 8: the default weight dtype is the run's model.dtype (a bfloat16 run no longer doubles in size),
+    `--lora peft` on a run without LoRA is one line (it silently wrote a full model), and the summary line names
+    only files that exist."""
+    run_dir, cfg, params, tok_dir = run
+    bf_dir = str(tmp_path / "bf_run")
+    with Checkpointer(bf_dir, CheckpointConfig(keep_last=1), model_config=cfg.replace(dtype="bfloat16"),
+                      tokenizer_dir=tok_dir) as ck:
+        ck.save({"params": params[1]}, TrainMeta(step=1, policy_version=1))
+    out = str(tmp_path / "bf_out")
+    assert main(["--run-dir", bf_dir, "--out", out]) == 0
+    said = capsys.readouterr().out
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    assert "config.json" in said and "adapter_config.json" not in said
+    assert main(["--run-dir", run_dir, "--out", str(tmp_path / "peft"), "--lora", "peft"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--lora peft:" in err and "is not a LoRA run" in err, err
+    assert not os.path.exists(tmp_path / "peft") or not os.listdir(tmp_path / "peft")

@@ -83,3 +83,4 @@ def test_the_readmes_own_model_recipe_runs_on_cpu(tmp_path):
     run = subprocess.run(args + ["trainer.total_steps=2"], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "done: 2 steps" in run.stderr and os.path.isfile(tmp_path / "run" / "hf" / "config.json")
+    assert "group rejected" not in run.stderr and "WARNING" not in run.stderr, run.stderr[-3000:]  # issue 31 item 7

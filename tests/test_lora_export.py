@@ -68,12 +68,14 @@ def test_merged_export_reproduces_the_lora_logits(run, tmp_path):
 
 
 @pytest.mark.parametrize("which", ["own_base", "model_path"])
-def test_peft_adapter_loads_with_peft_and_reproduces_the_logits(run, tmp_path, which):
+def test_peft_adapter_loads_with_peft_and_reproduces_the_logits(run, tmp_path, which, capsys):
     import peft
 
     runs, hf_dir, ours = run
     out = str(tmp_path / "peft")
     assert main(["--run-dir", runs[which], "--out", out, "--lora", "peft"]) == 0
+    said = capsys.readouterr().out  # issue 31 item 8: the line names what was written, no config.json claimed
+    assert "adapter_config.json" in said and " config.json" not in said and "generation_config.json" not in said
     conf = json.load(open(os.path.join(out, "adapter_config.json")))
     assert conf["r"] == 4 and conf["lora_alpha"] == 6.0 and conf["peft_type"] == "LORA"
     assert sorted(conf["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

@@ -121,6 +121,9 @@ def test_plan_that_cannot_fit_reports_suggestions(capsys):
     text = " ".join(r["suggestions"])
     for hint in ("more FSDP", "smaller micro-batch", "tensor parallelism", "colocated"):
         assert hint in text, (hint, r["suggestions"])
+    # issue 30: and what the same run would need on this machine's CPU (16 bytes per trained parameter, ...)
+    here = r["this_machine"]
+    assert here["trainer_bytes"] == 16 * here["params"] and here["step_s"] > 0 and here["dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("argv, message", [

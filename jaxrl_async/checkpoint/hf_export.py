@@ -64,8 +64,9 @@ def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None
     """Write the Hugging Face directory of checkpoint `step` (default: latest committed) of `run`.
 
     run: a run directory (opened read-only) or a live Checkpointer. dtype: weight dtype in the
-    files (default: the run's param_dtype). clean: once the checkpoint is restored, remove the files
-    of an earlier export from `out_dir` (weights, shard index, configs, tokenizer) before writing.
+    files (default: the run's model.dtype, which its generator held; the master weights are float32).
+    clean: once the checkpoint is restored, remove the files of an earlier export from `out_dir` (weights, shard
+    index, configs, tokenizer) before writing.
     lora: for a LoRA run, "merged" weights or a "peft" adapter directory (module docstring).
     """
     from jaxrl_async.checkpoint.manager import Checkpointer, CheckpointIncompatibleError
@@ -83,11 +84,15 @@ def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None
                                           "(the run's Checkpointer was created without model_config)")
     tok = restored.tokenizer_dir if restored.tokenizer_dir and os.path.isdir(restored.tokenizer_dir) else None
     if tok is None:
-        print(f"[jaxrl_async.cli.export] warning: {ckpt.run_dir} has no tokenizer copy; exporting weights and configs only",
+        print(f"[jaxrl_async.export] warning: {ckpt.run_dir} has no tokenizer copy; exporting weights and configs only",
               file=sys.stderr)
     if clean and os.path.isdir(out_dir):
         for f in _export_files(out_dir):
             os.remove(f)
+    if lora == "peft" and cfg.lora is None:
+        raise ExportError(f"--lora peft: {ckpt.step_dir(restored.step)} is not a LoRA run (model.lora.rank 0): there "
+                          "is no adapter to export; leave --lora out for the full model")
+    dtype = dtype or cfg.dtype  # the run's model.dtype (what its generator held): a bfloat16 run exports bfloat16
     params = restored.arrays["params"]
     base_ref = (restored.meta.extra or {}).get("lora_base") if cfg.lora is not None else None
     if base_ref:  # the checkpoint holds the adapters; the base is the referenced model.path

@@ -49,7 +49,7 @@ def build_parser():
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--overwrite", action="store_true", help="write into an existing non-empty --out (replacing the "
                    "weight, config and tokenizer files of an earlier export)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="weight dtype (default: the run's param_dtype)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="weight dtype (default: the run's model.dtype)")
     p.add_argument("--fallback", action="store_true",
                    help="if the chosen step is corrupt, export the newest older committed step instead")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size (GiB)")
@@ -89,9 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = str(e)
         named = args.run_dir in msg or os.path.abspath(args.run_dir) in msg  # the checkpoint errors name their path
         raise UserError(msg if named else f"--run-dir {args.run_dir}: {msg}") from None
+    configs = [f for f in ("config.json", "generation_config.json", "adapter_config.json")
+               if os.path.isfile(os.path.join(res.out_dir, f))]  # what is there (a PEFT directory has no config.json)
     print(f"exported step {res.step} of {os.path.abspath(args.run_dir)} to {res.out_dir}: "
-          f"{', '.join(res.weight_files)}, config.json, generation_config.json"
-          + (", tokenizer" if res.tokenizer_copied else " (no tokenizer)"))
+          f"{', '.join(list(res.weight_files) + configs)}" + (", tokenizer" if res.tokenizer_copied else " (no tokenizer)"))
     return 0
 
 

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
 from jaxrl_async.cli.common import cli_main, make_parser
 from jaxrl_async.plan import planner
+from jaxrl_async.plan.host import format_host_estimate, host_estimate
 from jaxrl_async.plan.planner import (
     PlanError, configure_devices, default_num_devices, format_layouts, format_plan, load_plan_config, make_plan,
+    plan_model_config,
 )
 
 
@@ -52,7 +55,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = args.devices if args.devices is not None else default_num_devices(cfg)
     configure_devices(n, args.platform)
     report = make_plan(cfg, num_devices=n, target=args.target, headroom=args.headroom, compile_for=args.compile_for)
-    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    if args.platform == "cpu":  # and what the same run would need on this machine's CPU (plan/host.py)
+        report["this_machine"] = host_estimate(cfg, plan_model_config(cfg))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_plan(report))
+        if "this_machine" in report:
+            print("\nthe same run on this machine's CPU instead (" + cfg.model.dtype + "):\n"
+                  + format_host_estimate(report["this_machine"], cores=os.cpu_count()))
     return 0 if report["fits"] else 1
 
 

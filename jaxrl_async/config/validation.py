@@ -189,6 +189,10 @@ def _trainer_rules(cfg: RunConfig) -> None:
 def _model_rules(cfg: RunConfig) -> None:
     """``model``."""
     ro, tr = cfg.rollout, cfg.trainer
+    # issue 31 item 3: a setting that would do nothing is refused, not ignored
+    _require(cfg.model.param_dtype == "float32", "model.param_dtype",
+             f"{cfg.model.param_dtype} would be ignored: the trainer keeps float32 master weights and Adam state, the "
+             "generator holds model.dtype; a LoRA run's frozen base takes model.lora.base_dtype")
     _require(cfg.model.vocab_size is None or cfg.model.vocab_size >= 1, "model.vocab_size",
              f"must be >= 1 or None, got {cfg.model.vocab_size}")
     if cfg.model.path is not None:

@@ -208,7 +208,9 @@ def _with_shardings(abstract, shardings):
 # =============================================================================================
 # The plan
 # =============================================================================================
-def _model_config(cfg):
+def plan_model_config(cfg):
+    """The model config a plan is made for: ``model.path``'s config.json, or the section's architecture with
+    ``model.vocab_size`` (required then)."""
     from jaxrl_async.config import ConfigError
 
     if cfg.model.path is None and cfg.model.vocab_size is None:
@@ -345,7 +347,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     devices = devices[:n]
     validate(cfg, n)
     platform = devices[0].platform
-    model_cfg = _model_config(cfg)
+    model_cfg = plan_model_config(cfg)
     if float32_temporaries is None:
         float32_temporaries = platform == "cpu" and model_cfg.dtype != "float32"
     compile_cfg = model_cfg.replace(dtype="float32") if float32_temporaries else model_cfg

@@ -60,6 +60,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 import numpy as np
 
 from jaxrl_async.generator.engine_api import SamplingParams
+from jaxrl_async.generator.requests import GeneratorClosedError
 from jaxrl_async.rollout.staleness import StalenessManager, StalenessViolation, Ticket
 
 log = logging.getLogger(__name__)
@@ -494,6 +495,7 @@ class RolloutDispatcher:
         self._fatal: BaseException | None = None
         self._consecutive_failures = 0
         self._failures: collections.Counter[str] = collections.Counter()
+        self.abandoned_at_stop = 0  # groups cut off by the generator's stop after stop(): expected, not failures
         self.recent_errors: collections.deque[str] = collections.deque(maxlen=20)
         self.data_exhausted = False
         self._inflight: set[cf.Future] = set()
@@ -525,6 +527,9 @@ class RolloutDispatcher:
         self._groups.shutdown(wait=False, cancel_futures=cancel_pending)
         self._episodes.shutdown(wait=False, cancel_futures=cancel_pending)
         self._rewards.shutdown(wait=False, cancel_futures=cancel_pending)
+        if pending:
+            log.info("rollout dispatcher: stopped with %d group(s) in flight; what the generator does not finish is "
+                     "abandoned (the prompts stay unconsumed in the ledger)", len(pending))
 
     @property
     def fatal_error(self) -> BaseException | None:
@@ -586,6 +591,10 @@ class RolloutDispatcher:
             return
         except BaseException as e:  # noqa: BLE001 - never lose a ticket
             self._reject(ticket, item, f"error:{type(e).__name__}")
+            if isinstance(e, GeneratorClosedError) and self._stop.is_set():
+                with self._lock:  # the run is ending: the generator stopped under it (the prompt is replayed)
+                    self.abandoned_at_stop += 1
+                return
             self._record_failure(GroupRejected(f"error:{type(e).__name__}", str(e)))
             return
         try:
