@@ -200,7 +200,8 @@ def test_save_restore_round_trip_keep_last_and_manifest(tmp_path, mesh4):
 
 def test_should_save_by_steps_and_seconds(tmp_path):
     ck = Checkpointer(str(tmp_path / "r"), CheckpointConfig(every_steps=5, every_seconds=100.0))
-    t0 = ck._last_save_time
+    # an exactly representable origin: with the real clock (large uptimes) (t0 + 200) - (t0 + 100) can be 99.99999999999
+    t0 = ck._last_save_time = 1024.0
     assert [s for s in range(1, 12) if ck.should_save(s, now=t0 + 1)] == [5, 10]
     assert ck.should_save(7, now=t0 + 100.0) and not ck.should_save(7, now=t0 + 99.9)
     x = {"w": jnp.arange(3.0)}

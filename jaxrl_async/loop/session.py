@@ -18,6 +18,7 @@ from typing import Any
 
 from jaxrl_async.config import to_dict
 from jaxrl_async.data.ledger import LEDGER_LOG, DataLedger, repair_jsonl_tail
+from jaxrl_async.generator.weight_sync import WeightPushError
 from jaxrl_async.loop.evaluation import evaluate_held_out
 from jaxrl_async.loop.step import FatalRunError, StepRunner
 from jaxrl_async.loop.summary import StepClock, run_counts, step_row, write_summary
@@ -183,7 +184,10 @@ class TrainingSession:
         c, tr = self.cfg, self.cfg.trainer
         out = self.steps.run(groups)
         step, version = self.steps.step, self.steps.version
-        push = self.pusher.push(self.trainer.params, version)
+        try:
+            push = self.pusher.push(self.trainer.params, version)
+        except WeightPushError as e:  # the step is committed (StepRunner): the run ends with it, in one line
+            raise FatalRunError(f"{e} (step {step} is committed; the run resumes from it)") from e
         if not out.finite:
             nf = self.steps.nonfinite
             self.metrics.message(f"step {step}: non-finite loss/gradient, update skipped ({out.summary['skipped']} of "

@@ -335,7 +335,7 @@ def test_multi_turn_routing_is_merged_over_the_turns_last_routing_winning():
 def test_aux_loss_coefficient_defaults_to_the_models(top1):
     """`trainer.router_aux_loss_coef` None takes the checkpoint's HF `router_aux_loss_coef`; a value overrides it;
     dense models get 0."""
-    from jaxrl_async.components import trainer_config
+    from jaxrl_async.trainer.factory import trainer_config
     from jaxrl_async.config import RunConfig, apply_overrides
 
     cfg, _ = top1
