@@ -87,9 +87,38 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     _model_rules(cfg)
     _data_rules(cfg)
     _eval_checkpoint_rules(cfg)
+    _import_rules(cfg)
     _validate_mesh(cfg, num_devices)
     check_resume(cfg)
     return cfg
+
+
+def _import_rules(cfg: RunConfig) -> None:
+    """Every import string of the config resolves now (``--dry-run`` included), not after the model is loaded and
+    compiled: ``rollout.reward`` (``module:function``, callable) and ``rollout.workflow`` (``module:Class``, a
+    ``RolloutWorkflow`` subclass; agents are workflows). Built-in names are checked in ``_rollout_rules``."""
+    import importlib
+
+    from jaxrl_async.rewards.registry import BUILTIN_REWARDS, RewardLoadError, load_reward_fn
+
+    ro = cfg.rollout
+    if ro.reward not in BUILTIN_REWARDS:
+        try:
+            load_reward_fn(ro.reward)
+        except RewardLoadError as e:
+            raise ConfigError("rollout.reward", str(e)) from None
+    if ro.workflow != "rlvr":
+        from jaxrl_async.rollout.workflow import RolloutWorkflow
+
+        mod, sep, attr = ro.workflow.partition(":")
+        _require(bool(sep and mod and attr), "rollout.workflow",
+                 f"{ro.workflow!r} is neither 'rlvr' nor a 'module:Class' string")
+        try:
+            obj = getattr(importlib.import_module(mod), attr)
+        except Exception as e:  # noqa: BLE001 - any failure of the user's module is the user's to see, in one line
+            raise ConfigError("rollout.workflow", f"cannot import {ro.workflow!r}: {type(e).__name__}: {e}") from None
+        _require(isinstance(obj, type) and issubclass(obj, RolloutWorkflow), "rollout.workflow",
+                 f"{ro.workflow!r} is not a RolloutWorkflow subclass")
 
 
 def _rollout_rules(cfg: RunConfig) -> None:

@@ -24,7 +24,7 @@ from jaxrl_async.checkpoint import HOST, Checkpointer, NonFiniteTracker  # noqa:
 from jaxrl_async.data.ledger import read_data_ledger  # noqa: E402
 from jaxrl_async.loop import RLRun  # noqa: E402
 from jaxrl_async.loop.services import LocalGenerators, LocalServices  # noqa: E402
-from jaxrl_async.loop.step import StepRunner  # noqa: E402
+from jaxrl_async.loop.step import FatalRunError, StepRunner  # noqa: E402
 from jaxrl_async.generator.weight_sync import WeightPushError  # noqa: E402
 
 
@@ -66,8 +66,9 @@ def test_push_failure_after_the_update_trains_every_prompt_once(tmp_path):
     whole = RLRun(tiny_run_config(tmp_path / "whole", eta=0, steps=4, **common)).run()
     assert whole.stopped_by == "completed" and whole.steps == 4
     run = tmp_path / "failed"
-    with pytest.raises(WeightPushError, match="injected"):
+    with pytest.raises(FatalRunError, match="injected") as info:  # one line for the user: "run failed: ..."
         RLRun(tiny_run_config(run, eta=0, steps=4, **common), _FailingPushServices(fail_version=3)).run()
+    assert isinstance(info.value.__cause__, WeightPushError)
     ck = Checkpointer(str(run), read_only=True)
     assert ck.all_steps() == [3]
     meta = ck.read_meta(3)
