@@ -61,6 +61,7 @@ from jaxrl_async.kernels.paged import (  # noqa: F401  (the pool's spec and atte
 )
 from jaxrl_async.sharding.rules import logical_to_spec, spec_axes_size
 
+
 class KVSizingError(MemoryError):
     """The pool does not fit: ``fit_pages`` pages fit the budget (``detail`` says how it was counted),
     ``pages_per_sequence`` make one sequence of ``max_sequence_length`` tokens."""
