@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
+TARGETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "targets")  # jaxrl_async/targets
 H100_TARGET = os.path.join(TARGETS_DIR, "h100_sxm.txtpb")
 
 
