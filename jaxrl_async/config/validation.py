@@ -97,8 +97,6 @@ def _import_rules(cfg: RunConfig) -> None:
     """Every import string of the config resolves now (``--dry-run`` included), not after the model is loaded and
     compiled: ``rollout.reward`` (``module:function``, callable) and ``rollout.workflow`` (``module:Class``, a
     ``RolloutWorkflow`` subclass; agents are workflows). Built-in names are checked in ``_rollout_rules``."""
-    import importlib
-
     from jaxrl_async.rewards.registry import BUILTIN_REWARDS, RewardLoadError, load_reward_fn
 
     ro = cfg.rollout
@@ -108,17 +106,12 @@ def _import_rules(cfg: RunConfig) -> None:
         except RewardLoadError as e:
             raise ConfigError("rollout.reward", str(e)) from None
     if ro.workflow != "rlvr":
-        from jaxrl_async.rollout.workflow import RolloutWorkflow
+        from jaxrl_async.rollout.workflow import workflow_class
 
-        mod, sep, attr = ro.workflow.partition(":")
-        _require(bool(sep and mod and attr), "rollout.workflow",
-                 f"{ro.workflow!r} is neither 'rlvr' nor a 'module:Class' string")
         try:
-            obj = getattr(importlib.import_module(mod), attr)
-        except Exception as e:  # noqa: BLE001 - any failure of the user's module is the user's to see, in one line
-            raise ConfigError("rollout.workflow", f"cannot import {ro.workflow!r}: {type(e).__name__}: {e}") from None
-        _require(isinstance(obj, type) and issubclass(obj, RolloutWorkflow), "rollout.workflow",
-                 f"{ro.workflow!r} is not a RolloutWorkflow subclass")
+            workflow_class(ro.workflow)
+        except ValueError as e:
+            raise ConfigError("rollout.workflow", str(e)) from None
 
 
 def _rollout_rules(cfg: RunConfig) -> None:

@@ -5,7 +5,6 @@ built in this order by ``RLRun.setup``; nothing else reads half-built state)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import logging
 import os
@@ -176,25 +175,17 @@ def sft_examples(setup: RunSetup) -> list[Any]:
     return ex
 
 
-def import_string(spec: str, what: str) -> Any:
-    """``module:attr`` -> the object (a ``ValueError`` naming ``what`` when it cannot be imported)."""
-    mod, _, attr = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what}: cannot import {spec!r}: {e}") from e
-
-
 def build_workflow(spec: str, reward_fn: Any, tokenizer: Any) -> Any:
     """``rollout.workflow``: ``rlvr`` or ``module:Class`` (a ``RolloutWorkflow`` subclass, given the tokenizer
     and the reward function when its constructor takes them)."""
-    from jaxrl_async.rollout.workflow import RLVRWorkflow, RolloutWorkflow
+    from jaxrl_async.rollout.workflow import RLVRWorkflow, workflow_class
 
     if spec == "rlvr":
         return RLVRWorkflow(reward_fn, tokenizer)
-    cls = import_string(spec, "rollout.workflow")
-    if not (isinstance(cls, type) and issubclass(cls, RolloutWorkflow)):
-        raise ValueError(f"rollout.workflow: {spec!r} is not a RolloutWorkflow subclass")
+    try:
+        cls = workflow_class(spec)
+    except ValueError as e:
+        raise ValueError(f"rollout.workflow: {e}") from e
     params = inspect.signature(cls).parameters
     kw = {k: v for k, v in (("tokenizer", tokenizer), ("reward_fn", reward_fn)) if k in params}
     return cls(**kw)

@@ -50,6 +50,7 @@ import collections
 import concurrent.futures as cf
 import dataclasses
 import hashlib
+import importlib
 import itertools
 import logging
 import math
@@ -634,3 +635,18 @@ class RolloutDispatcher:
                 self._fatal = error
         log.error("rollout dispatcher: %s: %s: %s", what, type(error).__name__, error)
         self._stop.set()
+
+
+def workflow_class(spec: str) -> type:
+    """``rollout.workflow``'s ``module:Class`` -> the class, which must be a ``RolloutWorkflow`` subclass; a
+    ``ValueError`` saying what is wrong otherwise (config validation and the run both resolve it here)."""
+    mod, sep, attr = spec.partition(":")
+    if not (sep and mod and attr):
+        raise ValueError(f"{spec!r} is neither 'rlvr' nor a 'module:Class' string")
+    try:
+        obj = getattr(importlib.import_module(mod), attr)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's module is the user's to see, in one line
+        raise ValueError(f"cannot import {spec!r}: {type(e).__name__}: {e}") from None
+    if not (isinstance(obj, type) and issubclass(obj, RolloutWorkflow)):
+        raise ValueError(f"{spec!r} is not a RolloutWorkflow subclass")
+    return obj
