@@ -84,3 +84,71 @@ def test_the_readmes_own_model_recipe_runs_on_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "done: 2 steps" in run.stderr and os.path.isfile(tmp_path / "run" / "hf" / "config.json")
     assert "group rejected" not in run.stderr and "WARNING" not in run.stderr, run.stderr[-3000:]  # issue 31 item 7
+
+
+# -- issue 31 item 1: a published config on a CPU-only machine (config/machine.py) ------------------------------
+
+@pytest.fixture(scope="module")
+def big_model_with_tokenizer(big_model, tmp_path_factory):
+    """The >1 GiB model with a tokenizer (the recipe renders prompts with it); the weights hard-linked."""
+    import shutil
+
+    from jaxrl_async.testing import make_tiny_tokenizer
+
+    d = str(tmp_path_factory.mktemp("big_tok"))
+    for f in os.listdir(big_model):
+        src, dst = os.path.join(big_model, f), os.path.join(d, f)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy(src, dst)
+    make_tiny_tokenizer(d)
+    return d
+
+
+def _published(config: str, model: str, tmp_path, *extra: str) -> list[str]:
+    from jaxrl_async.config.recipes import SAMPLE_TRAIN_PATH
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return [sys.executable, "-m", "jaxrl_async.main", "--config", os.path.join(root, "configs", config),
+            f"model.path={model}", f"data.train_path={SAMPLE_TRAIN_PATH}", f"data.eval_path={SAMPLE_TRAIN_PATH}",
+            f"run_dir={tmp_path / 'run'}", *extra]
+
+
+def test_the_published_h100_config_fits_a_cpu_with_one_line_per_change(big_model_with_tokenizer, tmp_path):
+    """`configs/qwen3_0_6b.py` (layout h100x8, bfloat16, 32k-token micro-batches) with a >1 GiB model and data
+    paths only: validates on this CPU, each machine change named in one line (float32 with the reason), and the
+    machine's estimate says it fits."""
+    from jaxrl_async.testing import subprocess_xla_flags
+
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags())
+    res = subprocess.run(_published("qwen3_0_6b.py", big_model_with_tokenizer, tmp_path, "--dry-run"),
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    fitted = [ln for ln in res.stderr.splitlines() if ln.startswith("[jaxrl_async] ")]
+    assert len(fitted) == 4, fitted
+    assert "mesh.layout=h100x8" in fitted[0] and "no accelerator" in fitted[0] and "2 simulated CPU" in fitted[0]
+    assert fitted[1].startswith("[jaxrl_async] model.dtype=bfloat16 -> float32: ") and "slower" in fitted[1]
+    assert "reward_workers" in fitted[2] and "tokens_per_micro=32768 -> 2048" in fitted[3]
+    printed = res.stdout + res.stderr  # the resolved config
+    assert "model.dtype = 'float32'" in printed and "mesh.layout = None" in printed
+    assert "Traceback" not in res.stderr and ", fits" in res.stdout, res.stdout
+
+
+@pytest.mark.slow
+def test_the_published_h100_config_runs_a_step_on_cpu(big_model_with_tokenizer, tmp_path):
+    """The same command runs: a >1 GiB model trains one RL step on 2 simulated CPU devices. The recipe's workload
+    (512 sequences of up to 1,024 new tokens per step: hours on 2 cores, which `--dry-run` says) is shortened
+    by the test's extra settings; nothing about the machine is set by hand."""
+    from jaxrl_async.testing import subprocess_xla_flags
+
+    env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags())
+    shorter = ["trainer.total_steps=1", "trainer.batch_size=2", "rollout.n_samples=2", "rollout.sampling.max_new_tokens=8",
+               "rollout.engine.max_concurrent_decodes=4", "eval.max_items=2", "eval.max_new_tokens=8",
+               "checkpoint.export_hf=false"]
+    res = subprocess.run(_published("qwen3_0_6b.py", big_model_with_tokenizer, tmp_path, *shorter),
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "done: 1 steps" in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["model"]["dtype"] == "float32" and saved["mesh"]["layout"] is None

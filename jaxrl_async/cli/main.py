@@ -13,6 +13,10 @@ Options:
   --dry-run        validate and print the configuration, then exit (default: off)
   key=value        override one config field (default values: see --dry-run)
 
+A config whose ``mesh.layout`` names GPU/TPU hardware runs on a CPU-only machine as well, and
+``mesh.layout=auto`` on any machine: the mesh and the settings that belong to the machine (dtype, KV pool,
+micro-batch tokens, reward workers) are fitted to it, one line per change (``jaxrl_async/config/machine.py``).
+
 Stops: SIGTERM/SIGINT (Ctrl-C) at any moment end the run in order and exit 0: the current warm-start
 or RL step finishes and is checkpointed (the embedded default also saves every 5 RL steps and every
 30 s), and the last line says what was saved; the same command resumes from it. A second signal exits
@@ -63,14 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from jaxrl_async.config.machine import cpu_devices_before_start
+
     try:
-        _configure_cpu_devices(peek_config(argv).mesh.cpu_devices)
+        _configure_cpu_devices(cpu_devices_before_start(peek_config(argv)))
         from jaxrl_async.config.default import get_config
 
-        cfg, flags = parse_command_line(argv, default_config=get_config())
+        cfg, flags = parse_command_line(argv, default_config=get_config(), fit_machine=True)
     except ConfigError as e:
         print(error_line("main", e), file=sys.stderr)
         return 2
+    for line in flags["machine"]:  # what was fitted to this machine (config/machine.py), one line each
+        print(f"[jaxrl_async] {line}", file=sys.stderr)
     if flags["print_config"] or flags["dry_run"] or cfg.logging.print_config:
         print(format_config(cfg), file=sys.stderr)
     if flags["dry_run"]:

@@ -123,10 +123,12 @@ def load_config_json(path: str | os.PathLike) -> RunConfig:
 
 
 def parse_command_line(argv: Sequence[str], default_config: RunConfig | None = None,
-                       num_devices: int | None = None) -> tuple[RunConfig, dict[str, bool]]:
+                       num_devices: int | None = None, fit_machine: bool = False) -> tuple[RunConfig, dict[str, Any]]:
     """``[--config FILE] [--print-config] [--dry-run] key=value ...`` → (validated config, flags).
 
-    Without ``--config`` the ``default_config`` is used (``RunConfig()`` if None).
+    Without ``--config`` the ``default_config`` is used (``RunConfig()`` if None). ``fit_machine``: first fit
+    the mesh to this machine (``config.machine``: ``mesh.layout=auto``, accelerator layouts on a CPU); the
+    lines saying what changed are ``flags["machine"]``.
     """
     path, overrides, flags = None, [], {"print_config": False, "dry_run": False}
     it = iter(argv)
@@ -147,6 +149,11 @@ def parse_command_line(argv: Sequence[str], default_config: RunConfig | None = N
             overrides.append(arg)
     cfg = load_config_file(path) if path is not None else (default_config or RunConfig())
     cfg = apply_overrides(cfg, overrides)
+    flags["machine"] = []
+    if fit_machine:
+        from jaxrl_async.config.machine import fit_to_machine
+
+        cfg, flags["machine"] = fit_to_machine(cfg)
     return validate(cfg, num_devices), flags
 
 

@@ -283,7 +283,9 @@ class MeshConfig:
     ``jaxrl_async.cli.main`` before JAX starts; None: JAX's default of one). Ignored on accelerators.
     ``layout``: the named hardware layout (``jaxrl_async.config.layouts``: target device kind, device count)
     these fields were taken from; the run must then have exactly its device count, and
-    ``jaxrl_async.plan.planner`` budgets memory against its device kind."""
+    ``jaxrl_async.plan.planner`` budgets memory against its device kind. ``"auto"`` (and a GPU/TPU layout on a
+    CPU-only machine): ``main`` fits the mesh, and the settings that belong to the machine, to the machine it
+    runs on (``jaxrl_async.config.machine``)."""
 
     generator: MeshAxesConfig = MeshAxesConfig(shape=(1, -1), axis_names=("data", "tensor"))
     trainer: MeshAxesConfig = MeshAxesConfig(shape=(-1,), axis_names=("fsdp",))

@@ -270,15 +270,18 @@ def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:
         num_devices = jax.device_count()
     _require(0 < m.generator_fraction < 1, "mesh.generator_fraction", f"must be in (0, 1), got {m.generator_fraction}")
     _require(m.cpu_devices is None or m.cpu_devices >= 1, "mesh.cpu_devices", f"must be >= 1 or None, got {m.cpu_devices}")
+    _require(m.layout != "auto", "mesh.layout", "'auto' is resolved when a run starts (`python -m jaxrl_async.main` "
+             "fits it to the machine: jaxrl_async.config.machine.fit_to_machine); call fit_to_machine(cfg) before "
+             "validating a config built in Python")
     if m.layout is not None:
         from jaxrl_async.config.layouts import LAYOUTS
 
-        _require(m.layout in LAYOUTS, "mesh.layout", f"unknown layout {m.layout!r}; known: {', '.join(LAYOUTS)}")
+        _require(m.layout in LAYOUTS, "mesh.layout", f"unknown layout {m.layout!r}; known: auto, {', '.join(LAYOUTS)}")
         need = LAYOUTS[m.layout].num_devices
         _require(num_devices == need, "mesh.layout",
                  f"layout {m.layout!r} is for {need} devices, this process has {num_devices} (plan it on simulated "
-                 f"devices with `python -m jaxrl_async.plan --config FILE`, or set mesh.layout=None and mesh shapes "
-                 f"for {num_devices} devices)")
+                 f"devices with `python -m jaxrl_async.plan --config FILE`, set mesh.layout=auto to fit the mesh to "
+                 f"this machine, or mesh.layout=None and mesh shapes for {num_devices} devices)")
     if m.num_generator_devices is not None and num_devices > 1 and not m.colocate:
         _require(1 <= m.num_generator_devices < num_devices, "mesh.num_generator_devices",
                  f"must be in [1, {num_devices - 1}] with {num_devices} devices, got {m.num_generator_devices}")

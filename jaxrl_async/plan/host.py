@@ -76,8 +76,15 @@ def host_estimate(cfg: Any, model_cfg: Any, *, rates: tuple[float, float] | None
     e = cfg.rollout.engine
     kv_per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * item
     kv = e.max_concurrent_decodes * e.max_sequence_length * kv_per_token
+    available = host_available_bytes()
+    auto_sized = False
     if e.num_pages is not None:
         kv = e.num_pages * e.page_size * kv_per_token
+    else:  # sized at start (generator.kv_cache on CPU): the generator device's share of the RAM after its weights
+        devices = max(1, cfg.mesh.cpu_devices or 1)
+        room = int((available // devices - n_params * item - push) * e.cache_memory_fraction)
+        if room < kv:
+            kv, auto_sized = max(room, e.max_sequence_length * kv_per_token), True
     generator = n_params * item + push + kv
     seqs = cfg.trainer.batch_size * cfg.rollout.n_samples
     seq = e.max_sequence_length
@@ -90,7 +97,8 @@ def host_estimate(cfg: Any, model_cfg: Any, *, rates: tuple[float, float] | None
     train_s = train_flops / rate
     sft = cfg.trainer.sft
     sft_s = (train_step_flops(model_cfg, sft.batch_size, seq)["total"] / rate * sft.steps) if sft.steps > 0 else 0.0
-    return {"available_bytes": host_available_bytes(), "trainer_bytes": int(trainer), "generator_bytes": int(generator),
+    return {"available_bytes": available, "kv_auto_sized": auto_sized, "trainer_bytes": int(trainer),
+            "generator_bytes": int(generator),
             "kv_bytes": int(kv), "params": int(n_params), "dtype": model_cfg.dtype, "matmul_flops_per_s": rate,
             "copy_bytes_per_s": bandwidth, "generation_s": gen_s, "training_s": train_s,
             "step_s": gen_s + train_s, "sft_s": sft_s, "sequences": seqs, "sequence_length": seq,
@@ -112,8 +120,10 @@ def format_host_estimate(r: dict[str, Any], *, cores: int | None = None) -> str:
     head = f"on this machine (CPU{f', {cores} cores' if cores else ''}, {_size(r['available_bytes'])} available)"
     lines = [
         f"{head}: trainer ~{_size(r['trainer_bytes'])} (fp32 weights, gradients, Adam), generator "
-        f"~{_size(r['generator_bytes'])} ({r['dtype']} weights, a push's room, KV {_size(r['kv_bytes'])} for "
-        f"{r['slots']} slots x {r['sequence_length']} tokens): {_size(need)} together, "
+        f"~{_size(r['generator_bytes'])} ({r['dtype']} weights, a push's room, KV {_size(r['kv_bytes'])} "
+        + (f"sized to the RAM left, less than {r['slots']} slots x {r['sequence_length']} tokens: pages are taken "
+           "as sequences grow, and sequences wait when they run out" if r.get("kv_auto_sized") else
+           f"for {r['slots']} slots x {r['sequence_length']} tokens") + f"): {_size(need)} together, "
         + ("fits" if fits else "DOES NOT FIT: lower rollout.engine.max_concurrent_decodes / max_sequence_length, "
            "use LoRA (model.lora.rank) or a smaller model"),
         f"rough time per RL step: {_secs(r['step_s'])} (generation {_secs(r['generation_s'])} for "
