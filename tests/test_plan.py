@@ -186,3 +186,33 @@ def test_reasoning_length_configs_carry_arealss_long_lengths(name):
     trainer_shards = LAYOUTS[cfg.mesh.layout].trainer_shape[0]
     assert pk.tokens_per_micro == 32768 * trainer_shards  # one 32k row per FSDP shard per micro-batch
     assert (cfg.model.attention, cfg.model.remat) == ("auto", "full")
+
+
+def test_a_plan_over_budget_only_by_cpu_compiled_temporaries_is_undecided_not_unfit():
+    """Issue 31 item 4: XLA:CPU's temporaries for a GPU/TPU target are not the target's; a side that fits without
+    them is UNDECIDED (exit 3) with the extra to install, and resident bytes over the budget still do not fit."""
+    import copy
+
+    from jaxrl_async.plan.planner import decide
+
+    r = make_plan(load_plan_config(CONFIGS["0_6b"], None, []), num_devices=8, compile_for="cpu")
+    assert r["verdict"] == "fits" and r["target_compiled"] == {"generator": False, "trainer": False}
+    t = r["trainer"]
+    transient = max(t["train_step_transient_bytes"], t["logprobs_transient_bytes"])
+    tight = copy.deepcopy(r)
+    tight["target"]["budget_bytes"] = t["peak_bytes"] - transient // 2  # resident fits, temporaries do not
+    tight["trainer"]["fits"] = False
+    d = decide(tight)
+    assert d == {"verdict": "undecided", "undecided": ["trainer"], "install_for_target": "pip install 'jaxrl_async[aot-gpu]'"}
+    tight.update(d)
+    text = format_plan(tight)
+    assert "verdict: UNDECIDED: the trainer fits NVIDIA H100" in text and "jaxrl_async[aot-gpu]" in text
+    assert "compiled for cpu" in text and "DOES NOT FIT" not in text
+    # the target's compiler made those temporaries: over the budget is unfit
+    assert decide({**tight, "target_compiled": {"generator": True, "trainer": True}})["verdict"] == "does not fit"
+    # resident bytes alone over the budget: unfit whatever compiled it
+    tight["target"]["budget_bytes"] = t["peak_bytes"] - transient - 1
+    assert decide(tight)["verdict"] == "does not fit"
+    # a CPU target: XLA:CPU is its compiler
+    tight["target"].update(platform="cpu", budget_bytes=t["peak_bytes"] - transient // 2)
+    assert decide(tight)["verdict"] == "does not fit"

@@ -55,16 +55,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = args.devices if args.devices is not None else default_num_devices(cfg)
     configure_devices(n, args.platform)
     report = make_plan(cfg, num_devices=n, target=args.target, headroom=args.headroom, compile_for=args.compile_for)
-    if args.platform == "cpu":  # and what the same run would need on this machine's CPU (plan/host.py)
-        report["this_machine"] = host_estimate(cfg, plan_model_config(cfg))
+    here = None
+    if args.platform == "cpu":  # and what the same run would need on this machine's CPU (plan/host.py), fitted to
+        from jaxrl_async.config.machine import fit_to_machine  # it as `main` would (config/machine.py)
+
+        here, _ = fit_to_machine(cfg, "cpu", 1, cores=os.cpu_count())
+        report["this_machine"] = host_estimate(here, plan_model_config(here))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(format_plan(report))
         if "this_machine" in report:
-            print("\nthe same run on this machine's CPU instead (" + cfg.model.dtype + "):\n"
+            print(f"\nthe same run on this machine's CPU instead (as `main` fits it: {here.model.dtype}):\n"
                   + format_host_estimate(report["this_machine"], cores=os.cpu_count()))
-    return 0 if report["fits"] else 1
+    return {"fits": 0, "does not fit": 1, "undecided": 3}[report["verdict"]]
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ of CUB radix sort (``aot.GPU_DEVICELESS_OPTIONS``: CUB needs the CUDA runtime at
 Target: the config's ``mesh.layout`` (``--layout NAME`` replaces the mesh section with that
 layout's), or ``--target KIND``. ``--devices N`` simulates N devices (default: the layout's count).
 
-Exit codes: 0 = fits, 1 = does not fit (suggestions printed), 2 = configuration or usage error.
+Exit codes: 0 = fits, 1 = does not fit (suggestions printed), 2 = configuration or usage error, 3 = undecided:
+over the budget only by temporaries compiled by XLA:CPU for a GPU/TPU target, whose own compiler (the aot
+extras) is not installed; the report says what to install. Resident bytes never depend on the compiler.
 """
 
 from __future__ import annotations
@@ -321,6 +323,9 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     if not 0 <= headroom < 1:
         raise PlanError(f"--headroom must be in [0, 1), got {headroom}")
     layout = None
+    if cfg.mesh.layout == "auto":
+        raise ConfigError("mesh.layout", "'auto' is fitted to the machine a run starts on (`main --dry-run` prints "
+                          "what it needs there); plan a named layout (--layout NAME) or a device kind (--target KIND)")
     if cfg.mesh.layout is not None:
         try:
             layout = get_layout(cfg.mesh.layout)
@@ -408,7 +413,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     max_pages = kv_cache.pages_for(e.max_sequence_length, e.page_size)
     num_pages = e.num_pages if e.num_pages is not None else S * max_pages
     gen_cfg = generator_model_config(model_cfg)
-    engine_c = None
+    engine_c, gen_on_target = None, False
     gen_compiled_for = f"{platform}" + (" (float32 compute: an upper bound)" if float32_temporaries else "")
     if tdevs is not None:  # the generator's programs for the target too, in the configured dtypes
         g_mesh = make_mesh(dict(gen_mesh.shape), tuple(gen_mesh.axis_names), devices=[tdevs[i] for i in gen_ids])
@@ -417,7 +422,7 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
         except Exception as err:  # noqa: BLE001 - reported, and the CPU bound is used instead
             notes.append(f"generator compiled on the CPU, not for {kind.name}: {type(err).__name__}: {err}")
         else:
-            compile_gen_cfg, gen_compiled_for = model_cfg, described
+            compile_gen_cfg, gen_compiled_for, gen_on_target = model_cfg, described, True
     if engine_c is None:
         compile_gen_cfg = compile_cfg
         engine_c = run_engine(cfg, compile_cfg, gen_mesh, num_pages=num_pages, check_fit=False)
@@ -553,6 +558,8 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
                         "dtype": gen_cfg.param_dtype, "routes": routes},
         "executables": {em.name: dataclasses.asdict(em) for em in (step_mem, lp_mem, dec_mem, pre_mem)},
         "compiled_for": {"trainer": trainer_compiled_for, "generator": gen_compiled_for},
+        # whether each side's temporaries come from the target's own compiler (else XLA:CPU's, an upper bound)
+        "target_compiled": {"generator": gen_on_target, "trainer": trainer_c is not trainer},
         "fits": fits_gen and fits_trn,
         "notes": notes,
     }
@@ -560,9 +567,35 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
         report["lora"] = lora_report
         report["weight_push"].update(new_weights_bytes_per_generator_device=push_bytes,
                                      new_weights_total_bytes=push_bytes * len(gen_ids))
-    report["suggestions"] = suggestions(cfg, report)
+    report["target"]["platform"] = kind.platform
+    report.update(decide(report))
+    report["suggestions"] = suggestions(cfg, report) if report["verdict"] == "does not fit" else []
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     return report
+
+
+def decide(r: dict[str, Any]) -> dict[str, Any]:
+    """The verdict of a plan: ``fits``, ``does not fit``, or ``undecided``: every side over the budget would fit
+    without its temporaries, and those were compiled by XLA:CPU for a GPU/TPU target (an upper bound, not the
+    target's figure: that compiler, an extra away, decides). Resident bytes do not depend on the compiler, so a
+    side whose resident bytes alone exceed the budget does not fit whatever compiled it."""
+    tg, dv = r["target"], r["devices"]
+    transient = {"generator": max(r["generator"]["decode_transient_bytes"], r["generator"]["prefill_transient_bytes"]),
+                 "trainer": max(r["trainer"]["train_step_transient_bytes"], r["trainer"]["logprobs_transient_bytes"])}
+    over, undecided = [], []
+    for side in ("generator", "trainer"):
+        if r[side]["fits"]:
+            continue
+        over.append(side)
+        resident = r[side]["peak_bytes"] - transient[side] - (sum(transient.values()) - transient[side]
+                                                               if dv["colocated"] else 0)
+        if tg.get("platform", "gpu") != "cpu" and not r["target_compiled"][side] and resident <= tg["budget_bytes"]:
+            undecided.append(side)
+    verdict = "fits" if not over else "undecided" if undecided == over else "does not fit"
+    install = None
+    if verdict == "undecided":
+        install = "pip install 'jaxrl_async[aot-tpu]'" if tg.get("platform") == "tpu" else "pip install 'jaxrl_async[aot-gpu]'"
+    return {"verdict": verdict, "undecided": undecided if verdict == "undecided" else [], "install_for_target": install}
 
 
 def suggestions(cfg, r: dict[str, Any]) -> list[str]:
@@ -679,10 +712,13 @@ def format_plan(r: dict[str, Any]) -> str:
         f"{g['full_length_slots']} full-length slots"
         + (f", pages split over {g['kv_replicas']} data replicas" if g.get("kv_replicas", 1) > 1 else ""))
     row("slot state", g["slot_state_bytes"])
-    row("decode step temporaries", g["decode_transient_bytes"])
-    row(f"prefill ({g['prefill_bucket']} tokens) temporaries", g["prefill_transient_bytes"])
+    by = lambda side: f"compiled for {cf.get(side, '?')}"  # noqa: E731 - the compiler behind a temporaries figure
+    side_verdict = lambda side, fits: ("fits" if fits else "OVER BUDGET WITH CPU-COMPILED TEMPORARIES: undecided"  # noqa: E731
+                                       if side in r.get("undecided", ()) else "DOES NOT FIT")
+    row("decode step temporaries", g["decode_transient_bytes"], by("generator"))
+    row(f"prefill ({g['prefill_bucket']} tokens) temporaries", g["prefill_transient_bytes"], by("generator"))
     shared = " (device shared with the trainer)" if dv["colocated"] else ""
-    row("peak" + shared, g["peak_bytes"], "fits" if g["fits"] else "DOES NOT FIT")
+    row("peak" + shared, g["peak_bytes"], side_verdict("generator", g["fits"]))
     mb = t["micro_batch"]
     lines.append(f"trainer (per device; mesh {mesh(t['mesh'])}; micro-batch {mb['rows']} rows x {mb['row_len']} = "
                  f"{mb['tokens']} tokens, {mb['n_micro']} micro-batch(es) x {t['ppo_n_minibatches']} minibatches)")
@@ -693,9 +729,10 @@ def format_plan(r: dict[str, Any]) -> str:
         t["optimizer_state_bytes"])
     row("packed batches", t["batches_bytes"])
     row(f"push staging ({w['dtype']} copy)", t["push_staging_bytes"])
-    row("train step temporaries", t["train_step_transient_bytes"], "gradient accumulators, activations")
-    row("proximal log-prob temporaries", t["logprobs_transient_bytes"])
-    row("peak" + shared, t["peak_bytes"], "fits" if t["fits"] else "DOES NOT FIT")
+    row("train step temporaries", t["train_step_transient_bytes"], "gradient accumulators, activations; "
+        + by("trainer"))
+    row("proximal log-prob temporaries", t["logprobs_transient_bytes"], by("trainer"))
+    row("peak" + shared, t["peak_bytes"], side_verdict("trainer", t["fits"]))
     lines.append(f"weight push per step ({w['dtype']}): new weights {w['new_weights_bytes_per_generator_device'] / 1e9:.2f} "
                  f"GB per generator device, {w['new_weights_total_bytes'] / 1e9:.2f} GB over {w['generator_devices']} "
                  f"devices")
@@ -705,7 +742,17 @@ def format_plan(r: dict[str, Any]) -> str:
     lines.append("compiled: " + ", ".join(f"{k} {v['compile_s']:.1f} s ({v['compute_dtype']})" for k, v in ex.items())
                  + f"; plan {r['wall_s']} s")
     lines.append("")
-    lines.append("verdict: FITS" if r["fits"] else "verdict: DOES NOT FIT")
+    lines.append("resident bytes (parameters, optimizer state, KV cache, batches, pushes) follow from shapes and "
+                 "shardings alone; temporaries are what the compiler named on their row allocated")
+    verdict = r.get("verdict", "fits" if r["fits"] else "does not fit")
+    if verdict == "undecided":
+        two = len(r["undecided"]) > 1
+        lines.append(f"verdict: UNDECIDED: the {' and the '.join(r['undecided'])} fit{'' if two else 's'} "
+                     f"{tg['label']} without {'their' if two else 'its'} temporaries, and those were compiled by "
+                     f"XLA:CPU (float32), not by the {tg['label']} compiler; install it (`{r['install_for_target']}`) "
+                     "and plan again for the target's figure")
+    else:
+        lines.append("verdict: FITS" if verdict == "fits" else "verdict: DOES NOT FIT")
     for s in r["suggestions"]:
         lines.append(f"  - {s}")
     for note in r["notes"]:
