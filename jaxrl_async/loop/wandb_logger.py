@@ -90,11 +90,11 @@ class WandbRun:
                              resume="allow", dir=run_dir, mode=lg.wandb_mode, config=dict(config),
                              tags=list(lg.wandb_tags) or None)
         except Exception as e:  # noqa: BLE001 - W&B raises many types (UsageError, CommError, timeouts, ...)
-            why = " ".join(str(e).split()) or type(e).__name__
-            hint = ("; log in (wandb login, or WANDB_API_KEY) or log offline: logging.wandb_mode=offline"
+            why = " ".join(str(e).split())[:400].rstrip(". ") or "(no message)"
+            hint = (" (log in with `wandb login` or WANDB_API_KEY, or log offline: logging.wandb_mode=offline)"
                     if lg.wandb_mode == "online" else "")
             raise ConfigError("logging.wandb", f"W&B run {project}/{run_id} ({lg.wandb_mode}) did not start: "
-                              f"{type(e).__name__}: {why[:400]}{hint}") from None
+                              f"{type(e).__name__}: {why}{hint}") from None
         out = cls(run, run_id, fresh, say)
         where = f"{lg.wandb_entity + '/' if lg.wandb_entity else ''}{project}/{run_id}"
         say(f"W&B run {where} ({lg.wandb_mode}" + (", resumed" if not fresh else "")
