@@ -132,3 +132,61 @@ def test_progress_bar_fields_are_labelled(tmp_path, capsys):
     for field in ("reward_mean=0.25", "lag_max=2", "len_mean=17.5", "loss=0.1", "eval_acc=0.5"):
         assert field in err, err
     assert " mean=" not in err and " max=" not in err
+
+
+class _Sink:
+    """What ``MetricsLogger`` needs of a ``WandbRun``."""
+
+    def __init__(self, fresh):
+        self.fresh, self.rows = fresh, []
+
+    def log_row(self, row):
+        self.rows.append(row)
+
+
+def test_rows_go_to_wandb_and_a_fresh_wandb_run_gets_the_kept_history_first(tmp_path):
+    m = MetricsLogger(tmp_path, tensorboard=False, progress=False, keep_until_step=-1, wandb=_Sink(True))
+    for s in (1, 2, 3):
+        m.log(s, {"reward/mean": 0.1 * s})
+    assert [r["step"] for r in m._wandb.rows] == [1, 2, 3] and m._wandb.rows == read_metrics(tmp_path)
+    m.close(plot=False)
+    continued, new = _Sink(False), _Sink(True)  # the run's own W&B run resumes; a new one (W&B enabled now)
+    MetricsLogger(tmp_path, tensorboard=False, progress=False, keep_until_step=2, wandb=continued).close(plot=False)
+    assert continued.rows == []
+    m = MetricsLogger(tmp_path, tensorboard=False, progress=False, keep_until_step=2, wandb=new)
+    m.log(3, {"reward/mean": 0.5})
+    m.close(plot=False)
+    assert [(r["step"], r["reward/mean"]) for r in new.rows] == [(1, 0.1), (2, 0.2), (3, 0.5)]
+
+
+def test_wandb_run_sends_the_scalars_at_their_step_skips_steps_before_its_start_and_outlives_failures():
+    from jaxrl_async.loop.wandb_logger import WandbRun
+
+    class Run:
+        starting_step, fail = 3, False
+
+        def __init__(self):
+            self.logged, self.finished = [], None
+
+        def log(self, data, step):
+            if self.fail:
+                raise ConnectionError("server gone")
+            self.logged.append((step, data))
+
+        def finish(self, exit_code):
+            self.finished = exit_code
+
+    said, run = [], Run()
+    w = WandbRun(run, "abc", fresh=False, say=said.append)
+    w.log_row({"step": 2, "wall_time": 1.0, "resume/checkpoint_step": 2})  # below the resumed W&B run's start
+    w.log_row({"step": 2, "reward/mean": 0.3})
+    assert run.logged == [] and w.skipped_rows == 2 and len(said) == 1 and "continues at step 3" in said[0]
+    w.log_row({"step": 3, "wall_time": 9.0, "time": 1e9, "reward/mean": 0.5, "eval/accuracy": None,
+               "resume/checkpoint": "checkpoints/2", "train/skipped": 0, "flag": True})
+    assert run.logged == [(3, {"reward/mean": 0.5, "train/skipped": 0, "flag": True})]  # what TensorBoard gets
+    run.fail = True
+    w.log_row({"step": 4, "reward/mean": 0.6})
+    w.log_row({"step": 5, "reward/mean": 0.7})
+    assert len(said) == 2 and "W&B logging failed at step 4 (ConnectionError: server gone)" in said[1]
+    w.finish(exit_code=1)
+    assert run.finished == 1

@@ -331,12 +331,27 @@ class CheckpointSection:
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     """Console and files. ``print_config``: print the resolved config at the start (it is always
-    written to ``RUN/config.json``; ``main --print-config`` prints it once)."""
+    written to ``RUN/config.json``; ``main --print-config`` prints it once).
+
+    Weights & Biases (``wandb``: needs ``pip install 'jaxrl_async[wandb]'``; ``loop/wandb_logger.py``): every
+    scalar of ``metrics.jsonl``/TensorBoard goes to a W&B run at the same step, with the resolved config
+    (``RUN/config.json``) as the run's config and its files under ``RUN/wandb/``. ``wandb_project`` None: the
+    run's ``name``; ``wandb_run_name`` None: the run directory's name; ``wandb_entity`` None: W&B's default
+    (``WANDB_ENTITY`` or the account's). ``wandb_mode``: ``"online"`` (needs ``wandb login`` or
+    ``WANDB_API_KEY``) or ``"offline"`` (no network; upload later with ``wandb sync RUN/wandb/offline-run-*``).
+    The W&B run id is kept in ``RUN/wandb_id``: a resumed run continues the same W&B run.
+    """
 
     tensorboard: bool = True
     progress: bool = True
     log_every: int = 1
     print_config: bool = False
+    wandb: bool = False
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_run_name: str | None = None
+    wandb_mode: Literal["online", "offline"] = "online"
+    wandb_tags: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,6 +87,7 @@ def validate(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
     _model_rules(cfg)
     _data_rules(cfg)
     _eval_checkpoint_rules(cfg)
+    _logging_rules(cfg)
     _import_rules(cfg)
     _validate_mesh(cfg, num_devices)
     check_resume(cfg)
@@ -246,7 +247,7 @@ def _data_rules(cfg: RunConfig) -> None:
 
 
 def _eval_checkpoint_rules(cfg: RunConfig) -> None:
-    """``eval``, ``checkpoint``, ``logging``."""
+    """``eval``, ``checkpoint``."""
     ev = cfg.eval
     _require(ev.every_steps >= 0, "eval.every_steps", f"must be >= 0 (0 = never), got {ev.every_steps}")
     _require(ev.temperature >= 0, "eval.temperature", f"must be >= 0, got {ev.temperature}")
@@ -259,7 +260,37 @@ def _eval_checkpoint_rules(cfg: RunConfig) -> None:
     _require(ck.every_seconds is None or ck.every_seconds > 0, "checkpoint.every_seconds",
              f"must be > 0 or None, got {ck.every_seconds}")
     _require(ck.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1, got {ck.keep_last}")
-    _require(cfg.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {cfg.logging.log_every}")
+
+
+# W&B refuses these characters in project and entity names (and names over 128 characters)
+_WANDB_NAME_FORBIDDEN = "/\\#?%:"
+WANDB_INSTALL = "pip install 'jaxrl_async[wandb]'"
+
+
+def _logging_rules(cfg: RunConfig) -> None:
+    """``logging``; with ``logging.wandb`` the ``wandb`` package imports now (not after the model is compiled)
+    and the W&B names are ones W&B accepts."""
+    lg = cfg.logging
+    _require(lg.log_every >= 1, "logging.log_every", f"must be >= 1, got {lg.log_every}")
+    for field in ("wandb_project", "wandb_entity"):
+        v = getattr(lg, field)
+        _require(v is None or (0 < len(v) <= 128 and not any(ch in v for ch in _WANDB_NAME_FORBIDDEN)),
+                 f"logging.{field}", f"must be None or 1-128 characters without any of {_WANDB_NAME_FORBIDDEN}, "
+                 f"got {v!r}")
+    _require(lg.wandb_run_name is None or bool(lg.wandb_run_name.strip()), "logging.wandb_run_name",
+             f"must be None or a non-empty name, got {lg.wandb_run_name!r}")
+    _require(all(0 < len(t) <= 64 for t in lg.wandb_tags), "logging.wandb_tags",
+             f"tags must be 1-64 characters, got {lg.wandb_tags}")
+    if lg.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError as e:
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ConfigError("logging.wandb", f"needs the wandb package ({why}); install it with: {WANDB_INSTALL}") \
+                from None
+        _require(lg.wandb_project is not None or not any(ch in cfg.name for ch in _WANDB_NAME_FORBIDDEN),
+                 "logging.wandb_project", f"None takes the run's name {cfg.name!r}, which W&B refuses as a project "
+                 f"(it has one of {_WANDB_NAME_FORBIDDEN}): set logging.wandb_project")
 
 
 def _validate_mesh(cfg: RunConfig, num_devices: int | None) -> None:

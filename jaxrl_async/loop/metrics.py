@@ -1,4 +1,5 @@
-"""Observability of a run: TensorBoard scalars, ``metrics.jsonl``, a console progress bar, a final plot.
+"""Observability of a run: TensorBoard scalars, ``metrics.jsonl``, a console progress bar, a final plot, and
+optionally a Weights & Biases run (``loop/wandb_logger.py``).
 
 Files in the run directory:
 
@@ -10,6 +11,7 @@ Files in the run directory:
 * ``tb/events.out.tfevents.*`` — the same scalars through ``tensorboard.summary.Writer`` (no
   TensorFlow needed); view with ``tensorboard --logdir <run_dir>/tb``. Event wall times are the
   run's start plus ``wall_time``, so TensorBoard's "relative" axis is the cumulative clock too.
+* ``wandb/`` (``logging.wandb``) — the same scalars in a W&B run, at the same steps (``WandbRun``).
 * ``curves.png`` — written by ``close()`` (``plot_run``): reward (raw points and a smoothed trend),
   held-out accuracy, response length and staleness against the step, wall time on a secondary axis,
   resumes marked.
@@ -299,7 +301,7 @@ def _fmt(v: Any) -> str:
 
 
 class MetricsLogger:
-    """Writes every logged step to ``metrics.jsonl`` and TensorBoard and updates the progress bar.
+    """Writes every logged step to ``metrics.jsonl``, TensorBoard and W&B and updates the progress bar.
 
     Args:
       run_dir: output directory (created).
@@ -313,12 +315,15 @@ class MetricsLogger:
         or resumes from step s: earlier rows of steps <= s are kept (``history``), later ones (redone
         steps) dropped; ``metrics.jsonl`` and the TensorBoard events are rewritten from the kept rows.
       title / eta: of the final plot.
+      wandb: a ``WandbRun`` (or anything with ``fresh`` and ``log_row(row)``) that gets every row too; a
+        ``fresh`` one gets the kept ``history`` first. Not closed by ``close()`` (its owner finishes it).
     """
 
     def __init__(self, run_dir: str | os.PathLike, total_steps: int | None = None, *, tensorboard: bool = True,
                  progress: bool = True, console_keys: Mapping[str, str] | Iterable[str] = DEFAULT_CONSOLE_KEYS,
                  start_step: int = 0, desc: str = "train", clock: Callable[[], float] | None = None,
-                 keep_until_step: int | None = None, title: str | None = None, eta: int | None = None):
+                 keep_until_step: int | None = None, title: str | None = None, eta: int | None = None,
+                 wandb: Any = None):
         self.run_dir = os.fspath(run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
         self.metrics_path = os.path.join(self.run_dir, METRICS_FILE)
@@ -354,6 +359,10 @@ class MetricsLogger:
             for r in self.history:
                 self._tb_row(r)
             self._tb.flush()
+        self._wandb = wandb
+        if wandb is not None and wandb.fresh:  # a new W&B run of a run with history: the curves from the start
+            for r in self.history:
+                wandb.log_row(r)
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -390,6 +399,8 @@ class MetricsLogger:
             if self._tb is not None:
                 self._tb_row(row)
                 self._tb.flush()
+            if self._wandb is not None:
+                self._wandb.log_row(row)
             self.last.update({k: v for k, v in flat.items() if v is not None})
             if self._bar is not None:
                 shown = {label: _fmt(self.last[k]) for k, label in self.console_keys.items() if k in self.last}

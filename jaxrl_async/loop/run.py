@@ -53,7 +53,8 @@ class RLRun:
     """One run of ``cfg`` (validated by ``config.validate``): ``RLRun(cfg).run()``. Everything the run writes
     lives in ``cfg.resolved_run_dir``: ``config.json``, ``tokenizer/``, ``data/`` (generated tasks),
     ``metrics.jsonl``, ``data_ledger.jsonl``, ``tb/``, ``curves.png``, ``checkpoints/``, ``hf/`` (export),
-    ``summary.json``. The setup runs in the constructor (``self.setup``)."""
+    ``summary.json``; with ``logging.wandb`` also ``wandb_id`` and ``wandb/``. The setup runs in the constructor
+    (``self.setup``)."""
 
     def __init__(self, cfg: RunConfig, services: Any = None, *, log_fn: Callable[[str], None] | None = None,
                  signals: Any = None):
@@ -63,6 +64,7 @@ class RLRun:
         self.control = RunControl(self.run_dir, log_fn=log_fn, signals=signals)
         self.services = services if services is not None else LocalServices()
         self.trainer = None
+        self.wandb = None  # the W&B run (``logging.wandb``), started by ``run``
         self.setup = self._setup()
 
     # -- setup ------------------------------------------------------------------------------------------
@@ -79,11 +81,12 @@ class RLRun:
         setup = RunSetup(cfg, self.run_dir, placement, tokenizer, tok_dir, train_ds, eval_records, model_cfg, params,
                          base_ref, eos_ids)
         self.services.after_setup(setup, ctl)
-        save_config(cfg, self.run_dir, extra={
+        self.resolved = {
             "generator_devices": list(placement.gen_ids), "trainer_devices": list(placement.trainer_ids),
             "vocab_size": model_cfg.vocab_size, "tokenizer_dir": tok_dir,
             "attention": attention_choice(cfg, model_cfg, placement.trainer_mesh),
-            "train_records": len(train_ds), "eval_records": len(eval_records)})
+            "train_records": len(train_ds), "eval_records": len(eval_records)}
+        save_config(cfg, self.run_dir, extra=self.resolved)
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
         tr, ro = cfg.trainer, cfg.rollout
         ctl.say(f"run {self.run_dir}: {model_cfg.num_layers}-layer model, {n_params / 1e6:.2f} M parameters; "
@@ -94,15 +97,29 @@ class RLRun:
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self) -> RunResult:
+        """Resume, train, finish. With ``logging.wandb`` the W&B run starts first (before the trainer is
+        compiled: a failing start is a one-line ``ConfigError``) and is finished at the end (failed if the run
+        raised)."""
         from jaxrl_async.loop.session import TrainingSession
 
+        ok = False
         try:
+            if self.cfg.logging.wandb:
+                from jaxrl_async.loop.wandb_logger import WandbRun
+
+                self.wandb = WandbRun.start(self.cfg, self.run_dir, {**to_dict(self.cfg), "resolved": self.resolved},
+                                            say=self.control.say)
             point = self._resume()
             if point.step >= self.cfg.trainer.total_steps:
-                return self._already_complete(point)
-            return TrainingSession(self, point).run()
+                result = self._already_complete(point)
+            else:
+                result = TrainingSession(self, point).run()
+            ok = True
+            return result
         finally:
             self.services.close()
+            if self.wandb is not None:
+                self.wandb.finish(exit_code=0 if ok else 1)
 
     # -- resume ---------------------------------------------------------------------------------------
     def _resume(self) -> ResumePoint:

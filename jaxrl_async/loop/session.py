@@ -38,6 +38,7 @@ class TrainingSession:
 
         self.point, self.cfg, self.control = point, run.cfg, run.control
         self.setup, self.trainer, self.run_dir = run.setup, run.trainer, run.run_dir
+        self.wandb = run.wandb
         ro, tr = self.cfg.rollout, self.cfg.trainer
         self.eta = ro.effective_max_head_offpolicyness
         self.ckpt = self.trainer.checkpointer
@@ -107,7 +108,8 @@ class TrainingSession:
         metrics = MetricsLogger(self.run_dir, c.trainer.total_steps, tensorboard=c.logging.tensorboard,
                                 progress=c.logging.progress, start_step=p.step, clock=self.control.wall,
                                 keep_until_step=p.step if p.resumed_from is not None else -1,
-                                title=f"{c.name}: {os.path.basename(self.run_dir)}", eta=self.eta)
+                                title=f"{c.name}: {os.path.basename(self.run_dir)}", eta=self.eta,
+                                wandb=self.wandb)
         if p.resumed_from is not None:
             self.control.resume_rows.append({
                 "resume/checkpoint_step": p.resumed_from, "resume/replayed_prompts": len(p.replay),

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_async.rollout.agent import agent_metrics
+
 __all__ = ["StepClock", "run_counts", "step_row", "write_summary"]
 
 
@@ -54,6 +56,8 @@ def step_row(out: Any, push: Any, pusher: Any, gs: Any, sc: Any, clock: StepCloc
     })
     # MoE router metrics (train_step's moe metrics): load per layer, entropy, aux loss, top-k mismatch
     row.update({f"train/{k}": v for k, v in m0.items() if k.startswith("moe/")})
+    # multi-turn agent episodes (AgentWorkflow): turns, tokens per turn, tool calls and errors, how episodes ended
+    row.update(agent_metrics(t for g in out.groups for t in g.item.trajectories))
     clock.t, clock.gen = now, gs
     return row
 

@@ -57,11 +57,12 @@ text with the tools announced (``tools_in_prompt``). :class:`MultiTurnMathWorkfl
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from jaxrl_async.rollout.tools import (
     QWEN_CHAT_FORMAT, ChatFormat, Tool, ToolCall, ToolResult, execute_tool_call, parse_tool_calls,
@@ -69,11 +70,48 @@ from jaxrl_async.rollout.tools import (
 )
 from jaxrl_async.rollout.workflow import EpisodeContext, RolloutWorkflow, Trajectory, item_field
 
-__all__ = ["ModelTurn", "EnvStep", "AgentWorkflow", "MultiTurnMathWorkflow", "discounted_return", "encode_text",
-           "RETRY_FEEDBACK"]
+__all__ = ["ModelTurn", "EnvStep", "AgentWorkflow", "MultiTurnMathWorkflow", "agent_metrics", "discounted_return",
+           "encode_text", "RETRY_FEEDBACK"]
 
 RETRY_FEEDBACK = "Your answer is incorrect. Try again."
 STOP_REASONS = ("done", "max_turns", "truncated", "context_limit")
+
+
+def agent_metrics(trajectories: Iterable[Trajectory]) -> dict[str, float | int | None]:
+    """Per-episode and per-turn statistics of the agent episodes among ``trajectories`` (those whose metadata
+    has ``model_turns``: :class:`AgentWorkflow` episodes), for a step's metrics row; ``{}`` without any::
+
+        agent/episodes                               agent episodes in the batch
+        agent/turns_mean, agent/turns_max            model turns per episode
+        agent/tokens_per_turn_mean, _max             generated tokens per model turn
+        agent/tool_calls_mean, agent/tool_calls_max  tool calls per episode
+        agent/tool_errors_mean                       calls per episode answered with an "Error: ..."
+        agent/tool_error_frac                        of all tool calls (None when there were none)
+        agent/tool_parse_errors_mean                 <tool_call> blocks per episode that did not parse
+        agent/stop/<reason>                          share of the episodes that ended by each STOP_REASONS
+                                                     (done: the environment ended it, e.g. an answer;
+                                                     max_turns: the turn limit; truncated; context_limit)
+    """
+    metas = [(t.metadata, t.num_generated) for t in trajectories if "model_turns" in t.metadata]
+    if not metas:
+        return {}
+    n = len(metas)
+    turns = [int(m["model_turns"]) for m, _ in metas]
+    calls = [int(m.get("tool_calls", 0)) for m, _ in metas]
+    errors = [int(m.get("tool_errors", 0)) for m, _ in metas]
+    # turn_tokens: episodes of this version; an older checkpoint's restored ones count by their mean
+    per_turn = [x for (m, g), k in zip(metas, turns) for x in (m.get("turn_tokens") or [g / max(k, 1)])]
+    stops = collections.Counter(m.get("stop_reason") for m, _ in metas)
+    return {
+        "agent/episodes": n, "agent/turns_mean": sum(turns) / n, "agent/turns_max": max(turns),
+        "agent/tokens_per_turn_mean": sum(g for _, g in metas) / max(sum(turns), 1),
+        "agent/tokens_per_turn_max": max(per_turn),
+        "agent/tool_calls_mean": sum(calls) / n, "agent/tool_calls_max": max(calls),
+        "agent/tool_errors_mean": sum(errors) / n,
+        "agent/tool_error_frac": sum(errors) / sum(calls) if sum(calls) else None,
+        "agent/tool_parse_errors_mean": sum(int(m.get("tool_parse_errors", 0)) for m, _ in metas) / n,
+        **{f"agent/stop/{r}": stops.get(r, 0) / n for r in STOP_REASONS},
+    }
 
 
 def discounted_return(rewards: Sequence[float], discount: float) -> float:
@@ -160,8 +198,12 @@ class AgentWorkflow(RolloutWorkflow):
       tool_executor: where tool calls run (default ``ctx.reward_executor``).
 
     Trajectory metadata: ``item_id``, ``sample_index``, ``model_turns``, ``stop_reason`` (one of
-    ``STOP_REASONS``), ``turn_rewards``, ``turn_texts``, ``completion_text`` (last turn), ``turn_info``,
-    ``tool_calls``, ``tool_errors``, ``finish_reason`` (of the last model turn).
+    ``STOP_REASONS``), ``turn_rewards``, ``turn_texts``, ``turn_tokens`` (generated tokens of each model turn),
+    ``completion_text`` (last turn), ``turn_info``, and the sums over ``turn_info`` of ``tool_calls``,
+    ``tool_errors`` (calls answered with an ``"Error: ..."``) and ``tool_parse_errors`` (``<tool_call>`` blocks
+    that did not parse, also counted in ``tool_errors``); ``finish_reason`` (of the last model turn). The RL
+    loop's step metrics summarise them (:func:`agent_metrics`); a custom :meth:`step` that runs tools reports
+    its counts under the same ``info`` keys.
 
     Tool calls are parsed from the decoded text (special tokens skipped), so ``<tool_call>`` must not be
     a *special* token of the tokenizer (it is an ordinary added token in Qwen2.5/Qwen3).
@@ -214,7 +256,8 @@ class AgentWorkflow(RolloutWorkflow):
         if calls and not turn.last:
             results = self.run_tools(calls, ctx)
             return EnvStep(observation=render_tool_responses([r.text for r in results], self.chat_format),
-                           info={"tool_calls": len(results), "tool_errors": sum(not r.ok for r in results)})
+                           info={"tool_calls": len(results), "tool_errors": sum(not r.ok for r in results),
+                                 "tool_parse_errors": sum(not c.ok for c in calls)})
         return EnvStep(reward=self.score(item, turn.text, ctx), done=True)
 
     def prompt_ids(self, item: Any) -> list[int]:
@@ -316,9 +359,10 @@ class AgentWorkflow(RolloutWorkflow):
         return Trajectory.from_turns(
             prompt_ids, turns, discounted_return(rewards, self.turn_discount),
             item_id=item_field(item, "id"), sample_index=ctx.sample_index, model_turns=len(texts),
-            stop_reason=stop, turn_rewards=rewards, turn_texts=texts, completion_text=texts[-1],
-            turn_info=infos, tool_calls=sum(i.get("tool_calls", 0) for i in infos),
-            tool_errors=sum(i.get("tool_errors", 0) for i in infos))
+            stop_reason=stop, turn_rewards=rewards, turn_texts=texts,
+            turn_tokens=[len(s.completion_ids) for s in turns if not isinstance(s, tuple)], completion_text=texts[-1],
+            turn_info=infos, **{k: sum(int(i.get(k, 0)) for i in infos)
+                                for k in ("tool_calls", "tool_errors", "tool_parse_errors")})
 
     def _observation_ids(self, step: EnvStep, sample: Any, t: int) -> list[int]:
         if (step.observation is None) == (step.observation_ids is None):

@@ -179,6 +179,13 @@ def test_multi_turn_math_workflow_trains_in_the_async_loop(tmp_path):
     _check_accounting(res, B=4)
     rows = [r for r in _rows(res.run_dir) if "train/loss" in r]
     assert len(rows) == 2 and all(np.isfinite(r["train/grad_norm"]) for r in rows)
+    # the step metrics summarise the episodes (rollout.agent.agent_metrics): 16 per step, 1-3 turns each
+    for r in rows:
+        assert r["agent/episodes"] == 16 and 1 <= r["agent/turns_mean"] <= r["agent/turns_max"] <= 3, r
+        assert 0 < r["agent/tokens_per_turn_mean"] <= r["agent/tokens_per_turn_max"] <= 12, r  # max_new_tokens 12
+        assert r["agent/tool_calls_mean"] == 0 and r["agent/tool_error_frac"] is None  # no tools
+        stops = [r[f"agent/stop/{k}"] for k in ("done", "max_turns", "truncated", "context_limit")]
+        assert sum(stops) == pytest.approx(1.0), stops
 
 
 def test_run_starts_from_a_hugging_face_directory(tmp_path):

@@ -194,6 +194,39 @@ def test_tool_errors_are_fed_back_not_raised(tok, math_reward):
     assert "Error: unknown tool 'nope'; available tools: ['calculator']" in inserted[2]
     m = traj.metadata
     assert (m["tool_calls"], m["tool_errors"], m["model_turns"], traj.reward) == (5, 4, 4, 0.0)
+    assert m["tool_parse_errors"] == 1  # the invalid JSON block (the unknown tool parsed; it is a tool error)
+    assert len(m["turn_tokens"]) == 4 and sum(m["turn_tokens"]) == traj.num_generated
+
+
+def test_agent_metrics_summarise_turns_tools_and_how_episodes_ended(tok, math_reward):
+    """The step metrics of agent episodes (``agent_metrics``): a tool episode that answered (4 turns, 5 calls, 4
+    failed, 1 unparsable) and a retry episode out of turns (2 turns, no tools); single-turn trajectories are
+    left out, and a batch without agent episodes adds nothing."""
+    from jaxrl_async.rollout.agent import STOP_REASONS, agent_metrics
+    from jaxrl_async.rollout.workflow import Trajectory
+
+    bad_json = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}\n</tool_call>'
+    three = "".join(call("calculator", f'{{"expression": "{e}"}}') for e in ("1+1", "1/0", "2*3"))
+    script = {0: [(bad_json, "stop"), (three, "stop"), (call("nope", "{}"), "stop"), ("\\boxed{5}", "stop")]}
+    wf = AgentWorkflow(tok, math_reward, tools=[CalculatorTool()], max_turns=4, max_tool_calls_per_turn=2,
+                       tools_in_prompt=False)
+    (tools,) = GroupSampler(wf, 1).run(make_item(tok), make_ctx(ScriptedGenerator(tok, script))).trajectories
+    gen = ScriptedGenerator(tok, {0: [("\\boxed{7}", "stop")] * 2})
+    (retry,) = GroupSampler(MultiTurnMathWorkflow(tok, math_reward, max_turns=2), 1).run(make_item(tok),
+                                                                                      make_ctx(gen)).trajectories
+    assert (tools.metadata["stop_reason"], retry.metadata["stop_reason"]) == ("done", "max_turns")
+    single = Trajectory.from_completion([1, 2], [3, 4, 5], [-1.0] * 3, [0] * 3, 1.0, "stop")
+    m = agent_metrics([tools, single, retry])
+    assert m["agent/episodes"] == 2 and (m["agent/turns_mean"], m["agent/turns_max"]) == (3.0, 4)
+    assert (m["agent/tool_calls_mean"], m["agent/tool_calls_max"], m["agent/tool_errors_mean"]) == (2.5, 5, 2.0)
+    assert m["agent/tool_error_frac"] == pytest.approx(0.8) and m["agent/tool_parse_errors_mean"] == 0.5
+    assert m["agent/tokens_per_turn_mean"] == pytest.approx((tools.num_generated + retry.num_generated) / 6)
+    turn_tokens = tools.metadata["turn_tokens"] + retry.metadata["turn_tokens"]
+    assert m["agent/tokens_per_turn_max"] == max(turn_tokens) and len(turn_tokens) == 6
+    assert {r: m[f"agent/stop/{r}"] for r in STOP_REASONS} == {"done": 0.5, "max_turns": 0.5, "truncated": 0.0,
+                                                                "context_limit": 0.0}
+    assert agent_metrics([retry])["agent/tool_error_frac"] is None  # no calls: no error share
+    assert agent_metrics([single]) == {}
 
 
 class SlowTool:
