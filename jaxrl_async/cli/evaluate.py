@@ -193,10 +193,16 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
 
 
 def check_not_a_run_dir(model: str) -> None:
-    """UserError when ``--model`` is a run directory (its config.json is the run's, not a model's), naming its
-    export."""
+    """UserError when ``--model`` is a run directory (``checkpoints/`` and no model's config.json: the run's),
+    naming its export."""
     if not os.path.isdir(os.path.join(model, "checkpoints")):
         return
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as fh:
+            if "model_type" in json.load(fh):  # a Hugging Face config: a model directory after all
+                return
+    except (OSError, ValueError, TypeError):
+        pass
     hf = os.path.join(model, "hf")
     where = (f"its export is {hf}" if os.path.isfile(os.path.join(hf, "config.json"))
              else f"export a step first: python -m jaxrl_async.export --run-dir {model} --out DIR")
