@@ -10,11 +10,13 @@ samples per prompt, eta 4, 32 x 16 sequences per step in 4 PPO minibatches, deco
 with its source (AReaL boba_grpo.yaml, gsm8k_grpo.yaml, the AReaL paper).
 
 Layout ``h100x8``: one node of 8 H100; devices 0-5 generate (6 data-parallel decode replicas,
-AReaL's 3:1 generation/training split), devices 6-7 train (FSDP 2). Sizing (checked with
-``jaxrl_async.plan.planner``, results in benchmarks/RESULTS.md "Plans (issue #8)"): 192 decode slots
-(32 per replica; the KV pool reserves all of them at 2048 tokens, 42 GiB per device because the
-pool is replicated over ``data``), trainer micro-batches of 32768 tokens (16384 per FSDP shard,
-AReaL boba max_tokens_per_mb).
+AReaL's 3:1 generation/training split), devices 6-7 train (FSDP 2). Sizing, from ``python -m jaxrl_async.plan
+--config configs/qwen3_0_6b.py`` (8 simulated CPU devices, 19 s on 2 cores): 192 decode slots (32 per replica)
+at 2048 tokens, a 24,576-page pool (42 GiB) whose pages split over the 6 ``data`` replicas, so 7.00 GiB of KV
+per generator device (112 KiB/token/device; generator peak 10.1 of 72 GiB); trainer micro-batches of 32768
+tokens (16384 per FSDP shard, AReaL boba max_tokens_per_mb; trainer peak 11.2 GiB). CPU float32 compiles, so
+the temporaries are an upper bound. benchmarks/RESULTS.md "Plans (issue #8)" says 42 GiB per device: that plan
+predates the split (the pool was then replicated over ``data``).
 
 Weights and data come from local paths; nothing downloads::
 

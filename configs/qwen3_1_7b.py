@@ -10,9 +10,11 @@ samples per prompt, eta 4, 32 x 16 sequences per step in 4 PPO minibatches, deco
 with its source (AReaL boba_grpo.yaml, gsm8k_grpo.yaml, the AReaL paper).
 
 Layout ``h100x8``: one node of 8 H100; devices 0-5 generate (6 data-parallel decode replicas,
-AReaL's 3:1 split), devices 6-7 train (FSDP 2). Sizing (``jaxrl_async.plan.planner``): 192 decode slots
-(32 per replica, KV pool 42 GiB per device: same layers/kv heads as 0.6B), trainer micro-batches
-of 32768 tokens (16384 per FSDP shard, AReaL boba max_tokens_per_mb).
+AReaL's 3:1 split), devices 6-7 train (FSDP 2). Sizing, from ``python -m jaxrl_async.plan --config
+configs/qwen3_1_7b.py`` (8 simulated CPU devices, 20 s on 2 cores): 192 decode slots (32 per replica) at 2048
+tokens, a 42 GiB pool split over the 6 ``data`` replicas: 7.00 GiB of KV per generator device (same layers / kv
+heads as 0.6B; generator peak 15.5 of 72 GiB), trainer micro-batches of 32768 tokens (16384 per FSDP shard, AReaL
+boba max_tokens_per_mb; trainer peak 26.5 GiB; CPU float32 compiles: an upper bound).
 
 Weights and data come from local paths; nothing downloads::
 

@@ -247,7 +247,8 @@ def test_cli_main_keeps_tracebacks_of_internal_errors(capsys):
 @pytest.mark.parametrize("module, parser, expected", [
     ("jaxrl_async.cli.generate", "build_parser", ["--max-new-tokens MAX_NEW_TOKENS", "(default: 1024)", "(default: float32)"]),
     ("jaxrl_async.cli.score", "build_parser", ["(default: 8192)"]),
-    ("jaxrl_async.cli.evaluate", "build_parser", ["(default: auto)", "(default: 0.6)", "(default: math)"]),
+    ("jaxrl_async.cli.evaluate", "build_parser", ["(default: auto)", "(default: 0.6)",
+                                                  "(default: a run's export: its rollout.reward; else math)"]),
     ("jaxrl_async.cli.export", "build_parser", ["(default: 2.0)"]),
     ("jaxrl_async.cli.plan", "_parser", ["(default: cpu)", "(default: 0.1)"]),
     ("jaxrl_async.distributed.launch", "build_parser", ["(default: 1)", "(default: 60.0)"]),

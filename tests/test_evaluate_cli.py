@@ -233,3 +233,138 @@ def test_cli_rejects_bad_options(model_dir, tmp_path):
         with pytest.raises(SystemExit) as e:
             evaluate.main(["--model", model_dir, "--data", "x.jsonl"] + bad)
         assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", model_dir, "--data", "x.jsonl", "--boxed-instruction", "--prompt-suffix", "x"])
+    assert e.value.code == 2
+
+
+# -- a run's prompt recipe (issue 31 item 6): `evaluate` on a run's export prompts as the run did --------------
+def _run_config_dict(**data):
+    """to_dict of a gsm8k run config whose data section has ``data``, with the parity reward, 5 new tokens in
+    the held-out evaluation and a stop string."""
+    from jaxrl_async.config import RunConfig, to_dict
+
+    d = to_dict(RunConfig(seed=7))
+    d["data"].update(task="dataset", format="gsm8k", **data)
+    d["rollout"]["reward"] = "test_evaluate_cli:parity_reward"
+    d["rollout"]["sampling"].update(max_new_tokens=9, stop_strings=["}}"])
+    d["eval"].update(max_new_tokens=5)
+    return d
+
+
+def _export_with_recipe(model_dir, tmp_path, config):
+    from jaxrl_async.data.recipe import write_run_recipe
+
+    run = tmp_path / "run"
+    hf = shutil.copytree(model_dir, run / "hf")
+    assert write_run_recipe(str(hf), config, run_dir=str(run), step=3) == str(hf / "jaxrl_async_run.json")
+    return str(run), str(hf)
+
+
+def _prompts(argv):
+    """The settings and records ``evaluate`` would evaluate with ``argv`` (nothing generated)."""
+    args = evaluate.build_parser().parse_args(argv)
+    settings = evaluate.resolve_settings(args)
+    return settings, evaluate._load_inputs(args, settings)[1]
+
+
+def test_recipe_of_a_run_config_and_its_file_round_trip(tmp_path):
+    from jaxrl_async.config import RunConfig, from_dict
+    from jaxrl_async.data.datasets import BOXED_INSTRUCTION
+    from jaxrl_async.data.recipe import RunRecipe, find_run_recipe, run_recipe, write_run_recipe
+
+    d = _run_config_dict(prompt_suffix=BOXED_INSTRUCTION, system_prompt="Be brief.", max_prompt_len=200)
+    rc = run_recipe(d, run_dir=str(tmp_path), step=3)
+    assert rc == run_recipe(from_dict(RunConfig, d), run_dir=str(tmp_path), step=3)  # a RunConfig or its dict
+    assert (rc.prompt.format, rc.prompt.prompt_suffix, rc.prompt.system_prompt, rc.prompt.max_prompt_len) == \
+        ("gsm8k", BOXED_INSTRUCTION, "Be brief.", 200)
+    assert (rc.reward, rc.max_new_tokens, rc.stop_strings, rc.seed, rc.temperature, rc.n) == \
+        ("test_evaluate_cli:parity_reward", 5, ("}}",), 7, 0.0, 1)
+    assert run_recipe({**d, "data": {**d["data"], "task": "arithmetic"}}).prompt.format == "generic"
+    assert RunRecipe.from_json(json.loads(json.dumps(rc.to_json()))) == rc
+    write_run_recipe(str(tmp_path), d, run_dir=str(tmp_path), step=3)
+    assert find_run_recipe(str(tmp_path)) == (rc, str(tmp_path / "jaxrl_async_run.json"))
+    assert write_run_recipe(str(tmp_path / "x"), None) is None and write_run_recipe(str(tmp_path / "x"), {"a": 1}) is None
+    assert find_run_recipe(str(tmp_path / "nothing")) is None
+
+
+def test_evaluate_prompts_a_runs_export_as_the_run_did(model_dir, tmp_path, capsys):
+    """No prompt flag: the export's recipe gives the prompts (token ids) the run's loader gives, its reward, its
+    held-out evaluation's max_new_tokens and stop strings; one line says where the recipe came from."""
+    from transformers import AutoTokenizer
+
+    from jaxrl_async.data import load_prompt_dataset
+    from jaxrl_async.data.datasets import BOXED_INSTRUCTION
+    from jaxrl_async.data.recipe import run_recipe
+
+    config = _run_config_dict(prompt_suffix=BOXED_INSTRUCTION, system_prompt="Be brief.", max_prompt_len=200)
+    run, hf = _export_with_recipe(model_dir, tmp_path, config)
+    data = write_rows(tmp_path / "data.jsonl", GSM_ROWS)
+    out, summ = tmp_path / "r.jsonl", tmp_path / "s.json"
+    assert evaluate.main(["--model", hf, "--data", data, "--n", "2", "--temperature", "1.0", "--output", str(out),
+                          "--summary-json", str(summ), "--max-concurrent", "4", "--num-pages", "64"]) == 0
+    err = capsys.readouterr().err
+    line = [ln for ln in err.splitlines() if "prompt recipe" in ln]
+    assert len(line) == 1 and line[0].startswith(f"evaluate: prompt recipe of run {run} step 3 ({hf}/jaxrl_async_run.json): "
+                                                 "chat template, system prompt 'Be brief.', suffix "), err
+    assert "reward test_evaluate_cli:parity_reward, <= 5 new tokens, stop strings ['}}']; the run evaluated with " \
+           "--n 1 --temperature 0 --seed 7" in line[0]
+    # the run's loader (loop.setup: run_recipe(cfg).prompt.dataset_config) on the same file gives the same token ids
+    tok = AutoTokenizer.from_pretrained(hf)
+    run_records = load_prompt_dataset(run_recipe(config).prompt.dataset_config(data), tok).records
+    settings, records = _prompts(["--model", hf, "--data", data])
+    assert [r.prompt_ids for r in records] == [r.prompt_ids for r in run_records]
+    rows = [json.loads(x) for x in open(out)]
+    assert [r["prompt"] for r in rows] == [r.prompt for r in run_records]
+    assert all("Be brief." in r["prompt"] and "\\boxed{}" in r["prompt"] for r in rows)
+    assert all(t <= 5 for r in rows for t in r["completion_tokens"])
+    assert all(r["rewards"] == [parity_reward("", c, "") for c in r["completions"]] for r in rows)
+    s = json.loads(summ.read_text())
+    assert s["reward"] == "test_evaluate_cli:parity_reward" and s["prompt_recipe"] == f"{hf}/jaxrl_async_run.json"
+    assert settings.stop_strings == ("}}",)
+
+
+def test_flags_override_the_recipe_and_no_run_recipe_ignores_it(model_dir, tmp_path, capsys):
+    from jaxrl_async.data.datasets import BOXED_INSTRUCTION
+
+    _, hf = _export_with_recipe(model_dir, tmp_path, _run_config_dict(prompt_suffix=BOXED_INSTRUCTION,
+                                                                       system_prompt="Be brief."))
+    data = write_rows(tmp_path / "data.jsonl", GSM_ROWS)
+    base = ["--model", hf, "--data", data]
+    st, recs = _prompts(base + ["--prompt-suffix", "", "--reward", "math", "--max-new-tokens", "3", "--stop", "x"])
+    assert "\\boxed" not in recs[0].prompt and "Be brief." in recs[0].prompt
+    assert (st.reward, st.max_new_tokens, st.stop_strings) == ("math", 3, ("x",))
+    assert "overridden by --prompt-suffix --reward --max-new-tokens --stop" in capsys.readouterr().err
+    st, recs = _prompts(base + ["--no-chat-template"])
+    assert recs[0].prompt == GSM_ROWS[0]["question"] + BOXED_INSTRUCTION
+    st, recs = _prompts(base + ["--no-run-recipe"])
+    assert "\\boxed" not in recs[0].prompt and "Be brief." not in recs[0].prompt
+    assert (st.reward, st.max_new_tokens, st.stop_strings, st.source) == ("math", 1024, (), None)
+    assert "evaluate: prompt recipe: the flags' (--no-run-recipe)" in capsys.readouterr().err
+    _, recs = _prompts(["--model", model_dir, "--data", data])  # not a run's export: today's defaults
+    assert "\\boxed" not in recs[0].prompt
+    assert f"prompt recipe: the flags' ({model_dir} has no jaxrl_async_run.json: not a run's export)" in \
+        capsys.readouterr().err
+
+
+def test_an_older_export_finds_its_runs_config_and_a_run_dir_is_refused(model_dir, tmp_path, capsys):
+    from jaxrl_async.config import RunConfig, from_dict, save_config
+    from jaxrl_async.data.datasets import BOXED_INSTRUCTION
+
+    run = tmp_path / "run"
+    hf = str(shutil.copytree(model_dir, run / "hf"))  # an export without jaxrl_async_run.json, inside its run
+    save_config(from_dict(RunConfig, _run_config_dict(prompt_suffix=BOXED_INSTRUCTION)), run)
+    data = write_rows(tmp_path / "data.jsonl", GSM_ROWS)
+    st, recs = _prompts(["--model", hf, "--data", data])
+    assert st.source == str(run / "config.json") and "\\boxed{}" in recs[0].prompt
+    assert f"prompt recipe of run {run} ({run}/config.json)" in capsys.readouterr().err
+    (run / "checkpoints").mkdir()
+    assert evaluate.main(["--model", str(run), "--data", data]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"evaluate: error: --model {run}: a jaxrl_async run directory, not a model directory; its export is {hf}")
+    (tmp_path / "bad").mkdir()
+    hf2 = shutil.copytree(model_dir, tmp_path / "bad" / "hf")
+    (hf2 / "jaxrl_async_run.json").write_text("{}")
+    assert evaluate.main(["--model", str(hf2), "--data", data]) == 2
+    assert f"evaluate: error: --model {hf2}: {hf2}/jaxrl_async_run.json: not a readable jaxrl_async run recipe: " \
+           "prompt missing (--no-run-recipe ignores it)" in capsys.readouterr().err

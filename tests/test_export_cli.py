@@ -14,12 +14,15 @@ import pytest
 
 from jaxrl_async.checkpoint import CheckpointConfig, Checkpointer, TrainMeta
 from jaxrl_async.cli.export import export_checkpoint, main
+from jaxrl_async.config import DataConfig, RunConfig, to_dict
+from jaxrl_async.data.datasets import BOXED_INSTRUCTION
 from jaxrl_async.models import apply, load_hf
 from jaxrl_async.models.shardings import model_shardings
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.testing import make_tiny_hf_model, make_tiny_tokenizer
 from jaxrl_async.testing import subprocess_xla_flags
 
+RUN_CONFIG = to_dict(RunConfig(data=DataConfig(task="dataset", format="math", prompt_suffix=BOXED_INSTRUCTION)))
 TOKENS = np.array([[1, 17, 42, 99, 3, 250, 7, 64], [1, 5, 5, 200, 31, 8, 2, 0]], np.int32)
 
 
@@ -35,7 +38,8 @@ def run(tmp_path_factory):
     run_dir = str(root / "run")
     with Checkpointer(run_dir, CheckpointConfig(keep_last=3), model_config=cfg, tokenizer_dir=tok_dir) as ck:
         ck.save({"params": params}, TrainMeta(step=1, policy_version=1))
-        ck.save({"params": step2}, TrainMeta(step=2, policy_version=2))
+        # step 2 carries the run's config, as the loop saves it (step 1: a checkpoint without one)
+        ck.save({"params": step2}, TrainMeta(step=2, policy_version=2, config=RUN_CONFIG))
     return run_dir, cfg, {1: params, 2: step2}, tok_dir
 
 
@@ -70,6 +74,19 @@ def test_cli_export_matches_our_logits_in_transformers(run, tmp_path):
 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok("hi")["input_ids"] == transformers.AutoTokenizer.from_pretrained(tok_dir)("hi")["input_ids"]
+
+
+def test_export_writes_the_runs_prompt_recipe(run, tmp_path, capsys):
+    """The recipe of the config saved with the exported step (issue 31 item 6), which `evaluate` reads."""
+    from jaxrl_async.data.recipe import find_run_recipe, run_recipe
+
+    run_dir = run[0]
+    out = tmp_path / "hf"
+    assert main(["--run-dir", run_dir, "--out", str(out)]) == 0
+    assert "config.json, generation_config.json, jaxrl_async_run.json, tokenizer" in capsys.readouterr().out
+    rc, path = find_run_recipe(str(out))
+    assert path == str(out / "jaxrl_async_run.json") and rc == run_recipe(RUN_CONFIG, run_dir=run_dir, step=2)
+    assert (rc.prompt.format, rc.prompt.prompt_suffix) == ("math", BOXED_INSTRUCTION)
 
 
 def test_export_older_step_and_bf16(run, tmp_path):
@@ -119,7 +136,10 @@ def test_export_refuses_to_overwrite_without_flag(run, tmp_path, capsys):
     assert len(shards) > 1 and os.path.isfile(out / "model.safetensors.index.json")
     assert main(["--run-dir", run_dir, "--out", str(out), "--overwrite"]) == 0
     assert sorted(os.listdir(out)) == sorted(["notes.txt", "model.safetensors", "config.json", "generation_config.json",
-                                              "tokenizer.json", "tokenizer_config.json"])
+                                              "tokenizer.json", "tokenizer_config.json", "jaxrl_async_run.json"])
+    # step 1 has no run config: no recipe, and --overwrite removed step 2's
+    assert main(["--run-dir", run_dir, "--out", str(out), "--overwrite", "--step", "1"]) == 0
+    assert not os.path.exists(out / "jaxrl_async_run.json")
     assert main(["--run-dir", run_dir, "--out", str(out / "notes.txt")]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
 

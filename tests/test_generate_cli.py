@@ -265,3 +265,30 @@ def test_compile_cache_serves_a_second_process(model_dir, tmp_path):
         assert compile_cache.enable("off") is None
     finally:
         jax.config.update("jax_compilation_cache_dir", session_cache)
+
+
+def test_cut_at_stop():
+    assert generate.cut_at_stop("x = 1\n\nso", ["\n\n", "="]) == ("x ", "=")  # the earliest
+    assert generate.cut_at_stop("ab</a>c", ["</", "</a>"]) == ("ab", "</a>")  # of two starting there, the longer
+    assert generate.cut_at_stop("abc", ["z", ""]) == ("abc", None)
+
+
+def test_stop_string_is_left_out_of_the_text_and_kept_in_the_ids(model_dir, tmp_path, capsys):
+    """As OpenAI's `stop` (issue 31 item 9): the text ends before the stop string; completion_ids / logprobs keep
+    every generated token up to the one completing it, finish_reason "stop", stop_string names it."""
+    rows = [{"prompt": "one two three"}, {"prompt": "a big red dog"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    base = ["--model", model_dir, "--input", inp, "--max-new-tokens", "12", "--temperature", "0",
+            "--no-chat-template", "--ignore-eos"]
+    free, stopped = str(tmp_path / "free.jsonl"), str(tmp_path / "stop.jsonl")
+    assert generate.main(base + ["--output", free]) == 0
+    assert generate.main(base + ["--output", stopped, "--stop", "sat"]) == 0
+    capsys.readouterr()
+    (f1, f2), (s1, s2) = read_jsonl(free), read_jsonl(stopped)
+    # measured on this tiny random model: row 1 generates "... sat ..." (cat a sat dog a), row 2 no "sat"
+    assert "sat" in f1["text"] and "stop_string" not in f1
+    k = f1["completion_ids"].index(8) + 1  # "sat" is id 8: the token that completes the stop string ends the sample
+    assert s1["completion_ids"] == f1["completion_ids"][:k] and s1["logprobs"] == pytest.approx(f1["logprobs"][:k])
+    assert s1["finish_reason"] == "stop" and s1["stop_string"] == "sat"
+    assert s1["text"] == f1["text"][:f1["text"].index("sat")] and "sat" not in s1["text"]
+    assert "sat" not in f2["text"] and (s2["text"], s2["finish_reason"], s2["stop_string"]) == (f2["text"], "length", None)

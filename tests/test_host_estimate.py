@@ -46,5 +46,6 @@ def test_main_dry_run_prints_the_estimate_on_a_cpu():
     proc = subprocess.run([sys.executable, "-m", "jaxrl_async.main", "--dry-run"], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stdout + proc.stderr
+    out = proc.stdout  # the dry run's output, config included, is on stdout
     assert "config OK (dry run)" in out and "on this machine (CPU" in out and "rough time per RL step: " in out
+    assert "trainer.total_steps = " in out and "config OK" not in proc.stderr

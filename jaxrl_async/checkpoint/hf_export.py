@@ -47,6 +47,7 @@ class ExportResult:
     out_dir: str
     weight_files: tuple[str, ...]
     tokenizer_copied: bool
+    recipe_file: str | None = None  # data.recipe.RECIPE_FILE, written when the checkpoint carries the run's config
 
 
 def restore_for_export(ckpt: Checkpointer, step: int | None = None, *, fallback: bool = False) -> Restored:
@@ -70,6 +71,7 @@ def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None
     lora: for a LoRA run, "merged" weights or a "peft" adapter directory (module docstring).
     """
     from jaxrl_async.checkpoint.manager import Checkpointer, CheckpointIncompatibleError
+    from jaxrl_async.data.recipe import write_run_recipe
     from jaxrl_async.models.hf_io import save_hf
 
     if dtype is not None and dtype not in DTYPES:
@@ -103,13 +105,14 @@ def export_checkpoint(run: str | Checkpointer, out_dir: str, *, step: int | None
         base_ref = ((restored.meta.config or {}).get("model") or {}).get("path")
         files = save_peft_adapter(params, cfg, out_dir, base_model_name_or_path=base_ref, tokenizer_dir=tok,
                                   dtype=dtype, max_shard_bytes=max_shard_bytes)
-        return ExportResult(step=restored.step, out_dir=os.path.abspath(out_dir), weight_files=tuple(files),
-                            tokenizer_copied=tok is not None)
-    if cfg.lora is not None:
-        params, cfg = _merged_on_host(params, cfg), cfg.replace(lora=None)
-    files = save_hf(params, cfg, out_dir, tokenizer_dir=tok, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    else:
+        if cfg.lora is not None:
+            params, cfg = _merged_on_host(params, cfg), cfg.replace(lora=None)
+        files = save_hf(params, cfg, out_dir, tokenizer_dir=tok, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    # the run's prompt recipe from the config saved with this step, so `evaluate --model out_dir` prompts as the run
+    recipe = write_run_recipe(out_dir, restored.meta.config, run_dir=ckpt.run_dir, step=restored.step)
     return ExportResult(step=restored.step, out_dir=os.path.abspath(out_dir), weight_files=tuple(files),
-                        tokenizer_copied=tok is not None)
+                        tokenizer_copied=tok is not None, recipe_file=recipe)
 
 
 def _merged_on_host(params, cfg):
@@ -237,10 +240,11 @@ def save_peft_adapter(params, cfg, out_dir: str, *, base_model_name_or_path: str
 
 def _export_files(out_dir: str) -> list[str]:
     """The files of an earlier export in ``out_dir`` (weights, index, configs, tokenizer)."""
+    from jaxrl_async.data.recipe import RECIPE_FILE
     from jaxrl_async.models.hf_io import TOKENIZER_FILES
     from jaxrl_async.models.safetensors_io import INDEX_NAME, SINGLE_NAME
 
     names = {SINGLE_NAME, INDEX_NAME, "config.json", "generation_config.json", PEFT_CONFIG, PEFT_WEIGHTS,
-             *TOKENIZER_FILES}
+             RECIPE_FILE, *TOKENIZER_FILES}
     found = [os.path.join(out_dir, n) for n in names if os.path.isfile(os.path.join(out_dir, n))]
     return found + glob.glob(os.path.join(glob.escape(out_dir), "model-*-of-*.safetensors"))

@@ -3,8 +3,10 @@
     python -m jaxrl_async.export --run-dir RUN [--step N] --out DIR [--overwrite] [--dtype bfloat16] [--fallback]
                                  [--lora merged|peft]
 
-writes DIR/model.safetensors (or shards + index), config.json, generation_config.json and the
-tokenizer files the run copied into RUN/tokenizer. The model architecture and numerical policy
+writes DIR/model.safetensors (or shards + index), config.json, generation_config.json, the
+tokenizer files the run copied into RUN/tokenizer, and jaxrl_async_run.json: the run's prompt recipe, reward and
+held-out evaluation settings from the config saved with the step (``data.recipe``), which ``evaluate --model DIR``
+uses by default so that it prompts the policy as the run did. The model architecture and numerical policy
 come from the checkpoint's metadata; the parameters are restored onto the host CPU device (no
 mesh, no accelerator, no optimizer state read), then written by `models.save_hf`, which
 gathers one tensor kind at a time. An existing non-empty --out is only written with --overwrite
@@ -91,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(msg if named else f"--run-dir {args.run_dir}: {msg}") from None
     configs = [f for f in ("config.json", "generation_config.json", "adapter_config.json")
                if os.path.isfile(os.path.join(res.out_dir, f))]  # what is there (a PEFT directory has no config.json)
+    configs += [os.path.basename(res.recipe_file)] if res.recipe_file else []
     print(f"exported step {res.step} of {os.path.abspath(args.run_dir)} to {res.out_dir}: "
           f"{', '.join(list(res.weight_files) + configs)}" + (", tokenizer" if res.tokenizer_copied else " (no tokenizer)"))
     return 0

@@ -14,15 +14,22 @@ and writes ids without text.
 
 Output rows, in input order, one per sample: {"row": L, ["id": ...,] "prompt": "..." | "prompt_ids":
 [...], ["sample_index": k,] "completion_ids": [...], "text": "...", "logprobs": [...], "finish_reason":
-"stop" | "length"}. `row` is the input's line number (from 1), the prompt is echoed as given,
-`sample_index` appears only with --n > 1, and `text` is null without a tokenizer. `logprobs` are the
+"stop" | "length"[, "stop_string": "..." | null]}. `row` is the input's line number (from 1), the prompt is
+echoed as given, `sample_index` appears only with --n > 1, `stop_string` only with --stop (the string that
+ended the sample, null when an EOS id or the length did), and `text` is null without a tokenizer. `logprobs` are the
 behaviour log-probs of the engine (log-softmax of the temperature-scaled logits over the full
 vocabulary; raw logits when greedy).
 
 Stopping: the EOS ids of config.json, generation_config.json and the tokenizer (when the directory has
-one) unless --ignore-eos, and the --stop strings (the completion ends with the token that completed
-the string). Seeds: the row on line L uses seed S + L - 1, so rows are reproducible and independent
-of batching. Prompt length limit: --max-prompt-length (default: the longest prompt of the file, capped
+one) unless --ignore-eos, and the --stop strings. As OpenAI's `stop`, a stop string is excluded from `text`:
+the text ends where the string begins (anything the same token decoded to after it goes too), while
+`completion_ids` and `logprobs` keep every generated token, up to and including the token that completed the
+string, with finish_reason "stop" and `stop_string` naming it (an EOS id likewise stays in `completion_ids`
+and is left out of `text`, a special token). The RL run's samples are not cut: a trajectory trains on the
+tokens generated, and the reward sees their whole text (`rollout.sampling.stop_strings`).
+
+Seeds: the row on line L uses seed S + L - 1, so rows are reproducible and independent of batching.
+Prompt length limit: --max-prompt-length (default: the longest prompt of the file, capped
 at the model's max_position_embeddings - 1). A longer prompt is an error naming its row, or with
 --truncate-prompts keeps its last L tokens (the end of a prompt, where the question and the
 generation prompt are) and the number of truncated prompts is printed.
@@ -123,13 +130,31 @@ def read_rows(lines: Iterable[str], encode: Callable[[str, int], list[int]], voc
     return rows, errors
 
 
-def output_rows(row: int, samples: list, n: int, echo: dict[str, Any] | None = None) -> list[dict]:
+def cut_at_stop(text: str, stop_strings: Iterable[str]) -> tuple[str, str | None]:
+    """(``text`` before the first stop string in it, that string), or (``text``, None) when none is in it. The
+    generator stops a sample at the token completing a stop string, so the first one found is that one."""
+    hits = [(text.find(st), -len(st), st) for st in stop_strings if st and st in text]
+    if not hits:
+        return text, None
+    i, _, st = min(hits)  # the earliest; of two starting there, the longer
+    return text[:i], st
+
+
+def output_rows(row: int, samples: list, n: int, echo: dict[str, Any] | None = None,
+                stop_strings: tuple[str, ...] = ()) -> list[dict]:
+    """The output rows of one input row's samples; with ``stop_strings`` the text ends before the stop string
+    that ended a sample (``cut_at_stop``), the token ids keep it, and ``stop_string`` names it."""
     out = []
     for s in samples:
         d: dict[str, Any] = {"row": row, **(echo or {})}
         if n > 1:
             d["sample_index"] = s.sample_index
-        d.update(completion_ids=s.completion_ids, text=s.text, logprobs=s.logprobs, finish_reason=s.finish_reason)
+        text, hit = s.text, None
+        if stop_strings and text is not None and s.finish_reason == "stop":
+            text, hit = cut_at_stop(text, stop_strings)
+        d.update(completion_ids=s.completion_ids, text=text, logprobs=s.logprobs, finish_reason=s.finish_reason)
+        if stop_strings:
+            d["stop_string"] = hit
         out.append(d)
     return out
 
@@ -152,7 +177,9 @@ def build_parser():
                     help="encode text prompts as raw text (default: the tokenizer's chat template, when it has one)")
     ap.add_argument("--chat", action="store_true", help="deprecated, no effect: the chat template is the default")
     ap.add_argument("--truncate-prompts", action="store_true", help="keep the last --max-prompt-length tokens")
-    ap.add_argument("--stop", nargs="+", default=[], metavar="STR", help="stop strings")
+    ap.add_argument("--stop", nargs="+", default=[], metavar="STR",
+                    help="stop strings: a sample ends at the token completing one; its text ends before the string "
+                         "(completion_ids keep the tokens, stop_string names it)")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token(s)")
     ap.add_argument("--max-prompt-length", type=int, default=None,
                     help="longest prompt (largest prefill bucket; default: the longest of the file)")
@@ -278,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t0
     with open(args.output, "w", encoding="utf-8") as fh:
         for r, out in zip(rows, outputs):
-            for d in output_rows(r.row, out.samples, args.n, r.echo):
+            for d in output_rows(r.row, out.samples, args.n, r.echo, tuple(args.stop)):
                 fh.write(json.dumps(d, ensure_ascii=False) + "\n")
     n_tok = sum(len(s.completion_ids) for o in outputs for s in o.samples)
     print(f"generated {total} sample(s), {n_tok} tokens in {elapsed:.1f} s after {t_compile:.1f} s of compilation "

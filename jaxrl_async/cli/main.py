@@ -8,9 +8,10 @@ is compiled, with a message naming the field.
 
 Options:
   --config FILE    Python file with get_config() -> RunConfig (default: the embedded default)
-  --print-config   print the resolved configuration before the run (default: off; it is always
-                   written to RUN/config.json)
-  --dry-run        validate and print the configuration, then exit (default: off)
+  --print-config   print the resolved configuration to stderr before the run (default: off; it is
+                   always written to RUN/config.json)
+  --dry-run        validate and print the configuration to stdout, then exit (default: off); on a
+                   CPU also what the run needs on this machine
   key=value        override one config field (default values: see --dry-run)
 
 A config whose ``mesh.layout`` names GPU/TPU hardware runs on a CPU-only machine as well, and
@@ -79,12 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in flags["machine"]:  # what was fitted to this machine (config/machine.py), one line each
         print(f"[jaxrl_async] {line}", file=sys.stderr)
-    if flags["print_config"] or flags["dry_run"] or cfg.logging.print_config:
-        print(format_config(cfg), file=sys.stderr)
-    if flags["dry_run"]:
-        print("config OK (dry run)", file=sys.stderr)
+    if flags["dry_run"]:  # the dry run's output is its product: stdout (errors stay on stderr)
+        print(format_config(cfg))
+        print("config OK (dry run)")
         _print_host_estimate(cfg)
         return 0
+    if flags["print_config"] or cfg.logging.print_config:  # a run's log, beside its progress: stderr
+        print(format_config(cfg), file=sys.stderr)
     from jaxrl_async.cli import compile_cache
     from jaxrl_async.loop import FatalRunError, RLRun
 

@@ -91,7 +91,8 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
     from transformers import AutoTokenizer
 
     from jaxrl_async.data.tokenizer import chat_template_wanted, has_tokenizer_files
-    from jaxrl_async.data import DatasetConfig, build_tokenizer, load_prompt_dataset, write_arithmetic_dataset
+    from jaxrl_async.data import build_tokenizer, load_prompt_dataset, write_arithmetic_dataset
+    from jaxrl_async.data.recipe import run_recipe
 
     c = cfg
     tok_dir = c.model.tokenizer_path or c.model.path
@@ -108,13 +109,13 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
     templated = chat_template_wanted("main", tokenizer, tok_dir, c.data.apply_chat_template)
     if c.data.task == "arithmetic":
         paths = write_arithmetic_dataset(os.path.join(run_dir, "data"), c.data.arithmetic)
-        train_path, eval_path, fmt = paths["train"], paths["eval"], "generic"
+        train_path, eval_path = paths["train"], paths["eval"]
     else:
-        train_path, eval_path, fmt = c.data.train_path, c.data.eval_path, c.data.format
-    common = dict(format=fmt, max_prompt_len=c.data.max_prompt_len, apply_chat_template=templated,
-                  system_prompt=c.data.system_prompt, prompt_suffix=c.data.prompt_suffix,
-                  skip_bad_rows=c.data.skip_bad_rows)
-    train_ds = load_prompt_dataset(DatasetConfig(path=train_path, **common), tokenizer)
+        train_path, eval_path = c.data.train_path, c.data.eval_path
+    # the run's prompt recipe (data/recipe.py): what its exports record, so `evaluate` on them prompts the same way
+    recipe = run_recipe(c).prompt
+    common = dict(apply_chat_template=templated, skip_bad_rows=c.data.skip_bad_rows)
+    train_ds = load_prompt_dataset(recipe.dataset_config(train_path, **common), tokenizer)
     if len(train_ds) == 0:
         st = train_ds.stats
         if st.too_long:
@@ -125,7 +126,7 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
                                              f"{st.bad_rows} bad)")
     eval_records: list = []
     if eval_path is not None:
-        eval_records = load_prompt_dataset(DatasetConfig(path=eval_path, **common), tokenizer).records
+        eval_records = load_prompt_dataset(recipe.dataset_config(eval_path, **common), tokenizer).records
         if c.eval.max_items is not None:
             eval_records = eval_records[: c.eval.max_items]
     say(f"data: {len(train_ds)} train prompts ({train_path}), {len(eval_records)} held-out")

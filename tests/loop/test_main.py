@@ -25,17 +25,18 @@ def test_config_errors_exit_2_naming_the_field(args, field, capsys):
 
 
 def test_dry_run_prints_the_resolved_default(capsys):
+    """On stdout: a dry run's output is its product (issue 31 item 9)."""
     assert main(["--dry-run", "trainer.total_steps=7"]) == 0
-    err = capsys.readouterr().err
-    assert "trainer.total_steps = 7" in err or "total_steps" in err
-    assert "config OK" in err
+    cap = capsys.readouterr()
+    assert "trainer.total_steps = 7" in cap.out or "total_steps" in cap.out
+    assert "config OK" in cap.out and "total_steps" not in cap.err
 
 
 def test_config_file_with_overrides(tmp_path, capsys):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = os.path.join(root, "configs", "tiny_cpu.py")
     assert main(["--config", cfg, "--dry-run", "rollout.mode=sync"]) == 0
-    assert "sync" in capsys.readouterr().err
+    assert "sync" in capsys.readouterr().out
 
 
 def test_cpu_devices_are_configured_before_jax_starts(tmp_path):

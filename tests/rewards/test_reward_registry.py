@@ -79,3 +79,35 @@ def test_make_reward_pooled_and_non_json_metadata():
         assert r.fn.stats()["failed_calls"] == 1 and r.fn.stats()["errors"] == 1
     finally:
         r.close()
+
+
+def test_the_readme_custom_reward_example_works(tmp_path):
+    """README "Custom rewards": its module, called as the run calls it, and its `main --dry-run` line validates."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    code = re.search(r"```python\n(# my_rewards\.py\n.*?)```", readme, re.S).group(1)
+    (tmp_path / "my_rewards.py").write_text(code)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        r = make_reward("my_rewards:last_number")
+        assert r("p", "so 40 + 2 = 42", "42") == 1.0 and r("p", "1,200 apples", "1200") == 1.0
+        assert r("p", "42 or 41", "42") == 0.0 and r("p", "no number", "42") == 0.0
+        assert r("p", "x = 3/2", "\\frac{3}{2}") == 0.0  # raised: scored 0, counted
+        assert r.stats() == dict(calls=5, errors=1, invalid=0) and "ValueError" in r.last_error
+        assert r("p", "7", "7", raw_prompt="q", source="f.jsonl:1", level=3) == 1.0  # metadata as keywords
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("my_rewards", None)
+    cmd = re.search(r"\n(python -m jaxrl_async\.main .*rollout\.reward=my_rewards:last_number --dry-run)\n", readme).group(1)
+    argv = cmd.split()[3:]
+    argv[argv.index("configs/tiny_cpu.py")] = os.path.join(root, "configs", "tiny_cpu.py")
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "jaxrl_async.main", *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rollout.reward = 'my_rewards:last_number'" in proc.stdout and "config OK" in proc.stdout
