@@ -111,8 +111,10 @@ def decode_attentions(platform: str) -> list[str]:
     return [*kernel, "blocked", "gather"]
 
 
-def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len: int, steps: int) -> dict:
-    """One engine: fill every slot, then time ``steps`` decode steps three ways (module doc)."""
+def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len: int, steps: int,
+                 profile_dir: str | None = None) -> dict:
+    """One engine: fill every slot, then time ``steps`` decode steps three ways (module doc); ``profile_dir``: then
+    8 more pipelined steps under ``jax.profiler.trace`` (XProf/TensorBoard trace of host and device)."""
     from jaxrl_async.generator import kv_cache
     from jaxrl_async.generator.engine_api import PrefillRequest, SamplingParams
     from jaxrl_async.generator.factory import EngineConfig, build_engine
@@ -149,6 +151,11 @@ def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len:
         state, step = eng.generate(params, state)
     np.asarray(step.tokens)
     pipelined = (time.perf_counter() - t0) / steps
+    if profile_dir:
+        with jax.profiler.trace(profile_dir):
+            for _ in range(8):
+                state, step = eng.generate(params, state)
+            np.asarray(step.tokens)
     live = float(state.host.pos[state.host.live].mean()) - steps
     kv_bytes = slots * live * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     bw = hbm_bandwidth(jax.devices()[0])
@@ -179,6 +186,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed train steps per point (after one compiling step)")
     ap.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per point and way")
     ap.add_argument("--budget-s", type=float, default=480.0, help="no new point starts after this many seconds")
+    ap.add_argument("--prompt-lens", type=int, nargs="*", default=None,
+                    help="decode: prompt lengths of the model points (default 448; 64 on CPU)")
+    ap.add_argument("--profile", default=None, help="decode: a jax.profiler trace of the first model point here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -210,16 +220,19 @@ def main(argv=None) -> int:
     sections = args.sections.split(",")
     if "decode" in sections:
         big = DECODE_CPU_MODEL if reduced else DECODE_MODEL
-        prompt = 64 if reduced else 448
-        points = [(FIXED_MODEL, att, 64) for att in decode_attentions(dev.platform)[:1]]
-        points += [(big, att, 64) for att in decode_attentions(dev.platform)]
-        points += [(big, decode_attentions(dev.platform)[0], 16 if reduced else 256)]
-        for d, att, slots in points:
+        prompts = args.prompt_lens or [64 if reduced else 448]
+        first = prompts[0]
+        points = [(FIXED_MODEL, att, 64, first) for att in decode_attentions(dev.platform)[:1]]
+        points += [(big, att, 64, first) for att in decode_attentions(dev.platform)]
+        points += [(big, decode_attentions(dev.platform)[0], 16 if reduced else 256, first)]
+        points += [(big, decode_attentions(dev.platform)[0], 64, p) for p in prompts[1:]]
+        for i, (d, att, slots, prompt) in enumerate(points):
             if over_budget():
                 row = {"attention": att, "slots": slots, "hidden": d["hidden_size"], "skipped": "time budget"}
             else:
                 try:
-                    row = decode_point(d, dtype, att, slots, prompt, args.decode_steps)
+                    row = decode_point(d, dtype, att, slots, prompt, args.decode_steps,
+                                       profile_dir=args.profile if i == 1 else None)
                 except Exception as e:  # noqa: BLE001 - a failing implementation is a result, reported as such
                     row = {"attention": att, "slots": slots, "hidden": d["hidden_size"],
                            "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
