@@ -112,7 +112,7 @@ def decode_attentions(platform: str) -> list[str]:
 
 
 def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len: int, steps: int,
-                 profile_dir: str | None = None) -> dict:
+                 profile_dir: str | None = None, page_size: int = 16, kernel_options: dict | None = None) -> dict:
     """One engine: fill every slot, then time ``steps`` decode steps three ways (module doc); ``profile_dir``: then
     8 more pipelined steps under ``jax.profiler.trace`` (XProf/TensorBoard trace of host and device)."""
     from jaxrl_async.generator import kv_cache
@@ -123,8 +123,9 @@ def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len:
     max_seq = prompt_len + 4 * steps + 64
     cfg = ModelConfig(**dims, max_position_embeddings=max(max_seq, 4096), dtype=dtype, param_dtype=dtype)
     eng = build_engine(EngineConfig(max_concurrent_decodes=slots, max_sequence_length=max_seq,
-                                    prefill_buckets=(prompt_len,), max_prefill_pack=1, page_size=16,
-                                    num_pages=slots * kv_cache.pages_for(max_seq, 16) + 1), cfg, attention=attention)
+                                    prefill_buckets=(prompt_len,), max_prefill_pack=1, page_size=page_size,
+                                    num_pages=slots * kv_cache.pages_for(max_seq, page_size) + 1), cfg,
+                       attention=attention, kernel_options=kernel_options)
     params = eng.place_params(jax.tree.map(lambda x: x.astype(dtype), init_params(cfg, jax.random.key(0))))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     rng = np.random.default_rng(0)
@@ -160,7 +161,8 @@ def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len:
     kv_bytes = slots * live * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     bw = hbm_bandwidth(jax.devices()[0])
     roof = (weight_bytes + kv_bytes) / bw if bw else None
-    return {"attention": attention, "slots": slots, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
+    return {"attention": attention, "page_size": page_size, "kernel_options": kernel_options, "slots": slots,
+            "layers": cfg.num_layers, "hidden": cfg.hidden_size,
             "live_tokens": round(live), "sync_ms": 1e3 * statistics.median(sync),
             "pipelined_ms": 1e3 * pipelined, "host_ms": 1e3 * statistics.median(host),
             "tok_s": slots / pipelined, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
@@ -237,6 +239,27 @@ def main(argv=None) -> int:
                     row = {"attention": att, "slots": slots, "hidden": d["hidden_size"],
                            "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
             out["decode"].append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            save()
+    if "sweep" in sections:  # the platform's decode kernel: page size x kernel block options (Qwen3-0.6B, 64 slots)
+        big = DECODE_CPU_MODEL if reduced else DECODE_MODEL
+        att = decode_attentions(dev.platform)[0]
+        grid = [(16, None), (16, {"pages_per_block": 8}), (16, {"pages_per_block": 16}), (32, None),
+                (32, {"pages_per_block": 4}), (32, {"pages_per_block": 8}), (64, None), (64, {"pages_per_block": 4}),
+                (16, {"k_splits": 4}), (32, {"pages_per_block": 4, "k_splits": 4})]
+        if att != "gpu_paged":
+            grid = [(p, None) for p in (16, 32, 64)]
+        for page, opts in grid:
+            if over_budget():
+                row = {"attention": att, "page_size": page, "kernel_options": opts, "skipped": "time budget"}
+            else:
+                try:
+                    row = decode_point(big, dtype, att, 64, (64 if reduced else 448), args.decode_steps,
+                                       page_size=page, kernel_options=opts)
+                except Exception as e:  # noqa: BLE001 - an option the kernel refuses is a result
+                    row = {"attention": att, "page_size": page, "kernel_options": opts,
+                           "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            out.setdefault("sweep", []).append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             save()
     if "train" in sections:
