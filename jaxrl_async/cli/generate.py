@@ -190,6 +190,9 @@ def build_parser():
                     help="always decode with the full batch of --max-concurrent rows, so that a row's tokens never "
                          "depend on the rest of the batch (default: batches of 1/2 or 1/4 of it while the live "
                          "sequences fit, compiled beside the first steps; rounding-level differences can flip a sampled token)")
+    ap.add_argument("--decode-steps", type=int, default=1,
+                    help="multi-step decode: up to this many decode steps per dispatch (one program, one copy to the "
+                         "host), at most --page-size; the same tokens as single steps")
     return ap
 
 
@@ -197,9 +200,11 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    for name, lo in (("max_new_tokens", 1), ("n", 1), ("max_concurrent", 1), ("page_size", 1)):
+    for name, lo in (("max_new_tokens", 1), ("n", 1), ("max_concurrent", 1), ("page_size", 1), ("decode_steps", 1)):
         if getattr(args, name) < lo:
             ap.error(f"--{name.replace('_', '-')} must be >= {lo}")
+    if args.decode_steps > args.page_size:
+        ap.error(f"--decode-steps must be <= --page-size ({args.page_size})")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         ap.error("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
     for name in ("max_prompt_length", "num_pages"):
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     # 512 tokens saves a compilation per smaller bucket, seconds on a CPU, for little padding)
     spec = for_prompts([len(r.prompt_ids) for r in rows], args.max_new_tokens, cfg, max_concurrent=args.max_concurrent,
                        samples_per_prompt=args.n, page_size=args.page_size, num_pages=args.num_pages,
-                       compact_decode=args.compact_decode, max_prompt=max_prompt)
+                       compact_decode=args.compact_decode, max_prompt=max_prompt, decode_steps=args.decode_steps)
     engine = build_engine(spec, cfg, fields=CLI_FLAGS)
     params = engine.place_params(params)
     # compile up front, every program at once ahead of time (instead of one after the other at first use); a packed

@@ -150,6 +150,9 @@ def _rollout_rules(cfg: RunConfig) -> None:
     _require(1 <= prefill < en.max_sequence_length, "rollout.engine.max_prefill_length",
              f"must be in [1, max_sequence_length) = [1, {en.max_sequence_length}), got {prefill}")
     _require(en.max_prefill_pack >= 1, "rollout.engine.max_prefill_pack", f"must be >= 1, got {en.max_prefill_pack}")
+    _require(1 <= en.decode_steps <= en.page_size, "rollout.engine.decode_steps",
+             f"must be in [1, rollout.engine.page_size={en.page_size}] (a dispatch maps at most one new KV page per "
+             f"slot), got {en.decode_steps}")
     if en.prefill_buckets is not None:
         b = sorted(set(en.prefill_buckets))
         _require(bool(b) and b[0] >= 1, "rollout.engine.prefill_buckets", f"must be positive ints, got {en.prefill_buckets}")

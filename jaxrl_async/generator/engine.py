@@ -90,7 +90,8 @@ from jaxrl_async.kernels import paged_attention
 from jaxrl_async.generator import sampling
 from jaxrl_async.generator.engine_api import Engine, Prefix, PrefillRequest, SamplingParams, StepResult
 from jaxrl_async.generator.engine_steps import (
-    SLOT_INTS, decode_rows_fn, decode_step_fn, insert_fn, prefill_chunk_fn, prefill_fn, release_fn, sample_first_fn,
+    SLOT_INTS, decode_multi_fn, decode_rows_fn, decode_step_fn, insert_fn, prefill_chunk_fn, prefill_fn, release_fn,
+    sample_first_fn,
 )
 from jaxrl_async.sharding.activations import traced_with_activation_rules
 from jaxrl_async.sharding.mesh import make_mesh
@@ -204,6 +205,8 @@ class PagedEngine(Engine):
       record_routing: (MoE models) prefill and decode also return the experts every token was routed to in
           each layer (`Prefix.routing`, `StepResult.routing`, int16), for rollout routing replay. Off: no
           extra output is compiled.
+      max_decode_steps: most decode steps one `generate(..., num_steps=K)` dispatch may run (multi-step decode,
+          `engine_steps.decode_multi_fn`; at most `page_size`); the orchestrator chooses K per dispatch.
       check_fit: an explicit `num_pages` must fit the free memory too (`kv_cache.check_num_pages`;
           `generator.factory.build_engine` turns it on). A pool that does not fit raises `kv_cache.KVSizingError`.
 
@@ -217,7 +220,7 @@ class PagedEngine(Engine):
                  attention: str = "auto", decode_block_pages: int | None = None,
                  kernel_options: dict | None = None, max_prefill_pack: int = 8, record_routing: bool = False,
                  compact_decode: bool = False, compact_levels: int = 2, compact_min_rows: int = 8,
-                 compact_in_background: bool = False, check_fit: bool = False):
+                 compact_in_background: bool = False, check_fit: bool = False, max_decode_steps: int = 1):
         if max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
         if max_sequence_length < 2:
@@ -237,6 +240,10 @@ class PagedEngine(Engine):
             buckets = default_buckets(mpl)
         if buckets[-1] >= max_sequence_length:
             raise ValueError(f"max_prefill_length {buckets[-1]} must be < max_sequence_length {max_sequence_length}")
+        if not 1 <= max_decode_steps <= page_size:
+            raise ValueError(f"max_decode_steps must be in [1, page_size={page_size}] (a dispatch maps at most one "
+                             f"new page per slot), got {max_decode_steps}")
+        self.max_decode_steps = int(max_decode_steps)
         if record_routing and not cfg.num_experts:
             raise ValueError("record_routing needs a mixture-of-experts model (num_experts > 0)")
         self.record_routing = bool(record_routing)
@@ -306,6 +313,7 @@ class PagedEngine(Engine):
         pool_sh = self.layout.shardings(self.cache_spec, self.mesh, pages_axis=self.pages_axis)
         self.pool_sharding = pool_sh[self.layout.keys[0]]
         self.slot_sharding = self._named(("batch",), (S,))
+        self.stacked_slot_sharding = NamedSharding(self.mesh, P(None, *self.slot_sharding.spec))  # [K, S] outputs
         row2 = self._named(("batch", None), (S, ms))
         pt = self._named(("batch", None), (S, self.max_pages_per_seq))
         self.state_shardings = {
@@ -349,6 +357,11 @@ class PagedEngine(Engine):
             null_page=null, attention=self.attention, block_pages=self.decode_block_pages,
             kernel_options=self.kernel_options, pages_axis=self.pages_axis, truncation=t, record_routing=rec)),
             donate_argnums=1, out_shardings=step_out) for t in (True, False)}
+        self._multi_kw = dict(cfg=cfg, page_size=self.page_size, max_seq=self._max_seq, null_page=null,
+                              attention=self.attention, block_pages=self.decode_block_pages,
+                              kernel_options=self.kernel_options, pages_axis=self.pages_axis, record_routing=rec)
+        self._multi_steps: dict = {}  # (truncation, K) -> jitted K-step program (built on first use)
+        self._multi_out = (ss, (self.stacked_slot_sharding,) * 4 + ((self.replicated,) if rec else ()))
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
         self._no_new_pages = None  # put on the devices at the first step (the engine builds on compile-only meshes)
 
@@ -360,6 +373,7 @@ class PagedEngine(Engine):
                "release": self._release}
         counts = {k: f._cache_size() for k, f in fns.items()}
         counts["generate_compact"] = sum(1 for c in self._compact.values() if c is not None)  # compiled or compiling
+        counts["generate_multi"] = sum(f._cache_size() for f in self._multi_steps.values())
         return counts
 
     def place_params(self, params: Params) -> Params:
@@ -697,7 +711,47 @@ class PagedEngine(Engine):
         self._compact[key] = prog
         return prog
 
-    def generate(self, params: Params, state: DecodeState) -> tuple[DecodeState, StepResult]:
+    def _grow_ahead(self, state: DecodeState, k: int) -> tuple[jax.Array, jax.Array]:
+        """`_grow` for a K-step dispatch: (new_pages, new_index) [S] of every active slot whose next k writes (fewer
+        where max_new_tokens or the sequence limit ends it sooner) start a page (k <= page_size: at most one)."""
+        h = state.host
+        act = h.live & ~h.done
+        steps = np.minimum(k, np.minimum(h.max_new - h.num_generated, self._max_seq - 1 - h.pos))
+        need = act & (steps >= 1) & ((h.pos + np.maximum(steps, 1) - 1) // self.page_size >= h.num_pages)
+        per = self._S // self.kv_replicas
+        counts = need.reshape(self.kv_replicas, per).sum(axis=1)
+        if any(c > a.num_free for c, a in zip(counts, h.alloc.allocs)):
+            h.done |= np.asarray(state.arrays["done"]) & h.live  # stop ids are only known on the device
+            need &= ~h.done
+        slots = np.flatnonzero(need)
+        for r, a in enumerate(h.alloc.allocs):
+            rs = slots[slots // per == r].tolist()
+            if len(rs) > a.num_free:
+                a.allocate(len(rs), rs)  # raises OutOfPagesError (.slots: that replica's), nothing changed
+        new_pages = np.full(self._S, -1, np.int32)
+        new_index = np.zeros(self._S, np.int32)
+        for s in slots:
+            (p,) = h.alloc.of(s).allocate(1, [int(s)])
+            h.alloc.of(s).slot_pages[s].append(p)
+            new_pages[s], new_index[s] = p, h.num_pages[s]
+        h.num_pages[slots] += 1
+        return (jax.device_put(new_pages, self.slot_sharding), jax.device_put(new_index, self.slot_sharding))
+
+    def _multi_step_fn(self, trunc: bool, k: int):
+        fn = self._multi_steps.get((trunc, k))
+        if fn is None:
+            traced = traced_with_activation_rules(functools.partial(
+                decode_multi_fn, num_steps=k, truncation=trunc, **self._multi_kw), self.mesh, "generator")
+            fn = self._multi_steps[(trunc, k)] = jax.jit(traced, donate_argnums=1, out_shardings=self._multi_out)
+        return fn
+
+    def generate(self, params: Params, state: DecodeState, num_steps: int = 1) -> tuple[DecodeState, StepResult]:
+        """Advance every live slot by `num_steps` tokens in one dispatch (at most `max_decode_steps`; a slot that
+        finishes on the way stops there). num_steps > 1: the StepResult's arrays are [K, S] (`StepResult.rows`)."""
+        if num_steps != 1:
+            if not 1 <= num_steps <= self.max_decode_steps:
+                raise ValueError(f"num_steps must be in [1, max_decode_steps={self.max_decode_steps}], got {num_steps}")
+            return self._generate_multi(params, state, num_steps)
         new_pages = self._grow(state)
         h = state.host
         trunc = bool((h.trunc & h.live & ~h.done).any())  # the lean program unless a running slot needs top-k/p
@@ -712,6 +766,19 @@ class PagedEngine(Engine):
         h.pos[act] += 1
         h.num_generated[act] += 1
         h.done |= act & ((h.num_generated >= h.max_new) | (h.pos + 1 >= self._max_seq))
+        return DecodeState(arrays, h), StepResult(tokens, logprobs, valid, done, *routing)
+
+    def _generate_multi(self, params: Params, state: DecodeState, k: int) -> tuple[DecodeState, StepResult]:
+        new_pages, new_index = self._grow_ahead(state, k)
+        h = state.host
+        trunc = bool((h.trunc & h.live & ~h.done).any())
+        arrays, (tokens, logprobs, valid, done, *routing) = self._multi_step_fn(trunc, k)(
+            params, state.arrays, new_pages, new_index)
+        for _ in range(k):  # the host's view of positions and length limits (stop tokens: read from the results)
+            act = h.live & ~h.done
+            h.pos[act] += 1
+            h.num_generated[act] += 1
+            h.done |= act & ((h.num_generated >= h.max_new) | (h.pos + 1 >= self._max_seq))
         return DecodeState(arrays, h), StepResult(tokens, logprobs, valid, done, *routing)
 
     # -- release --------------------------------------------------------------------------
@@ -750,6 +817,8 @@ class PagedEngine(Engine):
         no_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
         for t in variants:  # no live slot: runs the step, changes nothing
             arrays, step = self._steps[t](params, arrays, no_pages)
+            if self.max_decode_steps > 1:  # and the multi-step dispatch
+                arrays, step = self._multi_step_fn(t, self.max_decode_steps)(params, arrays, no_pages, no_pages)
         jax.block_until_ready(step)
         state = DecodeState(arrays, state.host)
         sps = [SamplingParams(temperature=1.0, max_new_tokens=2, top_k=t) for t in (0, 1)[:len(variants)]]
@@ -792,6 +861,9 @@ class PagedEngine(Engine):
                     for k, v in jax.eval_shape(self._init_arrays).items()}
         new_pages_a = sds((self._S,), np.int32, sharding=self.slot_sharding)
         jobs = [(self._steps[t], (params_a, arrays_a, new_pages_a)) for t in variants] + [(self._init, ())]
+        if self.max_decode_steps > 1:
+            jobs += [(self._multi_step_fn(t, self.max_decode_steps), (params_a, arrays_a, new_pages_a, new_pages_a))
+                     for t in variants]
         N = self.max_prefill_pack
         for b in self.buckets:
             tokens_a, lengths_a = host((1, b), np.int32), host((N,), np.int32)

@@ -102,6 +102,18 @@ class StepResult:
         return StepResult(*(np.asarray(a) for a in (self.tokens, self.logprobs, self.valid, self.done)),
                           routing=None if self.routing is None else np.asarray(self.routing))
 
+    @property
+    def num_steps(self) -> int:
+        """Decode steps this result holds: 1 ([S] arrays) or K (a multi-step dispatch: [K, S] arrays)."""
+        return 1 if np.ndim(self.tokens) == 1 else int(np.shape(self.tokens)[0])
+
+    def rows(self) -> list["StepResult"]:
+        """One [S] StepResult per step, in order (the result itself when it holds one step)."""
+        if self.num_steps == 1 and np.ndim(self.tokens) == 1:
+            return [self]
+        return [StepResult(self.tokens[i], self.logprobs[i], self.valid[i], self.done[i],
+                           None if self.routing is None else self.routing[i]) for i in range(self.num_steps)]
+
 
 class OutOfPagesError(RuntimeError):
     """The paged KV cache has no free page for an insert or a decode step.
@@ -121,6 +133,9 @@ class OutOfPagesError(RuntimeError):
 
 class Engine(abc.ABC):
     """Abstract generation engine. Implementations: `engine.PagedEngine` (and a mock in tests)."""
+
+    #: most decode steps one `generate` dispatch may run (multi-step decode); 1 = one step per dispatch
+    max_decode_steps: int = 1
 
     @property
     @abc.abstractmethod
@@ -184,8 +199,9 @@ class Engine(abc.ABC):
         return state
 
     @abc.abstractmethod
-    def generate(self, params: Any, state: Any) -> tuple[Any, StepResult]:
-        """Advance every live slot by one token. Slots that finish are marked done (not freed)."""
+    def generate(self, params: Any, state: Any, num_steps: int = 1) -> tuple[Any, StepResult]:
+        """Advance every live slot by `num_steps` tokens (engines with `max_decode_steps` > 1; else one) in one
+        dispatch. Slots that finish are marked done (not freed); a slot that finishes on the way stops there."""
 
     @abc.abstractmethod
     def release(self, state: Any, slot: int) -> Any:

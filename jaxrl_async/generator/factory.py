@@ -50,6 +50,10 @@ class EngineConfig:
     * ``compact_decode``: decode batches of S/2 and S/4 rows when the live slots fit (``engine.py``: "Compacted
       decode"); off: a row's tokens never depend on the rest of the batch (bitwise), which the eta = 0
       exact-resume guarantee relies on.
+    * ``decode_steps``: multi-step decode: at most this many decode steps per dispatch (one jitted program, one
+      device-to-host copy for all of them; ``engine_steps.decode_multi_fn``), taken while nothing waits on the
+      decode thread (``orchestrator.Generator._dispatch_steps``); tokens and log-probs are those of single steps,
+      bitwise. At most ``page_size``.
     """
 
     max_concurrent_decodes: int = 32
@@ -62,6 +66,7 @@ class EngineConfig:
     cache_memory_fraction: float = 0.9
     max_prefills_per_step: int | None = None
     compact_decode: bool = False
+    decode_steps: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +118,7 @@ def build_engine(e: EngineConfig, model_cfg: "ModelConfig", mesh: "Mesh | None" 
                            page_size=e.page_size, num_pages=e.num_pages,
                            cache_memory_fraction=e.cache_memory_fraction, reserve_weight_push=reserve_weight_push,
                            record_routing=record_routing, compact_decode=e.compact_decode,
-                           check_fit=check_fit, **engine_kw)
+                           check_fit=check_fit, **{"max_decode_steps": e.decode_steps, **engine_kw})
     except kv_cache.KVSizingError as err:
         raise EngineSizingError(sizing_message(err, e, fields)) from None
 
@@ -148,7 +153,7 @@ def prefill_row_tokens(prompt_lengths: Sequence[int], max_prompt: int, max_seq: 
 def for_prompts(prompt_lengths: Sequence[int], max_new_tokens: int, model_cfg: "ModelConfig", *,
                 max_concurrent: int, samples_per_prompt: int = 1, page_size: int = 16,
                 num_pages: int | None = None, compact_decode: bool = False,
-                max_prompt: int | None = None) -> EngineConfig:
+                max_prompt: int | None = None, decode_steps: int = 1) -> EngineConfig:
     """The engine of a one-shot job over prompts of ``prompt_lengths`` tokens, each generating up to
     ``max_new_tokens`` (``samples_per_prompt`` samples each): sequence = longest prompt + new tokens (at most the
     model's ``max_position_embeddings``), slots = ``max_concurrent`` but never more than the job can use (and at
@@ -167,10 +172,10 @@ def for_prompts(prompt_lengths: Sequence[int], max_new_tokens: int, model_cfg: "
         row = prefill_row_tokens(prompt_lengths, max_prompt, max_seq)
         return EngineConfig(max_concurrent_decodes=slots, max_sequence_length=max_seq, max_prefill_length=row,
                             prefill_buckets=(row,), max_prefill_pack=PACK_PROMPTS, page_size=page_size,
-                            num_pages=num_pages, compact_decode=compact_decode)
+                            num_pages=num_pages, compact_decode=compact_decode, decode_steps=decode_steps)
     return EngineConfig(max_concurrent_decodes=slots, max_sequence_length=max_seq, max_prefill_length=max_prompt,
                         max_prefill_pack=PACK_PROMPTS, page_size=page_size, num_pages=num_pages,
-                        compact_decode=compact_decode)
+                        compact_decode=compact_decode, decode_steps=decode_steps)
 
 
 def run_engine(run_cfg: Any, model_cfg: "ModelConfig", mesh: "Mesh", *, num_pages: int | None = None,

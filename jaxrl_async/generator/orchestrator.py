@@ -159,6 +159,7 @@ class Generator:
         self.stream_poll_s = stream_poll_s
         self.join_timeout_s = join_timeout_s
         self.num_slots = int(engine.max_concurrent_decodes)
+        self.max_decode_steps = max(1, int(getattr(engine, "max_decode_steps", 1)))
 
         # shared (guarded by _lock)
         self._lock = threading.Lock()
@@ -191,6 +192,7 @@ class Generator:
         self._n_updates = self._n_preempt = self._n_recompute = self._n_finished = 0
         self._n_recompute_fallback = 0
         self._n_partial_admissions = 0
+        self._n_dispatches = 0
         self._live_sum = 0
         self._t_busy = self._t_host = self._t_wait = 0.0
         self._t_prefill_iter = self._t_wait_iter = 0.0
@@ -316,7 +318,8 @@ class Generator:
             slot_utilisation=self._live_sum / (steps * self.num_slots),
             step_s=busy / steps, host_s_per_step=self._t_host / steps, device_wait_s_per_step=self._t_wait / steps,
             host_overhead_fraction=self._t_host / busy if busy > 0 else 0.0,
-            recompute_fallbacks=self._n_recompute_fallback, partial_admissions=self._n_partial_admissions)
+            recompute_fallbacks=self._n_recompute_fallback, partial_admissions=self._n_partial_admissions,
+            dispatches=self._n_dispatches)
 
     # -- failure --------------------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:
@@ -359,8 +362,10 @@ class Generator:
                     self._flush()
                 t_last = None
                 continue
+            k = self._dispatch_steps()
             try:
-                self._state, step = eng.generate(self._params, self._state)
+                self._state, step = eng.generate(self._params, self._state, k) if k > 1 else eng.generate(
+                    self._params, self._state)
             except OutOfPagesError as e:
                 self._on_out_of_pages(e)
                 t_last = None
@@ -368,8 +373,9 @@ class Generator:
             self._admission_paused = False
             step.copy_to_host_async()
             prev, self._inflight = self._inflight, InFlight(step, tuple(self._slot_owner), self._version)
-            self._n_steps += 1
-            self._live_sum += self._live
+            self._n_steps += k
+            self._n_dispatches += 1
+            self._live_sum += self._live * k
             if prev is not None:
                 self._process(prev)
             # accounting: one iteration = dispatch-to-dispatch
@@ -381,6 +387,17 @@ class Generator:
                 self._t_wait += self._t_wait_iter
             self._t_wait_iter = self._t_prefill_iter = 0.0
             t_last = now
+
+    def _dispatch_steps(self) -> int:
+        """Decode steps of the next dispatch (multi-step decode): the engine's `max_decode_steps` K while nothing
+        waits on the decode thread, else 1, so admission and weight updates are not held back: a weight update
+        is pending, or queued work could start in a free slot. Queued work with every slot busy waits for a slot
+        either way (a sample that finishes mid-dispatch leaves its slot idle for at most K - 1 steps); so do
+        requests submitted during a dispatch (at most K steps) and aborts (their tokens are dropped)."""
+        K = self.max_decode_steps
+        if K <= 1 or self._pending_params is not None or (self._queue and self._live < self.num_slots):
+            return 1
+        return K
 
     # -- inbox ------------------------------------------------------------------------------
     def _drain_inbox(self, block: bool) -> None:
@@ -581,14 +598,20 @@ class Generator:
     # -- decode step results ----------------------------------------------------------------
     def _process(self, inflight: InFlight) -> None:
         t0 = time.perf_counter()
-        host = inflight.step.to_host()
+        rows = inflight.step.to_host().rows()  # one per decode step of the dispatch, in order
         self._t_wait_iter += time.perf_counter() - t0
+        emits: list = []
+        for host in rows:
+            self._process_row(inflight, host, emits)
+        if emits:  # one message per dispatch
+            self._outbox.put((time.perf_counter(), emits))
+
+    def _process_row(self, inflight: InFlight, host, emits: list) -> None:
         valid = host.valid
         tokens = host.tokens.tolist()
         logprobs = host.logprobs.tolist()
         done = host.done.tolist()
         version = inflight.version
-        emits = []
         for slot, owner in enumerate(inflight.owners):
             if owner is None or not valid[slot] or owner.finished or owner.slot != slot:
                 continue
@@ -598,8 +621,6 @@ class Generator:
             emits.append((owner, tokens[slot], logprobs[slot], version, reason))
             if reason is not None:
                 self._finish(owner)
-        if emits:
-            self._outbox.put((time.perf_counter(), emits))
 
     def _flush(self) -> None:
         """Read the in-flight step's results now (before preemption or re-prefill)."""

@@ -96,12 +96,13 @@ class GeneratorStats:
     busy_s: float  # sum of decode-iteration wall times (time with work on the device)
     tokens_per_s: float  # generated_tokens / busy_s
     slot_utilisation: float  # mean live slots / max_concurrent_decodes over steps
-    step_s: float  # mean wall time of one decode iteration
-    host_s_per_step: float  # mean Python time per iteration (excl. device wait and prefills)
+    step_s: float  # mean wall time of one decode step (an iteration's time over the steps it dispatched)
+    host_s_per_step: float  # mean Python time per decode step (excl. device wait and prefills)
     device_wait_s_per_step: float
     host_overhead_fraction: float  # sum(host_s) / sum(step_s)
     recompute_fallbacks: int = 0  # recompute_kv: live sequences that could not be re-prefilled (kept their KV)
     partial_admissions: int = 0  # groups whose first samples started before slots for all of them were free
+    dispatches: int = 0  # decode dispatches (multi-step decode: each runs up to max_decode_steps of the steps)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -283,13 +283,18 @@ class GatedEngine(Engine):
     def bulk_insert(self, prefix, state, slots):
         return self.inner.bulk_insert(prefix, state, slots)
 
-    def generate(self, params, state):
+    @property
+    def max_decode_steps(self) -> int:
+        return getattr(self.inner, "max_decode_steps", 1)
+
+    def generate(self, params, state, num_steps=1):
+        """(`num_steps`: a multi-step dispatch of the inner engine; the gate counts dispatches.)"""
         self.num_steps += 1
         if self.num_steps == self.gate_step:
             self.reached.set()
             if not self.gate.wait(self.timeout_s):
                 raise TimeoutError("GatedEngine: gate never opened")
-        return self.inner.generate(params, state)
+        return self.inner.generate(params, state, num_steps) if num_steps > 1 else self.inner.generate(params, state)
 
     def release(self, state, slot):
         return self.inner.release(state, slot)

@@ -51,7 +51,7 @@ def prompts(n=32, seed=0, lo=3, hi=21):
     return [rng.integers(3, 256, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
-def run(engine, params, requests, state=None, slot_order=None, stats=None):
+def run(engine, params, requests, state=None, slot_order=None, stats=None, decode_steps=1):
     """Continuous-batching driver: prefill -> insert into a free slot -> generate -> release on done.
 
     When a step raises OutOfPagesError the most recently admitted request among `err.slots` is
@@ -91,7 +91,8 @@ def run(engine, params, requests, state=None, slot_order=None, stats=None):
         if not owner:
             break
         try:
-            state, step = engine.generate(params, state)
+            state, step = engine.generate(params, state, decode_steps) if decode_steps > 1 else engine.generate(
+                params, state)
         except OutOfPagesError as err:
             victim = [s for s in admitted if s in err.slots][-1]
             i = owner.pop(victim)
@@ -103,16 +104,16 @@ def run(engine, params, requests, state=None, slot_order=None, stats=None):
             queue.appendleft((i, list(requests[i][0]) + toks[i], rest))
             stats["preemptions"] += 1
             continue
-        step = step.to_host()
-        for slot, i in list(owner.items()):
-            if step.valid[slot]:
-                toks[i].append(int(step.tokens[slot]))
-                lps[i].append(float(step.logprobs[slot]))
-            if step.done[slot]:
-                state = engine.release(state, slot)
-                del owner[slot]
-                admitted.remove(slot)
-                free.append(slot)
+        for row in step.to_host().rows():  # one row per decode step of the dispatch
+            for slot, i in list(owner.items()):
+                if row.valid[slot]:
+                    toks[i].append(int(row.tokens[slot]))
+                    lps[i].append(float(row.logprobs[slot]))
+                if row.done[slot]:
+                    state = engine.release(state, slot)
+                    del owner[slot]
+                    admitted.remove(slot)
+                    free.append(slot)
     assert not owner and not queue, "driver did not finish"
     state.host.alloc.check()
     assert engine.free_pages(state) == engine.num_pages
@@ -611,3 +612,36 @@ def test_prefill_many_packs_prompts_and_equals_single_prefills(fam):
         np.testing.assert_allclose(a.first_logprobs, b.first_logprobs, atol=1e-5)
         assert a.length == b.length and a.sample_indices == b.sample_indices
         assert continuation(a) == continuation(b)
+
+
+def test_multi_step_decode_equals_single_steps_bitwise(fam):
+    """Issue 28: K decode steps per dispatch (`generate(..., num_steps=K)`, one program and one host copy) give the
+    tokens of K single steps, and their behaviour log-probs to rounding (XLA fuses the step inside the K-step loop
+    differently; a short pool preempts at other points, re-prefilling; bitwise run to run at a fixed K): greedy
+    with stop ids ending sequences mid-dispatch, sampled with top-k / top-p, length limits that are not multiples of K, and a
+    pool too small for the live tokens (pages are mapped a dispatch ahead; preemption as with single steps)."""
+    family, cfg, params, engine, hf = fam
+    multi = make_engine(cfg, max_decode_steps=PAGE)
+    ps = prompts()
+    ref = hf_greedy(hf, ps, MAX_NEW)
+    stop = collections.Counter(t for seq in ref for t in seq[1:]).most_common(1)[0][0]
+    cases = [[(p, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=(stop, 255))) for p in ps],
+             [(p, SamplingParams(temperature=t, top_k=k, top_p=tp, max_new_tokens=5 + i % 9, seed=i))
+              for i, (p, (t, k, tp)) in enumerate(zip(ps[:12], [(0.7, 0, 1.0), (1.3, 20, 1.0), (0.5, 0, 0.9)] * 4))]]
+    for reqs in cases:
+        toks, lps, _ = run(engine, params, reqs)
+        toks_k, lps_k, _ = run(multi, params, reqs, decode_steps=PAGE)
+        assert toks_k == toks  # (the schedule differs where the pool runs short: pages are taken a dispatch ahead)
+        for a, b in zip(lps, lps_k):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+        again = run(multi, params, reqs, decode_steps=PAGE)  # deterministic at a fixed K: bitwise
+        assert again[:2] == (toks_k, lps_k)
+    greedy_k = run(multi, params, cases[0], stats=(st := {}), decode_steps=PAGE)[0]
+    assert greedy_k == hf_greedy(hf, ps, MAX_NEW, stop=[stop, 255]) and st["preemptions"] > 0
+    assert sum(len(t) < MAX_NEW for t in greedy_k) >= 3  # the stop ids really cut sequences (mid-dispatch)
+    counts = multi.compile_counts()
+    assert counts["generate_multi"] == 2 and counts["generate"] + counts["generate_plain"] == 0, counts
+    with pytest.raises(ValueError, match="num_steps"):
+        multi.generate(params, multi.init_decode_state(), PAGE + 1)
+    with pytest.raises(ValueError, match="max_decode_steps"):
+        make_engine(cfg, max_decode_steps=PAGE + 1)
