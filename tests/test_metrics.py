@@ -1,5 +1,6 @@
 """Metrics: metrics.jsonl rows, TensorBoard events read back, the final PNG."""
 import glob
+import io
 import json
 import os
 
@@ -190,3 +191,39 @@ def test_wandb_run_sends_the_scalars_at_their_step_skips_steps_before_its_start_
     assert len(said) == 2 and "W&B logging failed at step 4 (ConnectionError: server gone)" in said[1]
     w.finish(exit_code=1)
     assert run.finished == 1
+
+
+def test_progress_lines_one_line_per_step(tmp_path, capsys):
+    """``progress="lines"`` (the multi-process controller's console when stderr is no terminal): one plain line
+    per advancing row (no carriage return), the bar's labelled fields, step/total, elapsed<ETA and the
+    smoothed time per step; an eval row (``advance=False``) prints nothing and shows on the next line."""
+    from jaxrl_async.console import ProgressLines, format_interval
+
+    with MetricsLogger(tmp_path, total_steps=3, tensorboard=False, progress="lines") as m:
+        m.log(0, {"eval/accuracy": 0.5}, advance=False)
+        m.log(1, {"reward/mean": 0.25, "staleness/max": 2, "train/loss": 0.1})
+        m.log(2, {"reward/mean": 0.5, "staleness/max": 1, "train/loss": 0.2})
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("train: 1/3 [") and lines[1].startswith("train: 2/3 ["), err
+    assert "s/step] reward_mean=0.25, eval_acc=0.5, lag_max=2, loss=0.1" in lines[0], lines[0]
+    assert "reward_mean=0.5, eval_acc=0.5, lag_max=1, loss=0.2" in lines[1], lines[1]
+
+    t = {"now": 100.0}
+    p = ProgressLines("sft", 10, initial=2, every=4, smoothing=0.5, file=io.StringIO(),
+                      clock=lambda: t["now"])
+    shown = []
+    for step in range(3, 11):
+        t["now"] += 2.0 if step < 6 else 4.0
+        shown.append(p.update(1, {"loss": "1.0"}))
+    assert [s is not None for s in shown] == [False, False, False, True, False, False, False, True]  # steps 6, 10
+    # EMA with tqdm's bias correction: steps 3-5 took 2 s, 6-10 4 s
+    ema, calls = 0.0, 0
+    for dt in [2.0] * 3 + [4.0] * 5:
+        ema, calls = 0.5 * dt + 0.5 * ema, calls + 1
+    assert abs(p.seconds_per_unit() - ema / (1 - 0.5 ** calls)) < 1e-9
+    assert shown[-1] == f"sft: 10/10 [{format_interval(26.0)}<00:00, {ema / (1 - 0.5 ** calls):.3g}s/step] loss=1.0"
+    assert format_interval(59.9) == "00:59" and format_interval(3725) == "1:02:05"
+    with pytest.raises(ValueError, match="progress"):
+        MetricsLogger(tmp_path / "x", tensorboard=False, progress="fancy")

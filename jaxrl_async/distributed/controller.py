@@ -29,6 +29,9 @@ or auto-detection): every trainer process runs this module; process 0 is the con
 others follow it (``distributed.trainer_group``), each serving its own weight shards to the
 generators from its own transfer server.
 
+Console: ``[jaxrl_async] ...`` lines and the steps' progress (``logging.progress``): a tqdm bar when stderr is a
+terminal, else one line per step (``console.ProgressLines``: the launcher's pipe, a cluster job's log file).
+
 A generator process that dies or hangs is named in the error (``PeerLostError`` via the dispatcher's
 fatal-error check and the pusher), the run stops with an emergency checkpoint instead of hanging, and
 running the same command again resumes.
@@ -306,6 +309,13 @@ def coordinator_bind_address(coordinator: str, explicit: str | None = None) -> s
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _isatty(f: Any) -> bool:
+    try:
+        return bool(f.isatty())
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -353,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     services = DistributedServices(listener=listener, num_generators=a.generators, accept_timeout_s=a.accept_timeout,
                                    heartbeat_timeout_s=a.heartbeat_timeout, transfer_host=host)
     try:
-        result = RLRun(cfg, services).run()
+        # the steps' progress: a bar on a terminal; one line per step into a pipe or a file (the launcher
+        # streams this process's output line by line: a bar's carriage-return redraws would show at its end only)
+        result = RLRun(cfg, services, progress_style="bar" if _isatty(sys.stderr) else "lines").run()
     except BaseException as e:
         group_err = services.group.error if services.group is not None else None
         if group_err is not None:  # a trainer process is gone: jax's exit barrier would wait for it

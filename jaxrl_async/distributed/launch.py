@@ -6,16 +6,20 @@
 Spawns the controller (``distributed.controller``: controller + trainer; with ``--trainer-processes
 K`` > 1, K trainer processes forming one SPMD program through ``jax.distributed`` on a local
 coordinator, process 0 being the controller) and ``N`` generator processes
-(``distributed.generator_role``) with a fresh ``$JAXRL_RPC_AUTHKEY``, streams their
-output with a role prefix, and exits with the controller's status. On a GPU node, give each role its
-devices with ``--trainer-env CUDA_VISIBLE_DEVICES=4,5,6,7 --generator-env CUDA_VISIBLE_DEVICES=0,1,2,3``
-(TPU: ``TPU_VISIBLE_CHIPS``); on several nodes start the role modules directly from the cluster's
-launcher (``docs/launch.md``).
+(``distributed.generator_role``) with a fresh ``$JAXRL_RPC_AUTHKEY``, streams their output with a role
+prefix (the controller's steps as one progress line each: ``[controller] train: 3/150 [00:09<04:50,
+2.01s/step] reward_mean=..., eval_acc=..., lag_max=...``), and exits with the controller's status. On a
+GPU node, give each role its devices with ``--trainer-env CUDA_VISIBLE_DEVICES=4,5,6,7
+--generator-env CUDA_VISIBLE_DEVICES=0,1,2,3`` (TPU: ``TPU_VISIBLE_CHIPS``); on several nodes start
+the role modules directly from the cluster's launcher (``docs/launch.md``).
 
 Supervision: a generator that exits while the controller runs makes the controller fail with an
 error naming it (and an emergency checkpoint); the launcher then waits for the controller (timeout)
 and kills what is left. The controller exiting stops the generators (they exit when its connection
-closes; killed after ``--grace`` seconds otherwise).
+closes; killed after ``--grace`` seconds otherwise). A clean finish is quiet: the controller stops each
+generator (``stop``) and ends the trainer group (``finish``) before it closes their connections, so they
+exit 0 without reporting a lost controller; a generator or trainer process that loses its controller
+otherwise says so and exits 3.
 """
 
 from __future__ import annotations
@@ -54,13 +58,29 @@ def reserve_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
-def _pump(proc: subprocess.Popen, prefix: str) -> threading.Thread:
-    def run() -> None:
-        for line in iter(proc.stdout.readline, b""):
-            sys.stderr.write(f"{prefix} {line.decode(errors='replace')}")
-            sys.stderr.flush()
+def console_line(raw: bytes) -> str | None:
+    """One line of a role's output as the launcher shows it (without the prefix and the newline), or None
+    for nothing to show. A line holding carriage returns is a progress bar's redraws (a role that still
+    draws one, e.g. started with a terminal's settings): its last non-empty state stands for them."""
+    text = raw.decode(errors="replace").rstrip("\r\n")
+    if "\r" in text:
+        text = next((seg for seg in reversed(text.split("\r")) if seg.strip()), "")
+        if not text:
+            return None
+    return text
 
-    t = threading.Thread(target=run, daemon=True)
+
+def _pump(proc: subprocess.Popen, prefix: str) -> threading.Thread:
+    """Copy ``proc``'s output to this process's stderr line by line, each line behind ``prefix`` (whole
+    lines: the roles' lines do not interleave mid-line)."""
+    def run() -> None:
+        for raw in iter(proc.stdout.readline, b""):
+            line = console_line(raw)
+            if line is not None:
+                sys.stderr.write(f"{prefix} {line}\n")
+                sys.stderr.flush()
+
+    t = threading.Thread(target=run, name=f"launch-pump{prefix}", daemon=True)
     t.start()
     return t
 
@@ -93,7 +113,10 @@ def role_commands(args: argparse.Namespace, rest: list[str], port: int,
 
 
 def _env(extra: list[str]) -> dict[str, str]:
+    """A role's environment: this one, unbuffered output (its lines reach the console as they are
+    written, not when a pipe buffer fills), then ``extra`` (``KEY=VALUE``)."""
     env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
     for kv in extra:
         k, _, v = kv.partition("=")
         env[k] = v
@@ -177,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while ctrl.poll() is None:
             for k, p in enumerate(gens):
-                if p.poll() is not None and k not in reported:
+                # status 0: the controller stopped it (the run's orderly end); anything else is a lost generator
+                if p.poll() is not None and p.returncode != 0 and k not in reported:
                     reported.add(k)
                     print(f"[launch] generator-{k} (pid {p.pid}) exited with status {p.returncode}; waiting for the "
                           "controller to stop", file=sys.stderr, flush=True)

@@ -396,6 +396,8 @@ def run_follower(cfg: Any, controller: str, *, connect_timeout_s: float, heartbe
             signal.signal(sig, on_signal)
 
     def on_lost(err: BaseException) -> None:
+        if follower.done.is_set():  # ``finish`` was served: the leader closing afterwards is the normal end
+            return
         say(f"{err}; stopping")
         follower.lost.set()
 

@@ -17,11 +17,17 @@ WARM_START_DIR = "warm_start"  # RUN/warm_start/checkpoints/<SFT step>: an inter
 
 class RunControl:
     """Wall clock (cumulative over resumes: ``wall0`` is what the processes before this one ran), the
-    current phase, and the stop signal handler that ``main`` installed (or None)."""
+    current phase, the stop signal handler that ``main`` installed (or None), and how the console shows
+    progress (``progress_style``: ``"bar"``, a tqdm bar; ``"lines"``, one line per step, ``console.ProgressLines``)."""
 
-    def __init__(self, run_dir: str, *, log_fn: Callable[[str], None] | None = None, signals: Any = None):
+    def __init__(self, run_dir: str, *, log_fn: Callable[[str], None] | None = None, signals: Any = None,
+                 progress_style: str = "bar"):
         from jaxrl_async.checkpoint import SignalHandler
+        from jaxrl_async.console import PROGRESS_STYLES
 
+        if progress_style not in PROGRESS_STYLES:
+            raise ValueError(f"RunControl: progress_style {progress_style!r} is not one of {PROGRESS_STYLES}")
+        self.progress_style = progress_style
         self.run_dir = run_dir
         self.say = log_fn or (lambda s: print(f"[jaxrl_async] {s}", file=sys.stderr, flush=True))
         self.t_start = time.monotonic()
@@ -29,6 +35,11 @@ class RunControl:
         self.resume_rows: list[dict[str, Any]] = []  # this process's resume, logged as a metrics row
         self.signals = signals if signals is not None else SignalHandler.active()
         self.phase = ""
+
+    def progress(self, enabled: bool) -> str | bool:
+        """The ``progress`` argument of the bars of the run (``MetricsLogger``, ``SFTRun.run``): the style when
+        ``enabled`` (``logging.progress``), else False."""
+        return self.progress_style if enabled else False
 
     def wall(self) -> float:
         """The run's wall time: the processes before a resume (``wall0``) plus this one."""

@@ -21,7 +21,8 @@ of the earlier processes up to the checkpoint it resumed from (rows of steps tha
 dropped), so both hold one continuous history.
 
 The progress bar (tqdm, on stderr) shows step/total, ETA and a few labelled numbers (``console_keys``:
-metric -> label). ``MetricsLogger`` is thread-safe.
+metric -> label); ``progress="lines"`` prints the same as one line per step (``console.ProgressLines``: for
+a console that is not a terminal, e.g. the multi-process launcher's). ``MetricsLogger`` is thread-safe.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
+
+from jaxrl_async.console import ProgressLines, progress_style
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -306,7 +309,9 @@ class MetricsLogger:
     Args:
       run_dir: output directory (created).
       total_steps: length of the progress bar (None: no total, no ETA).
-      tensorboard / progress: enable the TB writer / the tqdm bar.
+      tensorboard: enable the TB writer.
+      progress: True or "bar": the tqdm bar; "lines": one line per step (``console.ProgressLines``);
+        False: none. Either shows the ``console_keys``.
       console_keys: metrics shown on the bar: {metric: label} (or a sequence of metric names,
         labelled by the name with ``/`` -> ``_``).
       start_step: first step (a resumed run continues its bar).
@@ -320,10 +325,11 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: str | os.PathLike, total_steps: int | None = None, *, tensorboard: bool = True,
-                 progress: bool = True, console_keys: Mapping[str, str] | Iterable[str] = DEFAULT_CONSOLE_KEYS,
+                 progress: bool | str = True, console_keys: Mapping[str, str] | Iterable[str] = DEFAULT_CONSOLE_KEYS,
                  start_step: int = 0, desc: str = "train", clock: Callable[[], float] | None = None,
                  keep_until_step: int | None = None, title: str | None = None, eta: int | None = None,
                  wandb: Any = None):
+        style = progress_style(progress)  # a bad value fails before anything is opened
         self.run_dir = os.fspath(run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
         self.metrics_path = os.path.join(self.run_dir, METRICS_FILE)
@@ -363,12 +369,14 @@ class MetricsLogger:
         if wandb is not None and wandb.fresh:  # a new W&B run of a run with history: the curves from the start
             for r in self.history:
                 wandb.log_row(r)
-        self._bar = None
-        if progress:
+        self._bar = self._lines = None
+        if style == "bar":
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, file=sys.stderr, dynamic_ncols=True,
                              smoothing=0.1)
+        elif style == "lines":
+            self._lines = ProgressLines(desc, total_steps, initial=start_step, smoothing=0.1)
         self._closed = False
         self.last: dict[str, Any] = {}
         for r in self.history:
@@ -402,13 +410,16 @@ class MetricsLogger:
             if self._wandb is not None:
                 self._wandb.log_row(row)
             self.last.update({k: v for k, v in flat.items() if v is not None})
-            if self._bar is not None:
+            if self._bar is not None or self._lines is not None:
                 shown = {label: _fmt(self.last[k]) for k, label in self.console_keys.items() if k in self.last}
+            if self._bar is not None:
                 self._bar.set_postfix(shown, refresh=False)
                 if advance:
                     self._bar.update(1)
                 else:
                     self._bar.refresh()
+            elif self._lines is not None and advance:  # a row that does not advance (eval) shows on the next line
+                self._lines.update(1, shown)
         return row
 
     def message(self, text: str) -> None:

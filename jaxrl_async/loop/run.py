@@ -54,14 +54,15 @@ class RLRun:
     lives in ``cfg.resolved_run_dir``: ``config.json``, ``tokenizer/``, ``data/`` (generated tasks),
     ``metrics.jsonl``, ``data_ledger.jsonl``, ``tb/``, ``curves.png``, ``checkpoints/``, ``hf/`` (export),
     ``summary.json``; with ``logging.wandb`` also ``wandb_id`` and ``wandb/``. The setup runs in the constructor
-    (``self.setup``)."""
+    (``self.setup``). ``progress_style``: how the console shows the steps when ``logging.progress`` is on
+    (``RunControl``)."""
 
     def __init__(self, cfg: RunConfig, services: Any = None, *, log_fn: Callable[[str], None] | None = None,
-                 signals: Any = None):
+                 signals: Any = None, progress_style: str = "bar"):
         self.cfg = cfg
         self.run_dir = os.path.abspath(cfg.resolved_run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
-        self.control = RunControl(self.run_dir, log_fn=log_fn, signals=signals)
+        self.control = RunControl(self.run_dir, log_fn=log_fn, signals=signals, progress_style=progress_style)
         self.services = services if services is not None else LocalServices()
         self.trainer = None
         self.wandb = None  # the W&B run (``logging.wandb``), started by ``run``

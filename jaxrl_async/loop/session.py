@@ -106,7 +106,8 @@ class TrainingSession:
         repair_jsonl_tail(os.path.join(self.run_dir, METRICS_FILE))
         # one history across resumes: the rows up to the checkpoint stay, the redone ones go
         metrics = MetricsLogger(self.run_dir, c.trainer.total_steps, tensorboard=c.logging.tensorboard,
-                                progress=c.logging.progress, start_step=p.step, clock=self.control.wall,
+                                progress=self.control.progress(c.logging.progress), start_step=p.step,
+                                clock=self.control.wall,
                                 keep_until_step=p.step if p.resumed_from is not None else -1,
                                 title=f"{c.name}: {os.path.basename(self.run_dir)}", eta=self.eta,
                                 wandb=self.wandb)

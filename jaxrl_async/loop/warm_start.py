@@ -44,7 +44,7 @@ class WarmStart:
         if not self.interruptible:
             if self.control is not None:
                 self.control.set_phase("the SFT warm start of a trainer group", "stopping once the warm start is done")
-            sft.run(progress=c.logging.progress and self.control is not None)
+            sft.run(progress=self.control is not None and self.control.progress(c.logging.progress))
             if self.control is not None:
                 self.control.say(f"SFT warm start: {sft.total_steps} steps in {time.monotonic() - t0:.1f} s")
             return sft.state.params
@@ -82,7 +82,7 @@ class WarmStart:
                     save(k, "periodic")
 
             k0 = sft.step
-            if not sft.run(progress=c.logging.progress, should_stop=ctl.stop_requested, after_step=periodic):
+            if not sft.run(progress=ctl.progress(c.logging.progress), should_stop=ctl.stop_requested, after_step=periodic):
                 if sft.step > max(sck.last_saved_step, 0):
                     save(sft.step, "signal")
                 sck.wait()

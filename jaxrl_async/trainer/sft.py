@@ -276,23 +276,31 @@ class SFTRun:
             raise ValueError(f"SFTRun.load: step {step} is outside 0..{len(self.batches)} (trainer.sft.steps changed?)")
         self.state, self.step = state, int(step)
 
-    def run(self, *, progress: bool = True, log_fn: LogFn | None = None, should_stop: Callable[[], bool] | None = None,
-            after_step: Callable[[int], None] | None = None) -> bool:
+    def run(self, *, progress: bool | str = True, log_fn: LogFn | None = None,
+            should_stop: Callable[[], bool] | None = None, after_step: Callable[[int], None] | None = None) -> bool:
         """Train from ``step`` to the end. True when done; False when ``should_stop()`` (asked before every
         step) stopped it, with ``state`` / ``step`` those after the last completed step. ``after_step(k)``
-        runs once step k's state is ``self.state`` (a hook for periodic saves)."""
+        runs once step k's state is ``self.state`` (a hook for periodic saves). ``progress``: True or
+        ``"bar"``, a tqdm bar; ``"lines"``, a line every 5 % of the steps and at the last
+        (``console.ProgressLines``); False, none."""
         from tqdm import tqdm
 
-        bar = tqdm(total=len(self.batches), initial=self.step, desc="sft", unit="step", disable=not progress,
-                   dynamic_ncols=True)
+        from jaxrl_async.console import ProgressLines, progress_style
+
+        style, N = progress_style(progress), len(self.batches)
+        bar = tqdm(total=N, initial=self.step, desc="sft", unit="step", disable=style != "bar", dynamic_ncols=True)
+        lines = ProgressLines("sft", N, initial=self.step, every=max(1, N // 20)) if style == "lines" else None
         t0 = time.perf_counter()
         trainer = self.trainer
 
         def flush(step: int, metrics: Mapping[str, Any], compilations: int) -> None:
             rec = _record(step, metrics, compilations, t0)
             self.history.append(rec)
+            shown = {"loss": f"{rec['loss']:.4f}", "lr": f"{rec['lr']:.2e}"}
             bar.update(1)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
+            bar.set_postfix(shown, refresh=False)
+            if lines is not None:
+                lines.update(1, shown)
             if log_fn is not None:
                 log_fn(rec)
 
@@ -318,7 +326,7 @@ class SFTRun:
 
 
 def run_sft(params: Params, model_cfg: ModelConfig, examples: Sequence[SFTExample], cfg: Any,
-            mesh: Mesh | None = None, *, seed: int = 0, packing: PackingConfig | None = None, progress: bool = True,
+            mesh: Mesh | None = None, *, seed: int = 0, packing: PackingConfig | None = None, progress: bool | str = True,
             log_fn: LogFn | None = None) -> tuple[Params, list[dict[str, Any]]]:
     """`cfg.steps` AdamW steps of `nll_loss` on minibatches of `cfg.batch_size` examples (`SFTRun`
     whole; use `SFTRun` directly to stop part-way and continue later).
@@ -332,7 +340,7 @@ def run_sft(params: Params, model_cfg: ModelConfig, examples: Sequence[SFTExampl
       mesh: trainer mesh (fsdp, tensor[, data]); None = first device.
       seed: seed of the batch order (`batch_schedule`).
       packing: fixed packing; None plans one shape for the run (`sft_packing`).
-      progress: tqdm bar (stderr) with the loss.
+      progress: tqdm bar (stderr) with the loss (``SFTRun.run``: or ``"lines"``).
       log_fn: called with every history record.
 
     Returns (params, history): the trained fp32 params on the trainer's shardings and one record
