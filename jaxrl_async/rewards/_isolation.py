@@ -129,8 +129,9 @@ class MemoryCgroups:
     to run (creating and removing a memcg per run would leave dying memcgs behind and costs more), each
     verified empty before reuse, all removed at exit."""
 
-    def __init__(self, base: str, version: int):
+    def __init__(self, base: str, version: int, remove_base: bool = False):
         self.base, self.version = base, version
+        self._remove_base = remove_base  # a base made under our own cgroup: removed at exit if empty
         self._free: list[str] = []
         self._all: set[str] = set()
         self._lock = threading.Lock()
@@ -163,6 +164,8 @@ class MemoryCgroups:
                 break
             except FileExistsError:  # left by an earlier process with this pid and still busy
                 continue
+            except FileNotFoundError:  # another process of our cgroup removed the shared base at its exit
+                _make_base(self.base, self.version)
         else:
             raise OSError(errno.EEXIST, f"no free cgroup name under {self.base}")
         if self.version == 2:
@@ -288,6 +291,11 @@ class MemoryCgroups:
                 os.rmdir(path)
             except OSError:
                 pass
+        if self._remove_base:  # (other processes' slots left: EBUSY, they remove it)
+            try:
+                os.rmdir(self.base)
+            except OSError:
+                pass
 
 
 _cgroup_lock = threading.Lock()
@@ -312,6 +320,52 @@ def _v2_enable_memory(path: str) -> None:
         write_control(os.path.join(path, "cgroup.subtree_control"), "+memory")
 
 
+def _make_base(base: str, version: int) -> None:
+    os.makedirs(base, mode=0o755, exist_ok=True)
+    if version == 2:
+        _v2_enable_memory(base)
+
+
+def _own_cgroup(version: int) -> str | None:
+    """This process's cgroup path (``/proc/self/cgroup``) in the v2 hierarchy or the v1 memory hierarchy."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if (version == 2 and controllers == "") or (version == 1 and "memory" in controllers.split(",")):
+                    return path
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _under_own_cgroup(point: str, version: int) -> MemoryCgroups | None:
+    """Run cgroups under this process's own cgroup (so an outer limit covers them), or None (logged) where
+    that cannot work: v2 needs ``memory`` delegated to it and no process in it to enable the controller for
+    its children (the no-internal-process rule); v1 needs it to be writable."""
+    rel = _own_cgroup(version)
+    if rel is None or rel.strip("/") == "":
+        return None  # we are at the hierarchy's root
+    own = os.path.join(point, rel.lstrip("/"))
+    base = os.path.join(own, _CGROUP_DIR_NAME)
+    try:
+        if not os.path.isdir(own):
+            raise OSError(errno.ENOENT, f"{own} not visible in this mount namespace")
+        if version == 2:
+            if "memory" not in _read(os.path.join(own, "cgroup.controllers")).split():
+                raise OSError(errno.EACCES, "the memory controller is not delegated to it")
+            _v2_enable_memory(own)  # EBUSY where our cgroup holds processes (only the root may)
+        elif _read(os.path.join(own, "memory.use_hierarchy")).strip() == "0":
+            logger.warning("sandbox: %s has memory.use_hierarchy=0: its limit does not cover the run cgroups", own)
+        _make_base(base, version)
+    except OSError as exc:
+        logger.warning("sandbox: cannot create the run cgroups under this process's cgroup %s (%s): using the "
+                       "hierarchy's root %s instead, where a limit on this job does not cover them; set "
+                       "SandboxConfig.cgroup_parent to a delegated cgroup to change that", own, exc, point)
+        return None
+    return MemoryCgroups(base, version, remove_base=True)  # rmdir at exit fails while others use it
+
+
 def _setup_memory_cgroups(parent: str | None) -> MemoryCgroups:
     if not sys.platform.startswith("linux"):
         raise CgroupUnavailable(f"no cgroups on {sys.platform}")
@@ -330,6 +384,9 @@ def _setup_memory_cgroups(parent: str | None) -> MemoryCgroups:
         mounts = _mount_points()
         for point, fstype, _ in mounts:
             if fstype == "cgroup2" and "memory" in _read(os.path.join(point, "cgroup.controllers")).split():
+                own = _under_own_cgroup(point, 2)
+                if own is not None:
+                    return own
                 _v2_enable_memory(point)  # allowed at the root of the hierarchy (it may hold processes)
                 base = os.path.join(point, _CGROUP_DIR_NAME)
                 os.makedirs(base, mode=0o755, exist_ok=True)
@@ -337,6 +394,9 @@ def _setup_memory_cgroups(parent: str | None) -> MemoryCgroups:
                 return MemoryCgroups(base, 2)
         for point, fstype, opts in mounts:
             if fstype == "cgroup" and "memory" in opts:
+                own = _under_own_cgroup(point, 1)
+                if own is not None:
+                    return own
                 base = os.path.join(point, _CGROUP_DIR_NAME)
                 os.makedirs(base, mode=0o755, exist_ok=True)
                 return MemoryCgroups(base, 1)

@@ -24,7 +24,8 @@ Process tree in ``namespaces`` mode::
   enforces the wall-clock deadline (``SIGALRM`` → ``kill(-1)``), reaps everything, writes the status and
   exits.  When PID 1 exits the kernel SIGKILLs every process left in the namespace (the fork-bomb /
   daemon containment), and the tmpfs disappears with the mount namespace.
-* user program: rlimits (CPU, AS, FSIZE, NPROC, NOFILE, CORE=0),
+* user program: rlimits (CPU, AS, FSIZE, NPROC, NOFILE, CORE=0, and every other one reset: RTPRIO=0,
+  NICE=0, MSGQUEUE=0, SIGPENDING, MEMLOCK, ...; see ``sandbox._rlimits``),
   ``PR_SET_NO_NEW_PRIVS``, no supplementary groups, real/effective/saved uid+gid switched to the
   unprivileged sandbox uid, a new anonymous session keyring (the uid's user keyrings cleared), the seccomp
   filter compiled by the parent (``_seccomp.py``), clean environment, ``execve``.

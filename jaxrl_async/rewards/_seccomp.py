@@ -18,9 +18,24 @@ Policy (x86_64 and aarch64; other architectures get no filter, see ``Sandbox``):
   ``bpf``, ``perf_event_open``, ``userfaultfd``, module loading, ``kexec``, ``reboot``, swap, clock setting,
   NUMA policy, file handles, ``chroot``, ``pivot_root``, ...;
 * argument checks: ``clone`` is refused with ``EPERM`` when its flags ask for a new namespace;
-  ``socket`` only for ``AF_UNIX``, ``AF_INET``, ``AF_INET6``, ``AF_NETLINK`` (``EAFNOSUPPORT`` otherwise:
-  no ``AF_VSOCK`` to the hypervisor, no ``AF_ALG``, no packet sockets); ``personality`` only the values
-  Docker allows (no ``ADDR_NO_RANDOMIZE``);
+  ``socket`` only for ``AF_INET`` and ``AF_INET6`` (``EAFNOSUPPORT`` otherwise: no ``AF_NETLINK``, no
+  ``AF_VSOCK`` to the hypervisor, no ``AF_ALG``, no packet sockets), plus ``AF_UNIX`` *stream* sockets
+  and ``socketpair`` only when the sandbox allows unix sockets (``unix_sockets=True``; ``socketpair``
+  answers ``EAFNOSUPPORT`` otherwise); ``setsockopt(SOL_SOCKET, SO_SNDBUF | SO_RCVBUF | SO_SNDBUFFORCE |
+  SO_RCVBUFFORCE)`` answers ``EPERM`` (every socket keeps the host's default buffer sizes);
+  ``personality`` only the values Docker allows (no ``ADDR_NO_RANDOMIZE``);
+
+Why the socket rules (issue 27): socket buffers are kernel memory that the memory cgroup does not (or
+only partly) charge: the sk_buff heads of netlink and unix datagrams were measured outside the run's
+cgroup (netlink datagrams to oneself with a large ``SO_RCVBUF``: 1.3-1.8 GiB of host memory under a
+128 MiB limit; unix stream sockets fill ~1 MiB uncharged per pair even at default sizes).  Nothing per run
+counts sockets across processes, so the families a program may open must hold nothing: ``AF_INET`` /
+``AF_INET6`` in the run's network namespace (loopback down: no route, nothing can be queued), no
+netlink, and unix sockets (whose use is IPC: ``asyncio``'s self-pipe, ``multiprocessing.Pipe``) only as an
+explicit opt-in whose cost is documented in ``SandboxConfig.allow_unix_sockets``.  Pipes, epoll,
+inotify, eventfd, timerfd, signalfd and POSIX timers are charged to the memory cgroup (measured) and
+bounded per uid or per process by rlimits (``RLIMIT_NOFILE``, ``RLIMIT_SIGPENDING``, the per-user pipe
+and inotify limits).  ``mq_*``, SysV IPC, keyrings, ``io_uring``, ``userfaultfd``, ``memfd`` stay denied.
 * ``clone3`` answers ``ENOSYS`` (its flags live in memory a filter cannot read): glibc then falls back to
   ``clone``, whose flags are checked;
 * every other number (syscalls unknown to this table, e.g. added by newer kernels) answers ``ENOSYS``,
@@ -166,9 +181,9 @@ ALLOWED = frozenset("""
     sched_getattr sched_getparam sched_get_priority_max sched_get_priority_min sched_getscheduler
     sched_rr_get_interval sched_setaffinity sched_setattr sched_setparam sched_setscheduler sched_yield
     seccomp select sendfile sendmmsg sendmsg sendto setfsgid setfsuid setgid setgroups setitimer setpgid
-    setpriority setregid setresgid setresuid setreuid setrlimit set_robust_list setsid setsockopt
+    setpriority setregid setresgid setresuid setreuid setrlimit set_robust_list setsid
     set_thread_area set_tid_address setuid setxattr setxattrat shutdown sigaltstack signalfd signalfd4
-    socketpair splice stat statfs statmount statx symlink symlinkat sync sync_file_range syncfs sysinfo tee
+    splice stat statfs statmount statx symlink symlinkat sync sync_file_range syncfs sysinfo tee
     tgkill time timer_create timer_delete timer_getoverrun timer_gettime timer_settime timerfd_create
     timerfd_gettime timerfd_settime times tkill truncate umask uname unlink unlinkat uretprobe utime
     utimensat utimes vfork vmsplice wait4 waitid write writev
@@ -191,9 +206,12 @@ DENIED = frozenset("""
 # argument-checked calls (see the module docstring)
 CLONE_NEW_FLAGS = (0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000
                    | 0x40000000)  # NEWNS NEWCGROUP NEWUTS NEWIPC NEWUSER NEWPID NEWNET
-SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK
+SOCKET_FAMILIES = (2, 10)  # AF_INET, AF_INET6 (inert in the run's network namespace)
+AF_UNIX, SOCK_STREAM, SOCK_TYPE_MASK = 1, 1, 0xF  # type & 0xF: SOCK_NONBLOCK / SOCK_CLOEXEC live above
+SOL_SOCKET = 1
+BUFFER_OPTIONS = (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
 PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # Docker's list
-_ARG_CHECKED = ("clone", "socket", "personality")
+_ARG_CHECKED = ("clone", "socket", "socketpair", "setsockopt", "personality")
 
 
 def _parse(text: str) -> dict[str, int]:
@@ -233,16 +251,38 @@ def _errno(e: int) -> int:
     return SECCOMP_RET_ERRNO | e
 
 
-def _arg_block(name: str) -> list[tuple]:
-    load_arg0 = (_LD_W_ABS, 0, 0, _OFF_ARG0)  # the low 32 bits: these arguments are C ints
+_ALU_AND_K = 0x54
+
+
+def _arg_block(name: str, unix_sockets: bool) -> list[tuple]:
+    """The argument check of an ``_ARG_CHECKED`` call; every jump is forward and relative."""
+    def load(i: int) -> tuple:  # the low 32 bits of argument i: these arguments are C ints
+        return (_LD_W_ABS, 0, 0, _OFF_ARG0 + 8 * i)
+
+    allow, eperm, eafno = _ret(SECCOMP_RET_ALLOW), _ret(_errno(errno.EPERM)), _ret(_errno(errno.EAFNOSUPPORT))
     if name == "clone":
-        return [load_arg0, (_JSET, 0, 1, CLONE_NEW_FLAGS), _ret(_errno(errno.EPERM)), _ret(SECCOMP_RET_ALLOW)]
-    allowed = SOCKET_FAMILIES if name == "socket" else PERSONALITIES
-    deny = _errno(errno.EAFNOSUPPORT if name == "socket" else errno.EPERM)
-    out = [load_arg0]
-    for i, value in enumerate(allowed):
-        out.append((_JEQ, len(allowed) - i, 0, value))  # jump to the RET ALLOW at the end
-    return out + [_ret(deny), _ret(SECCOMP_RET_ALLOW)]
+        return [load(0), (_JSET, 0, 1, CLONE_NEW_FLAGS), eperm, allow]
+    unix_stream = [load(1), (_ALU_AND_K, 0, 0, SOCK_TYPE_MASK), (_JEQ, 0, 1, SOCK_STREAM), allow, eafno]
+    if name == "socket":
+        out = [load(0)]
+        for fam in SOCKET_FAMILIES:
+            out += [(_JEQ, 0, 1, fam), allow]
+        if unix_sockets:
+            out += [(_JEQ, 0, len(unix_stream), AF_UNIX)] + unix_stream
+        return out + [eafno]
+    if name == "socketpair":
+        if not unix_sockets:
+            return [eafno]
+        return [load(0), (_JEQ, 0, len(unix_stream), AF_UNIX)] + unix_stream + [eafno]
+    if name == "setsockopt":
+        out = [load(1), (_JEQ, 0, len(BUFFER_OPTIONS) + 1, SOL_SOCKET), load(2)]
+        for i, opt in enumerate(BUFFER_OPTIONS):
+            out.append((_JEQ, len(BUFFER_OPTIONS) - i, 0, opt))  # to the EPERM after the last compare
+        return out + [allow, eperm]
+    out = [load(0)]
+    for i, value in enumerate(PERSONALITIES):
+        out.append((_JEQ, len(PERSONALITIES) - i, 0, value))  # jump to the RET ALLOW at the end
+    return out + [eperm, allow]
 
 
 def _actions(arch: str) -> dict[int, object]:
@@ -260,8 +300,9 @@ def _actions(arch: str) -> dict[int, object]:
     return actions
 
 
-def build_filter(arch: str) -> bytes:
-    """The compiled program (``struct sock_filter[]``, native byte order) for ``arch``."""
+def build_filter(arch: str, unix_sockets: bool = False) -> bytes:
+    """The compiled program (``struct sock_filter[]``, native byte order) for ``arch``; ``unix_sockets``
+    allows ``AF_UNIX`` stream sockets and ``socketpair`` (module docstring)."""
     actions = _actions(arch)
     default = _errno(errno.ENOSYS)
     # segments [lo, hi] of equal action covering 0 .. 2**32-1 (an argument-checked call is its own segment)
@@ -288,7 +329,7 @@ def build_filter(arch: str) -> bytes:
     def emit(segs: list[list]) -> None:
         if len(segs) == 1:
             act = segs[0][2]
-            prog.extend(_arg_block(act) if isinstance(act, str) else [_ret(act)])
+            prog.extend(_arg_block(act, unix_sockets) if isinstance(act, str) else [_ret(act)])
             return
         mid = len(segs) // 2
         prog.append((_JGE, 0, 1, segs[mid][0]))  # nr >= pivot: next instruction jumps to the right half

@@ -23,7 +23,15 @@ of these forms is accepted too):
   ``/proc/<pid>/mem``, ``environ``, ``fd`` are closed to the same uid; ``ptrace`` is denied by the
   sandbox's seccomp filter anyway) and only then starts the program's process (``_runner.py`` importing
   ``solution.py``, stdout sent to stderr, no inherited descriptor but its two request/answer pipes).
-  The names the test uses are looked up in the program's module: data values are copied over by value
+  The test runs in a namespace the program cannot touch (issue 27: a wrong program that also defined
+  ``abs``, ``all``, ``len`` or a fake ``math`` used to pass tests using those names): builtins are a copy
+  of the harness's own, taken before anything else was imported; a name of a standard-library module
+  is that module, imported by the harness; the program contributes only the names under test: the
+  item's ``entry_point`` (a name or a list; these may shadow a builtin) and, without one, every other
+  name the test uses and does not bind itself.  Modules among those are imported again by name in the
+  harness (never from the work dir, which the program can write).  Patching ``builtins`` or a module
+  (``math.isclose = ...``) in the program changes only the program's process.  Values the program
+  contributes: data values are copied over by value
   (a tagged JSON of builtin types: ``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``,
   ``bytes``, ``list``, ``tuple``, ``dict``, ``set``, ``frozenset``, ``range``), functions, classes and
   other objects become proxies whose calls, attribute reads, ``len``, iteration, indexing, ``str``,
@@ -151,7 +159,10 @@ def _parse_item(item: Any, i: int) -> TestCase:
     if not isinstance(item, dict):
         raise ValueError(f"code test {i}: expected a dict, got {type(item).__name__}")
     if "assert" in item:
-        return TestCase("assert", assert_src=str(item["assert"]))
+        names = item.get("entry_point", item.get("fn_name", ""))
+        if isinstance(names, (list, tuple)):
+            names = ",".join(map(str, names))
+        return TestCase("assert", fn_name=str(names or ""), assert_src=str(item["assert"]))
     if "fn_name" in item:
         if "args" not in item or "expected" not in item:
             raise ValueError(f"code test {i}: call-based test needs 'args' and 'expected'")
@@ -311,6 +322,18 @@ def enc(v, handle=None):
     raise TypeError("a %s cannot be passed to the program's process" % t.__name__)
 
 
+def _clean_import(name):
+    "Import ``name`` in this process, never from the work dir / tmpfs (which the program can write)."
+    import importlib.util as _util
+    import os as _os
+    if name not in __import__("sys").modules:
+        spec = _util.find_spec(name)
+        origin = _os.path.realpath(spec.origin) if spec is not None and spec.origin else ""
+        if spec is None or any(origin.startswith(d) for d in ("/tmp/", "/var/tmp/", "/dev/shm/", _os.getcwd() + "/")):
+            raise ImportError("module %r not importable from the interpreter path" % name)
+    return _importlib.import_module(name)
+
+
 def dec(v, remote=None):
     if not isinstance(v, list):
         if v is None or type(v) in (bool, int, float, str):
@@ -336,12 +359,15 @@ def dec(v, remote=None):
     if tag == "H":
         return remote(int(v[1]))
     if tag == "M":  # a module the program imported: the same one from the (read-only) interpreter path
-        return _importlib.import_module(str(v[1]))
+        return _clean_import(str(v[1]))
     raise ValueError("bad tag")
 '''
 
 _ASSERT_HARNESS = r'''
-import ctypes, json, os, subprocess, sys
+import builtins, sys
+_CLEAN_BUILTINS = dict(builtins.__dict__)  # before anything else ran in this process
+sys.path[:] = [p for p in sys.path if p not in ("", ".") and not p.startswith(("/tmp", "/var/tmp", "/dev/shm"))]
+import ctypes, json, os, subprocess
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the program's process (same uid) cannot read us
 marker = sys.stdin.readline().strip()
 case = json.loads(sys.stdin.readline())
@@ -384,12 +410,27 @@ def code_names(code):
 
 
 test = compile(case["assert_src"], "<test>", "exec")
-namespace = {"__name__": "__test__", "__builtins__": builtins}
-for name, value in link("names", raw=True, names=sorted(code_names(test))):
+namespace = {"__name__": "__test__", "__builtins__": _CLEAN_BUILTINS}
+entry = [n for n in case.get("fn_name", "").split(",") if n]
+stdlib = set(getattr(sys, "stdlib_module_names", ()))
+if case.get("legacy_names"):  # tests only (the control): every name the test uses from the program
+    wanted = sorted(code_names(test))
+else:
+    wanted = sorted(n for n in code_names(test) if n in entry or (n not in _CLEAN_BUILTINS and n not in stdlib))
+    for n in sorted(code_names(test) - set(entry)):
+        if n in stdlib and n not in _CLEAN_BUILTINS:
+            try:
+                namespace[n] = _clean_import(n)
+            except ImportError:
+                pass
+for name, value in link("names", raw=True, names=wanted):
     try:
-        namespace[str(name)] = dec(value, lambda h: Remote(h, link))
+        got = dec(value, lambda h: Remote(h, link))
     except ImportError:
-        pass
+        continue
+    if entry and name not in entry and not isinstance(got, _types.ModuleType):
+        continue  # with an entry point the program contributes only it (and modules, imported here)
+    namespace[str(name)] = got
 exec(test, namespace)
 sys.stdout.write("\n" + marker + "true\n")
 sys.stdout.flush()
@@ -500,6 +541,9 @@ class CodeReward:
         self._lock = threading.Lock()
         self._counters = dict(calls=0, no_code=0, invalid_tests=0, tests_run=0, tests_passed=0, timeouts=0,
                               sandbox_errors=0)
+        # Tests only (the control of the name-shadowing attack): resolve every name an assert test uses
+        # from the program's module, as the first pass did.
+        self._legacy_test_names = False
 
     def __call__(self, prompt: str, completion: str, answer: Any, **metadata: Any) -> float:
         return self.score(completion, metadata.get(self.config.tests_key, answer)).reward
@@ -536,6 +580,8 @@ class CodeReward:
             return self._judge(res, lambda out: stdout_matches(out, case.stdout, self.config.stdout_match))
         marker = "@@jaxrl-result-" + secrets.token_hex(16) + "@@"
         payload = {"kind": case.kind, "fn_name": case.fn_name, "args": list(case.args), "assert_src": case.assert_src}
+        if self._legacy_test_names:
+            payload["legacy_names"] = True
         if case.kind == "assert":  # the test must not run in the program's process (module docstring)
             main, files = _ASSERT_HARNESS, {_SOLUTION: code, _RUNNER: _ASSERT_RUNNER}
         else:

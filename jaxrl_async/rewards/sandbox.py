@@ -28,6 +28,13 @@ memory hog           a memory cgroup per run (v2 ``memory.max``, or the v1 memor
                      ``RLIMIT_AS`` per process on top (→ ``MemoryError`` for a single big
                      allocation); the tmpfs is capped at ``tmpfs_bytes``.
 SysV shm, memfd      denied by seccomp (``EPERM``), and charged to the cgroup anyway.
+uncharged kernel     socket buffers are not (fully) charged to the memory cgroup: no netlink
+memory               sockets, no unix sockets unless ``allow_unix_sockets`` (then stream only),
+                     buffer sizes cannot be raised; inet sockets hold nothing in the private
+                     network namespace.  Pipes, epoll, inotify, timers are charged; per-uid
+                     limits (``RLIMIT_SIGPENDING``, ``RLIMIT_MSGQUEUE`` 0, pipe/inotify user
+                     limits) bound the rest.  Every rlimit is reset (``_rlimits``): no real-time
+                     priority, no nice boost.
 huge output          the parent keeps at most ``max_output_bytes`` per stream and (by default)
                      kills the run on overflow; nothing unbounded is ever buffered.
 writes outside cwd   the whole mount tree is recursively read-only + nosuid + nodev inside the
@@ -47,8 +54,8 @@ kernel keyrings      a new anonymous session keyring per run (the parent's sessi
                      and ``keyctl`` / ``add_key`` / ``request_key`` denied by seccomp.
 kernel surface       a seccomp allow-list (``_seccomp.py``): no new namespaces (user namespaces
                      included), ``io_uring``, ``ptrace``, ``bpf``, ``perf_event_open``, mounts,
-                     ``userfaultfd``, SysV IPC, ``memfd_create``, keyrings, ``AF_VSOCK``/``AF_ALG``
-                     sockets, ...; unknown syscalls get ``ENOSYS``.
+                     ``userfaultfd``, SysV IPC, ``memfd_create``, keyrings, ``AF_NETLINK``,
+                     ``AF_VSOCK``/``AF_ALG`` sockets, ...; unknown syscalls get ``ENOSYS``.
 parent's secrets     ``execve`` with a minimal explicit environment (``PATH``, ``HOME``, ``LANG``,
                      ``TMPDIR`` plus ``SandboxConfig.env``); Python runs with ``-I``.  ``/proc`` is
                      a fresh mount of the new PID namespace, so host processes (and their
@@ -64,9 +71,11 @@ in ``cgroup_parent``; else the v1 memory hierarchy).  ``"required"`` (the defaul
 (:class:`SandboxUnavailableError` naming what is missing); ``"best_effort"`` runs without the missing
 parts, logs one warning per process naming them and leaves them out of :attr:`Sandbox.isolation`
 (e.g. ``"namespaces+net+uid+seccomp"`` instead of ``"namespaces+net+uid+memcg+seccomp"``).  The run
-cgroups live in ``<hierarchy root>/jaxrl-sandbox/<pid>-<n>`` (one per concurrent run, reused, removed
-at exit; leftovers of dead processes are removed by the next Sandbox), or under ``cgroup_parent``
-(e.g. a systemd ``Delegate=yes`` unit) so that an outer limit covers them.
+cgroups live in ``<this process's memory cgroup>/jaxrl-sandbox/<pid>-<n>`` (one per concurrent run,
+reused, removed at exit; leftovers of dead processes are removed by the next Sandbox), so an outer limit
+on the job covers them, or under ``cgroup_parent`` (e.g. a systemd ``Delegate=yes`` unit).  Where the
+own cgroup cannot hold them (v2: processes in it and no delegation; v1: not writable) they go to the
+hierarchy's root, logged once.
 
 Fallback (``plain`` mode: no namespaces, e.g. an unprivileged container): rlimits, uid switch
 when root, the memory cgroup and seccomp filter when available, own process group killed at the end
@@ -137,11 +146,19 @@ class SandboxConfig:
       hardening: the seccomp filter and the memory cgroup (module docstring): ``"required"`` refuses to
         construct without them, ``"best_effort"`` logs what is missing and runs; ``None`` (default):
         ``"required"`` if ``network_isolation == "required"``, else ``"best_effort"``.
+      allow_unix_sockets: let the program create ``AF_UNIX`` *stream* sockets and socket pairs (``asyncio``'s
+        event loop and ``multiprocessing.Pipe()`` need one; ``os.pipe``, ``subprocess``,
+        ``multiprocessing.Pool`` / ``Queue`` and ``concurrent.futures`` do not).  Off by default: the kernel
+        does not charge the sk_buff heads of queued unix data to the memory cgroup (~1 MiB per filled pair,
+        measured), so with it on, host memory outside ``memory_bytes`` is bounded only by
+        ``max_processes * max_open_files`` filled sockets (buffer sizes cannot be raised: the filter denies
+        ``SO_SNDBUF`` / ``SO_RCVBUF``); keep both limits small in configs that turn it on.
       allow_exec: let the program execute (or map executable) files it writes to the tmpfs; off by
         default (``noexec``), turn on only for configs that compile and run binaries.
       cgroup_parent: directory of a delegated cgroup to create the run cgroups in (v2: ``memory`` in its
         ``cgroup.controllers``; v1: a directory of the memory hierarchy); ``None``: a ``jaxrl-sandbox``
-        cgroup at the root of the hierarchy.
+        cgroup under this process's own memory cgroup, so that a limit on the job covers the runs too
+        (v2 without delegation there, or an unwritable v1 directory: the hierarchy's root, logged).
       python: interpreter for the program; ``None`` picks ``sys.executable`` if the sandbox uid can
         execute it (every path component world-searchable), else ``/usr/bin/python3``.
       env: extra environment variables for the program (nothing else is inherited).
@@ -161,6 +178,7 @@ class SandboxConfig:
     kill_on_output_overflow: bool = True
     network_isolation: Literal["required", "best_effort", "disabled"] = "required"
     hardening: Literal["required", "best_effort"] | None = None
+    allow_unix_sockets: bool = False
     allow_exec: bool = False
     cgroup_parent: str | None = None
     python: str | None = None
@@ -310,12 +328,58 @@ class _BoundedBuffer:
 _seccomp_cache: dict[str, str] = {}
 
 
-def _seccomp_program(arch: str) -> str:
-    """The compiled filter for ``arch``, base64 (built once per process)."""
+def _seccomp_program(arch: str, unix_sockets: bool) -> str:
+    """The compiled filter for ``arch``, base64 (built once per process and variant)."""
+    key = f"{arch}:{int(unix_sockets)}"
     with _warned_lock:
-        if arch not in _seccomp_cache:
-            _seccomp_cache[arch] = base64.b64encode(_seccomp.build_filter(arch)).decode()
-        return _seccomp_cache[arch]
+        if key not in _seccomp_cache:
+            _seccomp_cache[key] = base64.b64encode(_seccomp.build_filter(arch, unix_sockets)).decode()
+        return _seccomp_cache[key]
+
+
+def _seccomp_first_pass() -> str:
+    """Tests only (controls): the first pass's socket rules (netlink and unix sockets of any type allowed,
+    buffer sizes settable), everything else as now."""
+    arch = _seccomp.host_arch()
+    saved = (_seccomp.SOCKET_FAMILIES, _seccomp.BUFFER_OPTIONS)
+    try:
+        _seccomp.SOCKET_FAMILIES, _seccomp.BUFFER_OPTIONS = (1, 2, 10, 16), ()
+        return base64.b64encode(_seccomp.build_filter(arch, unix_sockets=True)).decode()
+    finally:
+        _seccomp.SOCKET_FAMILIES, _seccomp.BUFFER_OPTIONS = saved
+
+
+_SIGPENDING = 1024  # queued signals and POSIX timers (each timer holds one) of the run's uid
+_MEMLOCK = 64 << 10  # the kernel's historical default; locked pages are charged to the cgroup anyway
+
+
+def _rlimits(cfg: SandboxConfig, cpu: int, full: bool) -> dict[str, list[int]]:
+    """Every resource limit of the program: the configured ones, and every other limit reset to a value
+    that needs no trust in the parent's: no real-time priority or time (``RLIMIT_RTPRIO`` / ``RLIMIT_RTTIME``),
+    no nice boost (``RLIMIT_NICE`` 0: the nice value can only grow), no POSIX message queue bytes, few
+    queued signals / POSIX timers, the historical ``RLIMIT_MEMLOCK``; ``RLIMIT_DATA`` / ``RLIMIT_RSS`` =
+    ``memory_bytes``.  ``RLIMIT_STACK`` keeps the parent's value (stack pages count in the memory cgroup and
+    ``RLIMIT_AS``; solutions raise it for deep recursion).  ``full=False``: the first pass's six (controls)."""
+    out = {
+        "RLIMIT_CPU": [cpu, cpu + 1],
+        "RLIMIT_AS": [cfg.memory_bytes, cfg.memory_bytes],
+        "RLIMIT_FSIZE": [cfg.file_size_bytes, cfg.file_size_bytes],
+        "RLIMIT_NPROC": [cfg.max_processes, cfg.max_processes],
+        "RLIMIT_NOFILE": [cfg.max_open_files, cfg.max_open_files],
+        "RLIMIT_CORE": [0, 0],
+    }
+    if full:
+        out.update({
+            "RLIMIT_RTPRIO": [0, 0],
+            "RLIMIT_RTTIME": [cpu * 1_000_000, cpu * 1_000_000],
+            "RLIMIT_NICE": [0, 0],
+            "RLIMIT_MSGQUEUE": [0, 0],
+            "RLIMIT_SIGPENDING": [_SIGPENDING, _SIGPENDING],
+            "RLIMIT_MEMLOCK": [_MEMLOCK, _MEMLOCK],
+            "RLIMIT_DATA": [cfg.memory_bytes, cfg.memory_bytes],
+            "RLIMIT_RSS": [cfg.memory_bytes, cfg.memory_bytes],
+        })
+    return out
 
 
 class Sandbox:
@@ -344,7 +408,7 @@ class Sandbox:
         else:
             self._keyctl_nr = _seccomp.syscall_numbers(arch)["keyctl"]
             if probe.get("seccomp"):
-                self._seccomp_b64 = _seccomp_program(arch)
+                self._seccomp_b64 = _seccomp_program(arch, cfg.allow_unix_sockets)
             else:
                 missing["seccomp"] = f"cannot install a seccomp filter here: {probe.get('seccomp_error', '?')}"
         self._cgroups: _isolation.MemoryCgroups | None = None
@@ -361,7 +425,9 @@ class Sandbox:
             _warn_once(f"sandbox runs without {', '.join(sorted(missing))} (hardening='best_effort'): {detail}")
         self._missing = missing
         # Tests only: protections to leave out, to show that an attack works without them (controls).
-        # Members: "seccomp", "memcg", "keyring", "shared_dirs", "kill_uid".
+        # Members: "seccomp", "memcg", "keyring", "shared_dirs", "kill_uid", "rlimits" (only the first
+        # pass's CPU/AS/FSIZE/NPROC/NOFILE/CORE: the others stay as inherited), "socket_rules" (the filter
+        # of the first pass: netlink and unix sockets of any type, buffer sizes settable).
         self._disabled: frozenset[str] = frozenset()
 
     @property
@@ -427,18 +493,12 @@ class Sandbox:
                 "workdir": workdir,
                 "uid": uid,
                 "gid": uid,
-                "rlimits": {
-                    "RLIMIT_CPU": [cpu, cpu + 1],
-                    "RLIMIT_AS": [cfg.memory_bytes, cfg.memory_bytes],
-                    "RLIMIT_FSIZE": [cfg.file_size_bytes, cfg.file_size_bytes],
-                    "RLIMIT_NPROC": [cfg.max_processes, cfg.max_processes],
-                    "RLIMIT_NOFILE": [cfg.max_open_files, cfg.max_open_files],
-                    "RLIMIT_CORE": [0, 0],
-                },
+                "rlimits": _rlimits(cfg, cpu, "rlimits" not in off),
                 "tmpfs_bytes": cfg.tmpfs_bytes,
                 "wall_timeout_s": wall,
                 "status_fd": status_w,
-                "seccomp": None if "seccomp" in off else self._seccomp_b64,
+                "seccomp": (None if "seccomp" in off or self._seccomp_b64 is None else
+                            _seccomp_first_pass() if "socket_rules" in off else self._seccomp_b64),
                 "keyctl_nr": None if "keyring" in off else self._keyctl_nr,
                 "allow_exec": bool(cfg.allow_exec),
                 "private_shared_dirs": "shared_dirs" not in off,

@@ -83,6 +83,8 @@ def run_bpf(prog: bytes, nr: int, arch: int, args=(0,) * 6) -> int:
             return k
         elif code == 0x05:
             pc += 1 + k
+        elif code == 0x54:  # ALU AND K
+            acc, pc = acc & k, pc + 1
         elif code in (0x15, 0x35, 0x45):
             hit = acc == k if code == 0x15 else acc >= k if code == 0x35 else bool(acc & k)
             pc += 1 + (jt if hit else jf)
@@ -111,9 +113,21 @@ def test_seccomp_policy_compiles_to_the_intended_decisions(arch):
     for flag in (0x10000000, 0x40000000, 0x20000000, 0x00020000, 0x08000000, 0x04000000, 0x02000000):
         assert run_bpf(prog, clone, audit, (flag | 17,)) == eperm, hex(flag)
     assert run_bpf(prog, table["clone3"], audit) == enosys  # glibc falls back to clone
-    for family, want in ((1, allow), (2, allow), (10, allow), (16, allow), (40, 0x50000 | errno.EAFNOSUPPORT),
-                         (38, 0x50000 | errno.EAFNOSUPPORT), (17, 0x50000 | errno.EAFNOSUPPORT)):
-        assert run_bpf(prog, table["socket"], audit, (family,)) == want, family
+    eafno = 0x50000 | errno.EAFNOSUPPORT
+    for family, want in ((1, eafno), (2, allow), (10, allow), (16, eafno), (40, eafno), (38, eafno), (17, eafno)):
+        assert run_bpf(prog, table["socket"], audit, (family, 1)) == want, family
+    assert run_bpf(prog, table["socketpair"], audit, (1, 1)) == eafno
+    unix = _seccomp.build_filter(arch, unix_sockets=True)  # SandboxConfig.allow_unix_sockets
+    for args, want in (((1, 1), allow), ((1, 1 | 0x80800), allow), ((1, 2), eafno), ((1, 5), eafno), ((16, 3), eafno),
+                       ((2, 2), allow)):
+        assert run_bpf(unix, table["socket"], audit, args) == want, args
+        if args[0] != 2:
+            assert run_bpf(unix, table["socketpair"], audit, args) == want, args
+    for p in (prog, unix):  # buffer sizes cannot be raised; other options can be set
+        for opt in (7, 8, 32, 33):
+            assert run_bpf(p, table["setsockopt"], audit, (3, 1, opt)) == eperm, opt
+        assert run_bpf(p, table["setsockopt"], audit, (3, 1, 2)) == allow  # SO_REUSEADDR
+        assert run_bpf(p, table["setsockopt"], audit, (3, 6, 7)) == allow  # IPPROTO_TCP option 7
     assert run_bpf(prog, table["personality"], audit, (0xFFFFFFFF,)) == allow
     assert run_bpf(prog, table["personality"], audit, (0x0040000,)) == eperm  # ADDR_NO_RANDOMIZE
     assert run_bpf(prog, 999, audit) == enosys and run_bpf(prog, 0x40000000 + 250, audit) == enosys  # x32 keyctl
@@ -228,10 +242,12 @@ def test_host_unix_sockets_in_shared_dirs_unreachable():
                     out[p] = e.errno
             print(json.dumps(out))
         """)
-        res = out_json(hardened().run(code))
+        default = hardened().run(code)  # no unix sockets at all by default
+        assert default.returncode == 1 and f"[Errno {errno.EAFNOSUPPORT}]" in default.stderr, default.stderr[-500:]
+        res = out_json(hardened(allow_unix_sockets=True).run(code))
         assert res == {p: errno.ENOENT for p in paths}, res
         # control: without the private directories the read-only mount does not stop connect()
-        ctrl = out_json(without({}, "shared_dirs").run(code))
+        ctrl = out_json(without({"allow_unix_sockets": True}, "shared_dirs").run(code))
         tmp = f"/tmp/jaxrl-test-{tag}.sock"
         assert ctrl.pop(tmp) == errno.ENOENT  # /tmp was a private tmpfs before already
         assert all(v == "CONNECTED" for v in ctrl.values()), ctrl
@@ -644,3 +660,285 @@ def test_code_reward_always_equal_object_and_patching():
             "def f(x): return E()\nbuiltins.AssertionError = type('Never', (Exception,), {})\n```")
     with CodeReward(CodeRewardConfig(max_concurrency=1), sandbox=sb) as cr:
         assert cr.score(hack, [{"assert": "assert f(2) == 4"}]).reward == 0.0
+
+
+# ------------------------------------------------- issue 27: kernel memory outside the memory cgroup
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no MemAvailable")
+
+
+def _host_memory_taken(sb: Sandbox, code: str):
+    """(largest drop of the host's MemAvailable during the run, result): sampled every 20 ms."""
+    base = low = _mem_available()
+    stop = threading.Event()
+
+    def sample():
+        nonlocal low
+        while not stop.is_set():
+            low = min(low, _mem_available())
+            time.sleep(0.02)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    try:
+        res = sb.run(code)
+    finally:
+        stop.set()
+        t.join()
+    return base - low, res
+
+
+# Four processes, each: netlink datagrams to itself with the largest SO_RCVBUF (the finding), unix
+# datagrams / stream writes from closed senders, pipes raised to 1 MiB, POSIX timers; each part is capped
+# (80 MiB of netlink payload per process: ~650 MiB of host memory with the skb overhead when nothing stops
+# it) and failures are reported, not raised.  The parent reports what each family gave, then everything holds for 1 s.
+KMEM = """
+import ctypes, fcntl, json, os, socket, time
+PROCS, NETLINK_CAP = 4, 80 << 20
+def part(name, fn, out):
+    try:
+        out[name] = fn()
+    except OSError as e:
+        out[name] = -e.errno
+keep = []
+def netlink():
+    sent = 0
+    while sent < NETLINK_CAP:
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 2)  # NETLINK_USERSOCK: users may send
+        keep.append(s)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24)
+        s.bind((0, 0)); s.setblocking(False)
+        try:
+            while sent < NETLINK_CAP:
+                s.sendto(b"x" * 32768, s.getsockname()); sent += 32768
+        except BlockingIOError:
+            pass
+    return sent
+def unix_dgram():
+    r = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); keep.append(r); r.bind("")
+    for _ in range(11):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); s.setblocking(False)
+        try:
+            s.sendto(b"x" * 200000, r.getsockname())
+        except BlockingIOError:
+            pass
+        s.close()
+    return 1
+def unix_stream():
+    n = 0
+    for _ in range(8):
+        a, b = socket.socketpair(); a.setblocking(False); keep.append(b)
+        try:
+            while True:
+                a.send(b"x"); n += 1
+        except BlockingIOError:
+            a.close()
+    return n
+def pipes():
+    n = 0
+    for _ in range(8):
+        r, w = os.pipe(); keep.append(r)
+        fcntl.fcntl(w, 1031, 1 << 20)
+        os.set_blocking(w, False)
+        try:
+            while True:
+                n += os.write(w, b"x" * 65536)
+        except BlockingIOError:
+            os.close(w)
+    return n
+def udp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); keep.append(s); s.bind(("127.0.0.1", 0))
+    s.sendto(b"x", s.getsockname())
+    return 1
+def timers():
+    rt, tid, n = ctypes.CDLL("librt.so.1", use_errno=True), ctypes.c_void_p(), 0
+    while n < 100000 and rt.timer_create(1, None, ctypes.byref(tid)) == 0:
+        n += 1
+    return n
+pids = []
+for p in range(PROCS):
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        out = {}
+        for name, fn in (("netlink", netlink), ("unix_dgram", unix_dgram), ("unix_stream", unix_stream),
+                         ("pipes", pipes), ("udp", udp), ("timers", timers)):
+            part(name, fn, out)
+        os.write(wr, json.dumps(out).encode()); os.close(wr)
+        time.sleep(1.0)
+        os._exit(0)
+    os.close(wr); pids.append((pid, rd))
+outs = [json.loads(os.read(rd, 65536) or b"{}") for _, rd in pids]
+print(json.dumps(outs), flush=True)
+for pid, _ in pids:
+    os.waitpid(pid, 0)
+"""
+HOST_MEMORY_BOUND = 256 << 20
+
+
+@needs_full
+def test_kernel_memory_outside_the_cgroup_is_bounded():
+    """Finding 1 of issue 27: no mix of processes, sockets, pipes and timers in a 128 MiB run takes more than
+    256 MiB of host memory (MemAvailable of the host, not the cgroup's own count)."""
+    kw = dict(memory_bytes=128 << 20, wall_timeout_s=20, cpu_time_s=10)
+    taken, res = _host_memory_taken(hardened(**kw), KMEM)
+    assert taken < HOST_MEMORY_BOUND, (taken >> 20, res.killed_reason, res.stderr[-500:])
+    if res.returncode == 0:  # (the cgroup may OOM-kill the pipes' part first: charged, as it should be)
+        for out in json.loads(res.stdout.strip().splitlines()[-1]):
+            assert out["netlink"] == out["unix_dgram"] == out["unix_stream"] == -errno.EAFNOSUPPORT, out
+            assert out["udp"] == -errno.ENETUNREACH and out["timers"] <= sandbox_mod._SIGPENDING, out
+    else:
+        assert res.killed_reason == "memory_limit", (res.killed_reason, res.stderr[-500:])
+    # control: the first pass's socket rules (netlink, unix sockets of any type, buffer sizes settable)
+    taken_ctrl, ctrl = _host_memory_taken(without(kw, "socket_rules"), KMEM)
+    assert taken_ctrl > HOST_MEMORY_BOUND, (taken_ctrl >> 20, ctrl.killed_reason, ctrl.stdout[-800:])
+    assert ctrl.memory_peak_bytes is None or ctrl.memory_peak_bytes < taken_ctrl / 2  # outside the cgroup
+
+
+@needs_full
+def test_unix_sockets_opt_in_stream_only_and_buffers_fixed():
+    code = textwrap.dedent("""
+        import asyncio, json, socket
+        out = {}
+        for name, fn in (("pair", lambda: socket.socketpair()[0]),
+                         ("dgram", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)),
+                         ("seqpacket", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)),
+                         ("rcvbuf", lambda: socket.socket().setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24)),
+                         ("asyncio", lambda: asyncio.run(asyncio.sleep(0)))):
+            try:
+                fn(); out[name] = 0
+            except OSError as e:
+                out[name] = e.errno
+        print(json.dumps(out))
+    """)
+    assert out_json(hardened().run(code)) == {"pair": errno.EAFNOSUPPORT, "dgram": errno.EAFNOSUPPORT,
+                                              "seqpacket": errno.EAFNOSUPPORT, "rcvbuf": errno.EPERM,
+                                              "asyncio": errno.EAFNOSUPPORT}
+    assert out_json(hardened(allow_unix_sockets=True).run(code)) == {
+        "pair": 0, "dgram": errno.EAFNOSUPPORT, "seqpacket": errno.EAFNOSUPPORT, "rcvbuf": errno.EPERM, "asyncio": 0}
+
+
+# ------------------------------------------------------------------- issue 27: rlimits, cgroup placement
+RT_NICE = """
+import json, os
+out = {}
+try:
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1)); out["fifo"] = 0
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # back at once (never spin as FIFO)
+except OSError as e:
+    out["fifo"] = e.errno
+try:
+    os.setpriority(os.PRIO_PROCESS, 0, -5); out["nice"] = 0
+except OSError as e:
+    out["nice"] = e.errno
+print(json.dumps(out))
+"""
+
+
+@needs_full
+def test_real_time_priority_and_nice_boost_denied_under_a_permissive_parent():
+    import resource
+    sb, ctrl_sb = hardened(), without({}, "rlimits")
+    saved = {r: resource.getrlimit(r) for r in (resource.RLIMIT_RTPRIO, resource.RLIMIT_NICE)}
+    try:  # a parent allowed real-time priority and a nice boost (the launcher inherits both)
+        resource.setrlimit(resource.RLIMIT_RTPRIO, (1, 1))
+        resource.setrlimit(resource.RLIMIT_NICE, (30, 30))
+    except (ValueError, OSError) as exc:  # (raising a hard limit needs CAP_SYS_RESOURCE)
+        for r, v in saved.items():
+            resource.setrlimit(r, v)
+        got = out_json(sb.run(RT_NICE))
+        assert got == {"fifo": errno.EPERM, "nice": errno.EACCES}, got
+        pytest.skip(f"cannot give this process RLIMIT_RTPRIO / RLIMIT_NICE for the control: {exc}")
+    try:
+        got = out_json(sb.run(RT_NICE))
+        ctrl = out_json(ctrl_sb.run(RT_NICE))
+    finally:
+        for r, v in saved.items():
+            resource.setrlimit(r, v)
+    assert got == {"fifo": errno.EPERM, "nice": errno.EACCES}, got
+    if ctrl["fifo"] != 0:
+        pytest.skip(f"SCHED_FIFO unavailable to this cgroup even with RLIMIT_RTPRIO (control: {ctrl})")
+    assert ctrl == {"fifo": 0, "nice": 0}, ctrl
+
+
+def _memory_cgroup_of(text: str) -> str:
+    for line in text.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(",") or (controllers == "" and not any(
+                "memory" in ln.split(":")[1] for ln in text.splitlines())):
+            return path
+    raise AssertionError(text)
+
+
+@needs_full
+def test_run_cgroups_sit_under_this_process_cgroup():
+    """An outer limit on the job (its cgroup) covers the runs: they are created below our own cgroup."""
+    with open("/proc/self/cgroup") as f:
+        own = _memory_cgroup_of(f.read())
+    code = "print(open('/proc/self/cgroup').read())"
+    got = _memory_cgroup_of(hardened().run(code).stdout)
+    assert got.startswith(own.rstrip("/") + "/jaxrl-sandbox/"), (own, got)
+    if own.strip("/") == "":
+        pytest.skip("this process sits at the hierarchy's root: nothing to tell apart")
+    # control: the first pass's place, the hierarchy's root (the job's limit does not cover it)
+    mounts = [m for m in isolation._mount_points() if "memory" in m[2] or m[1] == "cgroup2"]
+    root_dir = os.path.join(mounts[0][0], f"jaxrl-sandbox-test-{uuid.uuid4().hex[:8]}")
+    os.mkdir(root_dir)
+    try:
+        ctrl = Sandbox(SandboxConfig(hardening="required", cgroup_parent=root_dir)).run(code)
+        got_ctrl = _memory_cgroup_of(ctrl.stdout)
+        assert not got_ctrl.startswith(own.rstrip("/") + "/"), got_ctrl
+    finally:
+        isolation.memory_cgroups(root_dir).close()
+        os.rmdir(root_dir)
+
+
+# ------------------------------------------------------- issue 27: reward hacking by shadowing names
+SHADOW_CASES = [
+    ("abs", "def f(x):\n    return 7\ndef abs(x):\n    return 0\n", "assert abs(f(3.5) - 0.5) < 1e-6"),
+    ("all", "def f(x):\n    return [0]\ndef all(x):\n    return True\n", "assert all(f(3))"),
+    ("len", "def f(x):\n    return []\ndef len(x):\n    return 3\n", "assert len(f(3)) == 3"),
+    ("fake_math", "class math:\n    isclose = staticmethod(lambda *a, **k: True)\ndef f(x):\n    return 0\n",
+     "assert math.isclose(f(5), 2.5)"),
+    ("fake_math_module", "import types\nmath = types.ModuleType('math')\nmath.isclose = lambda *a, **k: True\n"
+                         "def f(x):\n    return 0\n", "assert math.isclose(f(5), 2.5)"),
+    ("patched_math", "import math\nmath.isclose = lambda *a, **k: True\ndef f(x):\n    return 0\n",
+     "assert math.isclose(f(5), 2.5)"),
+    ("patched_builtins", "import builtins\nbuiltins.abs = lambda x: 0\ndef f(x):\n    return 7\n",
+     "assert abs(f(3.5) - 0.5) < 1e-6"),
+    ("always_equal", "class A:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
+                     "def f(x):\n    return A()\n", "assert f(3) == 9"),
+    ("int_subclass", "class I(int):\n    def __eq__(self, o):\n        return True\n    __hash__ = int.__hash__\n"
+                     "def f(x):\n    return I(0)\n", "assert f(3) == 9"),
+    ("shadowed_check", "def check(c):\n    pass\ndef f(x):\n    return 0\n",
+     "def check(candidate):\n    assert candidate(3) == 9\ncheck(f)"),
+]
+
+
+@needs_full
+def test_code_reward_shadowing_names_the_tests_use():
+    """Finding 2 of issue 27: a wrong program that also defines a name the test uses (or patches a module
+    or builtins in its own process, or returns an always-equal object) scores 0.  Right programs still pass,
+    and an explicit entry point may shadow a builtin."""
+    cr = CodeReward(CodeRewardConfig(sandbox=SandboxConfig(hardening="required"), max_concurrency=2))
+    hack = {name: cr.score(f"```python\n{code}```", [{"assert": test}]) for name, code, test in SHADOW_CASES}
+    assert {k: v.reward for k, v in hack.items()} == {name: 0.0 for name, _, _ in SHADOW_CASES}, {
+        k: [o.result.stderr[-300:] for o in v.outcomes if o.result] for k, v in hack.items() if v.reward}
+    right = [("def f(x):\n    return x - 3\n", "assert abs(f(3.5) - 0.5) < 1e-6"),
+             ("import math\ndef f(x):\n    return x / 2\n", "assert math.isclose(f(5), 2.5)"),
+             ("import statistics as st\ndef f(x):\n    return list(range(x))\n", "assert st.mean(f(3)) == 1"),
+             ("def f(x):\n    return x * x\n", "def check(candidate):\n    assert candidate(3) == 9\ncheck(f)")]
+    assert [cr.score(f"```python\n{c}```", [{"assert": t}]).reward for c, t in right] == [1.0] * len(right)
+    entry = cr.score("```python\ndef sum(xs):\n    return 42\n```", [{"assert": "assert sum([1]) == 42",
+                                                                     "entry_point": "sum"}])
+    assert entry.reward == 1.0  # the author named it: the program's own `sum` is the function under test
+    # control: resolving every name the test uses from the program (the first pass) lets the shadows pass
+    cr._legacy_test_names = True
+    ctrl = {name: cr.score(f"```python\n{code}```", [{"assert": test}]).reward
+            for name, code, test in SHADOW_CASES if name in ("abs", "all", "len", "fake_math", "shadowed_check")}
+    cr.close()
+    assert ctrl == {"abs": 1.0, "all": 1.0, "len": 1.0, "fake_math": 1.0, "shadowed_check": 0.0}, ctrl
