@@ -57,7 +57,7 @@ import sys
 from typing import Any
 
 from jaxrl_async.cli.common import (UserError, chat_template_wanted, check_model_dir, cli_main, load_model, load_tokenizer,
-                             make_parser, model_config, require_file, require_output_file)
+                                    make_parser, model_config, note_cpu_bfloat16, require_file, require_output_file)
 
 from jaxrl_async.rollout.evaluation import (  # noqa: F401  (the library half, importable from here too)
     SUCCESS_THRESHOLD, EvalResult, ItemResult, evaluate_params, pass_at_k, report_ks,
@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     compile_cache.enable()
     _check_args(ap, args)
     check_not_a_run_dir(args.model)
+    note_cpu_bfloat16(TOOL, "--dtype bfloat16", args.dtype)
     cfg = model_config("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)  # fails fast on bad files
     settings = resolve_settings(args)
     tokenizer, records, reward_fn = _load_inputs(args, settings)

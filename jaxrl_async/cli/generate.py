@@ -46,9 +46,9 @@ import sys
 import time
 from typing import Any, Callable, Iterable
 
-from jaxrl_async.cli.common import (UserError, chat_template_wanted, cli_main, has_tokenizer_files,
-                             iter_lines, load_model, load_tokenizer, make_parser, model_config, note, require_file,
-                             require_output_file)
+from jaxrl_async.cli.common import (UserError, chat_template_wanted, cli_main, has_tokenizer_files, iter_lines,
+                                    load_model, load_tokenizer, make_parser, model_config, note, note_cpu_bfloat16,
+                                    require_file, require_output_file)
 from jaxrl_async.data.tokenizer import is_real_tokenizer, stop_token_ids  # noqa: F401  (re-exported)
 from jaxrl_async.cli.jsonl import BadRowError, bad_rows_error, check_row, iter_json_rows
 
@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     require_file("--input", args.input)
     require_output_file("--output", args.output)
 
+    note_cpu_bfloat16(TOOL, "--dtype bfloat16", args.dtype)
     cfg = model_config("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)
 
     has_tokenizer = has_tokenizer_files(args.model)

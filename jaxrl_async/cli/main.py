@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in flags["machine"]:  # what was fitted to this machine (config/machine.py), one line each
         print(f"[jaxrl_async] {line}", file=sys.stderr)
+    if not flags["machine"]:  # a CPU config that asks for bfloat16 itself: kept, with the reason it is slow here
+        from jaxrl_async.cli.common import note_cpu_bfloat16
+
+        note_cpu_bfloat16("main", "model.dtype=bfloat16", cfg.model.dtype)
     if flags["dry_run"]:  # the dry run's output is its product: stdout (errors stay on stderr)
         print(format_config(cfg))
         print("config OK (dry run)")

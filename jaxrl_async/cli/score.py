@@ -29,7 +29,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from jaxrl_async.cli.common import (UserError, chat_template_wanted, cli_main, iter_lines, load_model, load_tokenizer,
-                             make_parser, model_config, require_file, require_output_file)
+                                    make_parser, model_config, note_cpu_bfloat16, require_file, require_output_file)
 from jaxrl_async.cli.jsonl import BadRowError, check_row, iter_json_rows
 
 TOOL = "score"
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxrl_async.cli.generate import encode_prompt
 
+    note_cpu_bfloat16(TOOL, "--dtype bfloat16", args.dtype)
     cfg = model_config("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)
     tokenizer = None  # loaded at the first text row
     chat: bool | None = None  # decided at the first text row (the note about a missing template only matters then)
