@@ -1,11 +1,14 @@
 """RPC message latency and throughput: the current ``distributed/rpc.py`` vs an older one from git.
 
-``python benchmarks/bench_rpc.py [--baseline COMMIT] [--calls N]``
+``python benchmarks/bench_rpc.py [--baseline COMMIT] [--calls N] [--rounds R]``
 
 Two processes on this host (a server that echoes and a client that measures), over loopback, for
-each implementation in turn: the baseline (``rpc.py`` as of ``COMMIT``: ``multiprocessing.connection``
-+ pickle, HMAC on the handshake only) and the working tree's (mutual TLS + msgpack). Workloads, the
-traffic of a run:
+each implementation in turn: the baseline (the ``jaxrl_async`` package as of ``COMMIT``, extracted
+with ``git archive``, so its ``rpc.py`` runs with its own ``tls.py`` / ``codec.py``; the default
+581dfc3 is ``multiprocessing.connection`` + pickle, HMAC on the handshake only) and the working
+tree's. Each implementation's client and server run in processes of their own. ``--rounds R``
+alternates the two R times (one JSON line per round and implementation), so that the load of a
+shared machine falls on both. Workloads, the traffic of a run:
 
 * ``ping``: a call with a small argument, reply = the argument (heartbeats, ``abort``, ``stats``):
   round-trip latency, median and p99 over ``--calls`` sequential calls;
@@ -19,7 +22,6 @@ Prints one JSON object per implementation.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import secrets
@@ -30,23 +32,29 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+
+
+def _root(impl: str) -> str:
+    """The directory holding the ``jaxrl_async`` package of ``impl`` (a commit: extracted once)."""
+    if impl == "current":
+        return ROOT
+    commit = subprocess.run(["git", "rev-parse", "--short=12", impl], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    path = os.path.join(tempfile.gettempdir(), f"bench_rpc_{commit}")
+    if not os.path.isdir(os.path.join(path, "jaxrl_async")):
+        tmp = tempfile.mkdtemp(prefix="bench_rpc_")
+        tar = subprocess.run(["git", "archive", commit, "jaxrl_async"], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=tar, check=True)
+        os.replace(tmp, path) if not os.path.exists(path) else None
+    return path
 
 
 def _load(impl: str):
-    if impl == "current":
-        from jaxrl_async.distributed import rpc
+    sys.path.insert(0, _root(impl))
+    from jaxrl_async.distributed import rpc
 
-        return rpc
-    src = subprocess.run(["git", "show", f"{impl}:jaxrl_async/distributed/rpc.py"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
-    path = os.path.join(tempfile.mkdtemp(prefix="bench_rpc_"), "rpc_baseline.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("rpc_baseline", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    assert os.path.dirname(rpc.__file__).startswith(_root(impl)), rpc.__file__
+    return rpc
 
 
 def serve(impl: str, port_file: str) -> None:
@@ -91,6 +99,7 @@ def _train_batch():
 
 
 def client(impl: str, calls: int) -> dict:
+    rpc = _load(impl)
     env = dict(os.environ, BENCH_RPC_KEY=secrets.token_hex(32))
     os.environ["BENCH_RPC_KEY"] = env["BENCH_RPC_KEY"]
     port_file = tempfile.mktemp(prefix="bench_rpc_port_")
@@ -100,7 +109,6 @@ def client(impl: str, calls: int) -> dict:
         while not (os.path.exists(port_file) and open(port_file).read()):
             assert time.monotonic() < deadline and srv.poll() is None, "server did not start"
             time.sleep(0.05)
-        rpc = _load(impl)
         t0 = time.perf_counter()
         conn = rpc.connect(f"127.0.0.1:{open(port_file).read()}", bytes.fromhex(env["BENCH_RPC_KEY"]), 30, "server")
         connect_ms = (time.perf_counter() - t0) * 1e3
@@ -152,14 +160,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", default="581dfc3", help="git commit of the baseline rpc.py")
     ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--serve", default=None)
+    ap.add_argument("--client", default=None)
     ap.add_argument("--port-file", default=None)
     a = ap.parse_args()
     if a.serve:
         serve(a.serve, a.port_file)
         return
-    for impl in (a.baseline, "current"):
-        print(json.dumps(client(impl, a.calls)), flush=True)
+    if a.client:
+        print(json.dumps(client(a.client, a.calls)), flush=True)
+        return
+    for r in range(a.rounds):
+        for impl in (a.baseline, "current"):
+            out = subprocess.run([sys.executable, __file__, "--client", impl, "--calls", str(a.calls)], check=True,
+                                 capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            print(json.dumps({"round": r, **json.loads(out)}), flush=True)
 
 
 if __name__ == "__main__":

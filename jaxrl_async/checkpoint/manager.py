@@ -577,7 +577,7 @@ class Checkpointer:
         try:
             with open(path) as fh:
                 files = json.load(fh)["files"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # a hostile file nests deep
             raise CheckpointCorruptError(f"{path}: unreadable manifest ({_first_line(e)})") from None
         problems = []
         for rel, size in sorted(files.items()):

@@ -21,6 +21,28 @@ accepts in the background: each connection gets ``handshake_timeout_s`` to compl
 on a thread of its own, so a silent, garbage or wrong-key connection is dropped (and logged) while
 the real peers keep joining.
 
+Unauthenticated peers (issue 27): anyone who reaches the port can open connections, so they cannot
+be allowed to starve the listener. A connection must send its first bytes within
+``first_bytes_timeout_s`` (3 s; a real client sends its ClientHello at once) and finish the
+handshake within ``handshake_timeout_s`` (10 s); one source address holds at most
+``max_handshakes_per_host`` handshakes at once (8) and all together at most ``max_handshakes`` (32);
+a new connection beyond either limit is accepted and **evicts** the oldest connection of that
+address / of all (silent ones before those that sent something), never refused. A real client
+sends its ClientHello within a round trip, so a flood of silent connections evicts itself; and
+``connect`` retries a handshake that the listener closed (backoff, within its own timeout) instead
+of failing at once, so being evicted costs a retry, not the run.
+
+Message sizes per type (issue 27; frames are read incrementally, ``tls.Connection.recv``, so a
+header alone allocates nothing large): heartbeats (``__ping__`` and its reply) ``PING_LIMIT``
+(4 KiB, no arrays); control calls and replies (``submit``, ``stats``, ``configure_push``,
+``pull_weights``, ``register``, ... everything not listed below) ``CONTROL_LIMIT`` (64 MiB of
+msgpack body, 64 MiB of arrays: the largest, a trainer group's fallback shard list or the push plans
+of a large model, are a few MB); bulk data (``BULK_CALLS``: the trainer group's ``train``, ``save``,
+``initial_state``, which carry trajectory batches; ``BULK_REPLIES``: ``submit``'s generation
+output, which may carry MoE routing arrays) ``tls.MAX_BODY`` (256 MiB) of body and
+``tls.MAX_MESSAGE`` (8 GiB) in all. Weights never cross the RPC (``jax.experimental.transfer`` or
+the disk fallback). A frame whose sender stops mid-way is given up after ``frame_timeout_s``.
+
 Wire format (after the handshake): ``["call", id, method, [args]]`` and ``["reply", id, ok, value]``;
 ``value`` of a failed call is ``[exception type name, message, remote traceback]``.
 """
@@ -32,16 +54,25 @@ import itertools
 import logging
 import os
 import queue
+import random
+import select
 import socket
 import threading
 import time
 import traceback
 from typing import Any, Callable
 
+import msgpack
+
 from jaxrl_async.distributed import codec, tls
 from jaxrl_async.distributed.tls import Connection
 
 log = logging.getLogger("jaxrl_async.distributed")
+
+PING_LIMIT = 4096  # a heartbeat call or reply: body bytes (no arrays)
+CONTROL_LIMIT = 64 << 20  # a control call or reply: body bytes, and array bytes
+BULK_CALLS = frozenset({"train", "save", "initial_state"})  # calls that carry data (trainer group batches)
+BULK_REPLIES = frozenset({"submit"})  # replies that carry data (generation outputs, MoE routing)
 
 AUTHKEY_ENV = "JAXRL_RPC_AUTHKEY"
 MIN_KEY_BYTES = tls.MIN_KEY_BYTES
@@ -110,12 +141,27 @@ def authkey_from_env(env: str = AUTHKEY_ENV) -> bytes:
     return key
 
 
+class _Unauthenticated:
+    """An accepted connection in its handshake (the listener's bookkeeping)."""
+
+    __slots__ = ("sock", "addr", "t0", "spoke", "evicted")
+
+    def __init__(self, sock: socket.socket, addr: Any):
+        self.sock, self.addr, self.t0 = sock, addr, time.monotonic()
+        self.spoke = False  # sent its first bytes
+        self.evicted = ""  # why the listener closed it to make room
+
+
 class Listener:
     """A listening socket that accepts and authenticates in the background.
 
-    Every accepted socket gets its own handshake thread (at most ``max_handshakes`` at once; more
-    are closed at once) with ``handshake_timeout_s``; authenticated connections queue up for
-    ``accept``. A failed handshake (silent, garbage, wrong key) is logged and counted in
+    Every accepted socket gets its own handshake thread; it must send its first bytes within
+    ``first_bytes_timeout_s`` and complete the handshake within ``handshake_timeout_s``.
+    Authenticated connections queue up for ``accept``. At most ``max_handshakes`` connections are
+    in their handshake at once, at most ``max_handshakes_per_host`` from one source address: a new
+    connection beyond a limit evicts the oldest one of its address (beyond the per-address limit) or
+    of all (silent ones first), so unauthenticated connections cannot keep a real peer out (module
+    docstring). A failed or evicted handshake (silent, garbage, wrong key) is logged and counted in
     ``dropped`` and never reaches ``accept``.
 
     ``reuse_port``: bind with ``SO_REUSEPORT``, for a port that the launching process reserved by
@@ -123,10 +169,15 @@ class Listener:
     """
 
     def __init__(self, address: str, authkey: bytes, *, handshake_timeout_s: float = 10.0,
-                 max_handshakes: int = 32, reuse_port: bool = False):
+                 first_bytes_timeout_s: float = 3.0, max_handshakes: int = 32, max_handshakes_per_host: int = 8,
+                 reuse_port: bool = False, _evict: bool = True):
         host, port = parse_address(address)
         tls.server_context(bytes(authkey))  # fail here (key too short) rather than in a handshake
         self.authkey, self.handshake_timeout_s = bytes(authkey), float(handshake_timeout_s)
+        self.first_bytes_timeout_s = min(float(first_bytes_timeout_s), self.handshake_timeout_s)
+        self.max_handshakes = max(int(max_handshakes), 1)
+        self.max_handshakes_per_host = max(min(int(max_handshakes_per_host), self.max_handshakes), 1)
+        self._evict = bool(_evict)  # tests only: False refuses new connections when full (the first pass)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -134,7 +185,7 @@ class Listener:
             if reuse_port:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
-            sock.listen(64)
+            sock.listen(256)
         except BaseException:
             sock.close()
             raise
@@ -142,7 +193,8 @@ class Listener:
         self.address = sock.getsockname()[:2]
         self.dropped: list[str] = []  # why each dropped connection was dropped (newest last, capped)
         self._queue: queue.Queue = queue.Queue()
-        self._slots = threading.BoundedSemaphore(int(max_handshakes))
+        self._pending: dict[int, _Unauthenticated] = {}  # in their handshake, by id()
+        self._plock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name=f"rpc-listen[{port}]", daemon=True)
         self._thread.start()
@@ -156,29 +208,77 @@ class Listener:
                     return
                 time.sleep(0.05)  # EMFILE and the like: keep accepting
                 continue
-            if not self._slots.acquire(blocking=False):
+            u = _Unauthenticated(raw, addr)
+            if not self._admit(u):
                 self._drop(addr, "too many connections in their handshake")
                 raw.close()
                 continue
-            threading.Thread(target=self._handshake, args=(raw, addr), name="rpc-handshake", daemon=True).start()
+            threading.Thread(target=self._handshake, args=(u,), name="rpc-handshake", daemon=True).start()
 
-    def _handshake(self, raw: socket.socket, addr: Any) -> None:
+    def _admit(self, u: _Unauthenticated) -> bool:
+        """Make room for ``u`` (evict the oldest of its address beyond the per-address limit, else the
+        oldest of all when full: silent ones first) and count it; False: refused (``_evict`` off)."""
+        with self._plock:
+            same = [p for p in self._pending.values() if p.addr[0] == u.addr[0]]
+            victim, why = None, ""
+            if len(same) >= self.max_handshakes_per_host:
+                victim, why = same, (f"evicted: {len(same)} connections from {u.addr[0]} in their handshake (at most "
+                                     f"{self.max_handshakes_per_host} per address)")
+            elif len(self._pending) >= self.max_handshakes:
+                victim, why = list(self._pending.values()), (f"evicted: {len(self._pending)} connections in their "
+                                                             f"handshake (at most {self.max_handshakes})")
+            if victim is not None:
+                if not self._evict:
+                    return False
+                v = min(victim, key=lambda p: (p.spoke, p.t0))  # silent before spoken, oldest first
+                del self._pending[id(v)]
+                v.evicted = why + ("; it had sent nothing" if not v.spoke else "")
+                try:
+                    v.sock.shutdown(socket.SHUT_RDWR)  # its handshake thread wakes, drops and closes it
+                except OSError:
+                    pass
+            self._pending[id(u)] = u
+            return True
+
+    def _still_pending(self, u: _Unauthenticated) -> bool:
+        """Take ``u`` out of the evictable set (its handshake is done); False if it was evicted."""
+        with self._plock:
+            return self._pending.pop(id(u), None) is u
+
+    def _handshake(self, u: _Unauthenticated) -> None:
+        raw, addr = u.sock, u.addr
+        conn = None
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = tls.server_handshake(raw, self.authkey, self.handshake_timeout_s)
+            if not select.select([raw], [], [], self.first_bytes_timeout_s)[0]:
+                raise tls.HandshakeError(f"no TLS handshake in time: sent nothing within {self.first_bytes_timeout_s:g} s")
+            u.spoke = True
+            left = self.handshake_timeout_s - (time.monotonic() - u.t0)
+            conn = tls.server_handshake(raw, self.authkey, max(left, 0.01), admit=lambda: self._still_pending(u))
         except Exception as e:  # noqa: BLE001 - any failure drops this connection only
-            self._drop(addr, f"{type(e).__name__}: {e}")
+            self._drop(addr, u.evicted or f"{type(e).__name__}: {e}")
             try:
                 raw.close()
             except OSError:
                 pass
             return
         finally:
-            self._slots.release()
+            if conn is None:
+                with self._plock:
+                    if self._pending.get(id(u)) is u:
+                        del self._pending[id(u)]
         if self._closed.is_set():
             conn.close()
         else:
             self._queue.put(conn)
+
+    def in_handshake(self) -> dict[str, int]:
+        """Connections in their handshake now, per source address."""
+        with self._plock:
+            out: dict[str, int] = {}
+            for p in self._pending.values():
+                out[p.addr[0]] = out.get(p.addr[0], 0) + 1
+            return out
 
     def _drop(self, addr: Any, why: str) -> None:
         msg = f"dropped a connection from {addr[0]}:{addr[1]}: {why}"
@@ -201,6 +301,13 @@ class Listener:
         except OSError:
             pass
         self._sock.close()
+        with self._plock:
+            pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            try:
+                p.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         while True:
             try:
                 self._queue.get_nowait().close()
@@ -217,14 +324,18 @@ def accept(listener: Listener, timeout: float, what: str) -> Connection:
     return listener.accept(timeout, what)
 
 
-def connect(address: str, authkey: bytes, timeout: float, what: str) -> Connection:
-    """Connect to ``address`` and authenticate, retrying refused connections until ``timeout`` (the
-    peer may still be starting). Returns within ``timeout`` also when the server accepts and stays
-    silent (``TimeoutError``); ``AuthenticationError`` when the server is not of this run."""
+def connect(address: str, authkey: bytes, timeout: float, what: str, *, _retry: bool = True) -> Connection:
+    """Connect to ``address`` and authenticate, retrying until ``timeout``: refused connections (the
+    peer may still be starting) and handshakes that the listener closed, reset or left silent (it
+    may be busy with, or evicting, other connections; backoff 50 ms doubling to 1 s, jittered).
+    Returns within ``timeout`` also when the server accepts and stays silent (``TimeoutError``);
+    ``AuthenticationError`` at once when the server is not of this run (its certificate or alert
+    says so). ``_retry=False`` (tests only): a closed handshake fails at once (the first pass)."""
     host, port = parse_address(address)
     tls.client_context(bytes(authkey))
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
+    backoff = 0.05
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -240,10 +351,13 @@ def connect(address: str, authkey: bytes, timeout: float, what: str) -> Connecti
             return tls.client_handshake(sock, bytes(authkey), deadline)
         except tls.HandshakeError as e:
             sock.close()
+            last = e
             if time.monotonic() >= deadline:
-                last = e
                 break
-            raise AuthenticationError(f"{what} at {address}: {e}") from None
+            if not (e.retryable and _retry):
+                raise AuthenticationError(f"{what} at {address}: {e}") from None
+            time.sleep(min(backoff * random.uniform(0.75, 1.25), max(deadline - time.monotonic(), 0)))
+            backoff = min(backoff * 2, 1.0)
         except OSError as e:  # reset during the handshake (e.g. the listener closing): retry
             sock.close()
             last = e
@@ -272,12 +386,19 @@ class Peer:
       heartbeat_s / heartbeat_timeout_s: ping the peer every ``heartbeat_s`` (0: never); a ping
         unanswered after ``heartbeat_timeout_s`` declares the peer lost (a hung or stopped process).
       on_lost: called once with the ``PeerLostError`` when the connection breaks.
+      frame_timeout_s: a message that stops arriving in the middle for this long closes the
+        connection (``MalformedMessageError``); None: ``heartbeat_timeout_s``.
+      bulk_calls / bulk_replies: the methods whose calls / replies may carry bulk data (module
+        docstring); every other message is capped at ``CONTROL_LIMIT``, heartbeats at ``PING_LIMIT``.
     """
 
     def __init__(self, conn: Connection, name: str, *, handler: Callable[[str, tuple, Callable], None] | None = None,
                  heartbeat_s: float = 0.0, heartbeat_timeout_s: float = 60.0,
-                 on_lost: Callable[[BaseException], None] | None = None):
+                 on_lost: Callable[[BaseException], None] | None = None, frame_timeout_s: float | None = None,
+                 bulk_calls: frozenset = BULK_CALLS, bulk_replies: frozenset = BULK_REPLIES):
         self.conn, self.name = conn, name
+        self.frame_timeout_s = float(heartbeat_timeout_s if frame_timeout_s is None else frame_timeout_s)
+        self.bulk_calls, self.bulk_replies = frozenset(bulk_calls), frozenset(bulk_replies)
         self.handler = handler
         self.heartbeat_s, self.heartbeat_timeout_s = float(heartbeat_s), float(heartbeat_timeout_s)
         self.on_lost = on_lost
@@ -370,7 +491,7 @@ class Peer:
     def _read_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                msg = self.conn.recv()
+                msg = self.conn.recv(caps=self._caps, stall_s=self.frame_timeout_s)
             except (tls.IntegrityError, tls.ProtocolError) as e:
                 if self._closed.is_set():
                     return
@@ -390,6 +511,31 @@ class Peer:
             except _Malformed as e:
                 self._drop(MalformedMessageError(f"{self.name}: malformed message ({e}); connection closed"))
                 return
+
+    def _caps(self, prefix: memoryview) -> tuple[int, int, str]:
+        """The size limits of the message that starts with ``prefix`` (module docstring), from its
+        kind and method (a reply: the method of the call it answers); before its arrays are read."""
+        try:
+            u = msgpack.Unpacker(raw=False, max_buffer_size=tls.PEEK)
+            u.feed(prefix)
+            if u.read_array_header() != 4:
+                raise ValueError
+            kind, cid = u.unpack(), u.unpack()
+            method = u.unpack() if kind == "call" else None
+        except Exception:  # noqa: BLE001 - not even the start of a call or reply
+            raise tls.ProtocolError(f"not a call or reply: {bytes(prefix[:40])!r}") from None
+        if kind == "reply" and type(cid) is int:
+            with self._lock:
+                method = self._pending.get(cid, ("?", None))[0]
+            bulk = method in self.bulk_replies
+        elif kind == "call" and type(method) is str:
+            bulk = method in self.bulk_calls
+        else:
+            raise tls.ProtocolError(f"not a call or reply: {kind!r}, {type(cid).__name__} id")
+        what = f"{kind} {method!r}"
+        if method == "__ping__":
+            return PING_LIMIT, 0, what
+        return (tls.MAX_BODY, tls.MAX_MESSAGE, what) if bulk else (CONTROL_LIMIT, CONTROL_LIMIT, what)
 
     def _drop(self, err: PeerLostError) -> None:
         """Close the connection at once because of what the peer sent; report ``err``."""

@@ -9,7 +9,17 @@ therefore proves that the peer knows the secret; every record afterwards is AEAD
 (AES-GCM / ChaCha20-Poly1305: OpenSSL through the standard library's ``ssl``), so a flipped,
 injected, dropped or replayed byte fails the record's authentication and the connection is dropped
 (``IntegrityError``). Host names are not checked: the identity that matters is "a process of this
-run", and hosts are whatever the cluster assigns.
+run", and hosts are whatever the cluster assigns. The leaf certificate says nothing about the
+process (a fixed common name, a fixed validity window, a random serial): a TLS 1.3 server sends its
+certificate before it has verified the client's, so anyone who can reach a port reads it.
+
+Frames are read incrementally (issue 27): a buffer starts at ``_GROW`` bytes and doubles as
+bytes arrive, so what a frame header claims is never allocated before the bytes are there (memory
+held <= about twice the bytes received), and a frame whose sender stops in the middle is given up
+after ``stall_s`` without a byte. Sizes are capped per message type (``recv``'s ``caps``, decided
+from the first ``PEEK`` bytes of the body, before any array bytes are read): the server's welcome
+``WELCOME_MAX``; the RPC's own classes are in ``rpc`` (heartbeats, control calls, bulk data);
+absolute caps ``MAX_BODY`` (msgpack part) and ``MAX_MESSAGE`` (body + arrays).
 
 ``Connection`` drives the TLS state machine over memory BIOs (``ssl.SSLObject``), with a lock around
 it: the RPC reads on one thread and sends from several, and one OpenSSL object must not be used by
@@ -39,8 +49,15 @@ from jaxrl_async.distributed import codec
 
 ALPN = "jaxrl-rpc/1"
 MIN_KEY_BYTES = 16
-MAX_BODY = 256 << 20  # msgpack part of one message
-MAX_MESSAGE = 8 << 30  # body + array buffers of one message
+MAX_BODY = 256 << 20  # msgpack part of one message (absolute cap; rpc caps most messages far lower)
+MAX_MESSAGE = 8 << 30  # body + array buffers of one message (absolute cap: bulk data, see rpc)
+WELCOME_MAX = 4096  # the server's welcome frame (the first after the handshake)
+PEEK = 4096  # body bytes read before a frame's caps are decided (holds the call/reply header)
+_GROW = 1 << 20  # a large read starts with a buffer of this size and doubles it as bytes arrive
+_EPOCH = datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc)
+_END = datetime.datetime(9999, 12, 31, tzinfo=datetime.timezone.utc)
+LEAF_NAME = "jaxrl_async role"  # every leaf certificate's common name: no pid, host or time
+_NEUTRAL_CERT = True  # tests only: False restores the old leaf (pid and host in the name, issue time)
 _P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 _CHUNK = 1 << 20  # plaintext written per TLS write call
 _READ = 1 << 16  # decrypted per read call (a TLS record holds at most 16 KiB)
@@ -60,7 +77,15 @@ class ProtocolError(ConnectionError):
 
 
 class HandshakeError(ConnectionError):
-    """The connection did not complete the run's mutual-TLS handshake (wrong key, silent, not TLS)."""
+    """The connection did not complete the run's mutual-TLS handshake (wrong key, silent, not TLS).
+
+    ``retryable``: the other side closed, reset or went silent (a listener that evicted this
+    connection to make room, or one still busy) rather than rejecting a certificate: ``rpc.connect``
+    tries again within its timeout."""
+
+    def __init__(self, msg: str, retryable: bool = False):
+        super().__init__(msg)
+        self.retryable = retryable
 
 
 def derive_key(authkey: bytes, purpose: str, length: int = 32) -> bytes:
@@ -79,8 +104,7 @@ def _credentials(authkey: bytes) -> tuple[bytes, bytes, bytes]:
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "jaxrl_async run CA " + ski.digest[:8].hex())])
     ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_pub)
                .serial_number(int.from_bytes(ski.digest[:8], "big") | 1)
-               .not_valid_before(datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc))
-               .not_valid_after(datetime.datetime(9999, 12, 31, tzinfo=datetime.timezone.utc))
+               .not_valid_before(_EPOCH).not_valid_after(_END)
                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
                                             data_encipherment=False, key_agreement=False, key_cert_sign=True,
@@ -88,12 +112,16 @@ def _credentials(authkey: bytes) -> tuple[bytes, bytes, bytes]:
                .add_extension(ski, critical=False)
                .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    if _NEUTRAL_CERT:
+        name, start, end = LEAF_NAME, _EPOCH, _END
+    else:  # the first pass's leaf (tests only): what an unauthenticated peer used to learn
+        now = datetime.datetime.now(datetime.timezone.utc)
+        name = f"jaxrl_async role pid {os.getpid()} on {socket.gethostname()}"[:64]
+        start, end = now - datetime.timedelta(days=1), now + datetime.timedelta(days=3650)
     leaf = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"jaxrl_async role pid {os.getpid()} on "
-                                                                               f"{socket.gethostname()}"[:64])]))
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=3650))
+            .not_valid_before(start).not_valid_after(end)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
                                          data_encipherment=False, key_agreement=False, key_cert_sign=False,
@@ -156,6 +184,7 @@ class Connection:
         self._rawbuf = bytearray(_RECV)
         self._rawview = memoryview(self._rawbuf)
         self._closed = False
+        self._preallocate = False  # tests only: allocate a frame's claimed size before its bytes (the first pass)
         try:
             self.peer_address = "%s:%d" % sock.getpeername()[:2]
         except OSError:
@@ -228,23 +257,45 @@ class Connection:
                 self._ro = 0
         return got
 
-    def _read_exact(self, n: int, deadline: float | None = None) -> memoryview:
-        """The next ``n`` plaintext bytes (a writable buffer of their own when large)."""
+    @staticmethod
+    def _until(deadline: float | None, stall_s: float | None) -> float | None:
+        if stall_s is None:
+            return deadline
+        t = time.monotonic() + stall_s
+        return t if deadline is None else min(deadline, t)
+
+    def _read_exact(self, n: int, deadline: float | None = None, stall_s: float | None = None,
+                    check: Any = None, check_at: int = 0) -> memoryview:
+        """The next ``n`` plaintext bytes (a writable buffer of their own when large), waiting at
+        most ``stall_s`` for each piece and until ``deadline`` in all. ``check(first check_at
+        bytes)`` runs once they are in, before more is read (it raises to refuse the frame).
+
+        A large read does not allocate ``n`` at once (``n`` comes from the peer's frame header):
+        its buffer starts at ``_GROW`` bytes and doubles when full, so it never holds much more than
+        twice what has arrived (``_preallocate``: the first pass's behaviour, for tests)."""
         avail = len(self._rb) - self._ro
         if n <= _SMALL:
             while len(self._rb) - self._ro < n:
-                self._pump(None, deadline)
+                self._pump(None, self._until(deadline, stall_s))
             out = memoryview(self._rb)[self._ro:self._ro + n]
             self._ro += n
+            if check is not None:
+                check(out[:check_at])
             return out
-        buf = bytearray(n)
-        mv = memoryview(buf)
         have = min(avail, n)
-        mv[:have] = memoryview(self._rb)[self._ro:self._ro + have]
+        buf = bytearray(n if self._preallocate else max(have, min(n, _GROW)))
+        buf[:have] = memoryview(self._rb)[self._ro:self._ro + have]
         self._ro += have
-        while have < n:
-            have += self._pump(mv[have:], deadline)
-        return mv
+        while True:
+            if check is not None and have >= check_at:
+                check(memoryview(buf)[:check_at])
+                check = None
+            if have >= n:
+                return memoryview(buf)
+            if have == len(buf):
+                buf += bytes(min(n, 2 * len(buf)) - len(buf))  # as bytes arrive: never the claimed size at once
+            with memoryview(buf) as mv:
+                have += self._pump(mv[have:], self._until(deadline, stall_s))
 
     # -- frames --------------------------------------------------------------------------------
     def send(self, obj: Any) -> None:
@@ -278,18 +329,42 @@ class Connection:
             out = self._out.read()
         self.sock.sendall(out)
 
-    def recv(self, deadline: float | None = None) -> Any:
-        """The next message (blocking; ``deadline``: a ``time.monotonic()`` time for the whole frame)."""
+    def recv(self, deadline: float | None = None, caps: Any = None, stall_s: float | None = None) -> Any:
+        """The next message (blocking; ``deadline``: a ``time.monotonic()`` time for the whole frame).
+
+        ``caps(first PEEK bytes of the body) -> (max body bytes, max array bytes, what)``: the
+        limits of this kind of message (``ProtocolError`` naming ``what`` beyond them, before its
+        arrays are read); None: the absolute caps. ``stall_s``: once a frame has begun, give up
+        (``ProtocolError``) after this long without a byte (None: wait until ``deadline``)."""
         if self._ro and self._ro == len(self._rb):  # nothing buffered: start afresh (views of it are gone)
             self._rb, self._ro = bytearray(), 0
-        body_len, nbuf = codec.frame_sizes(self._read_exact(codec.HEADER.size, deadline))
+        if self._ro == len(self._rb):
+            self._pump(None, deadline)  # between frames: an idle connection waits as long as it likes
+        try:
+            return self._recv_frame(deadline, caps, stall_s)
+        except TimeoutError:
+            if stall_s is None or (deadline is not None and time.monotonic() >= deadline):
+                raise
+            raise ProtocolError(f"the peer stopped sending in the middle of a frame (nothing for {stall_s:g} s)") from None
+
+    def _recv_frame(self, deadline: float | None, caps: Any, stall_s: float | None) -> Any:
+        body_len, nbuf = codec.frame_sizes(self._read_exact(codec.HEADER.size, deadline, stall_s))
         if body_len > MAX_BODY or nbuf > codec.MAX_BUFFERS:
             raise ProtocolError(f"frame header claims a {body_len}-byte body and {nbuf} buffers")
-        lens = [n for (n,) in codec.BUFLEN.iter_unpack(self._read_exact(8 * nbuf, deadline))] if nbuf else []
-        total = body_len + sum(lens)
+        lens = [n for (n,) in codec.BUFLEN.iter_unpack(self._read_exact(8 * nbuf, deadline, stall_s))] if nbuf else []
+        arrays = sum(lens)
+        total = body_len + arrays
         if total > MAX_MESSAGE:
             raise ProtocolError(f"frame header claims {total} bytes (at most {MAX_MESSAGE})")
-        rest = self._read_exact(total, deadline)  # body and buffers in one piece
+
+        def check(prefix: memoryview) -> None:
+            max_body, max_arrays, what = caps(prefix) if caps is not None else (MAX_BODY, MAX_MESSAGE, "a message")
+            if body_len > max_body or arrays > max_arrays:
+                raise ProtocolError(f"{what} of {body_len} + {arrays} bytes (body + arrays; at most {max_body} + "
+                                    f"{max_arrays})")
+
+        # body and buffers in one piece, the caps decided on the body's first bytes
+        rest = self._read_exact(total, deadline, stall_s, check, min(body_len, PEEK))
         bufs, pos = [], body_len
         for n in lens:
             bufs.append(rest[pos:pos + n])
@@ -331,6 +406,8 @@ def _handshake(sock: socket.socket, ctx: ssl.SSLContext, server: bool, deadline:
             break
         except ssl.SSLWantReadError:
             pass
+        except ssl.SSLEOFError:
+            raise HandshakeError("the other side closed the connection during the TLS handshake", True) from None
         except ssl.SSLError as e:
             data = outgoing.read()  # the alert, so that the other side learns why
             if data:
@@ -345,11 +422,11 @@ def _handshake(sock: socket.socket, ctx: ssl.SSLContext, server: bool, deadline:
             sock.sendall(data)
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([sock], [], [], left)[0]:
-            raise HandshakeError("no TLS handshake in time (a silent or stuck connection)")
+            raise HandshakeError("no TLS handshake in time (a silent or stuck connection)", True)
         data = sock.recv(65536)
         if not data:
-            raise HandshakeError("the other side closed the connection during the TLS handshake (it rejected this "
-                                 "process's key: a different $JAXRL_RPC_AUTHKEY?)")
+            raise HandshakeError("the other side closed the connection during the TLS handshake (a listener busy "
+                                 "with other handshakes, or one that rejected this process's key)", True)
         incoming.write(data)
     data = outgoing.read()
     if data:
@@ -362,12 +439,15 @@ def _handshake(sock: socket.socket, ctx: ssl.SSLContext, server: bool, deadline:
 _WELCOME = {"rpc": ALPN, "welcome": True}
 
 
-def server_handshake(sock: socket.socket, authkey: bytes, timeout: float) -> Connection:
-    """TLS as the server on an accepted socket, then the welcome frame; ``HandshakeError`` within ``timeout``."""
+def server_handshake(sock: socket.socket, authkey: bytes, timeout: float, admit: Any = None) -> Connection:
+    """TLS as the server on an accepted socket, then the welcome frame; ``HandshakeError`` within ``timeout``.
+    ``admit()``: called after the TLS handshake, before the welcome; False drops the connection."""
     deadline = time.monotonic() + timeout
     sock.setblocking(True)
     sock.settimeout(max(timeout, 0.01))  # bounds a sendall to a peer that does not read
     conn = _handshake(sock, server_context(bytes(authkey)), True, deadline)
+    if admit is not None and not admit():
+        raise HandshakeError("evicted before its welcome")
     conn.send(_WELCOME)
     sock.settimeout(None)
     return conn
@@ -380,12 +460,15 @@ def client_handshake(sock: socket.socket, authkey: bytes, deadline: float) -> Co
     sock.settimeout(max(deadline - time.monotonic(), 0.01))
     conn = _handshake(sock, client_context(bytes(authkey)), False, deadline)
     try:
-        hello = conn.recv(deadline)
+        hello = conn.recv(deadline, caps=lambda _: (WELCOME_MAX, 0, "the welcome"))
     except TimeoutError:
-        raise HandshakeError("no welcome from the server in time (a silent server)") from None
-    except (EOFError, OSError, IntegrityError) as e:
-        raise HandshakeError(f"the server closed the connection after the TLS handshake ({type(e).__name__}: {e}): it "
-                             "rejected this process's key (a different $JAXRL_RPC_AUTHKEY?)") from None
+        raise HandshakeError("no welcome from the server in time (a silent server)", True) from None
+    except IntegrityError as e:  # the server's alert: it rejected this process's certificate
+        raise HandshakeError(f"the server rejected this process after the TLS handshake ({e}): a different "
+                             "$JAXRL_RPC_AUTHKEY?") from None
+    except (EOFError, OSError) as e:
+        raise HandshakeError(f"the server closed the connection after the TLS handshake ({type(e).__name__}: {e}): a "
+                             "listener busy with other handshakes, or one that rejected this process's key", True) from None
     if hello != _WELCOME:
         raise HandshakeError(f"unexpected first message from the server: {str(hello)[:80]!r}")
     sock.settimeout(None)

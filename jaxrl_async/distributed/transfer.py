@@ -44,7 +44,12 @@ the first process and the directory renamed into place; a filesystem every host 
 generator assembles, loads and verifies them: HMAC-SHA256 per shard file and over the manifest
 (key derived from the run's secret, ``fallback_key``), shard file names checked, files 0600 in 0700
 directories (``read_weights`` raises ``FallbackRejected``). That path goes through host memory, so
-it is for recovery, not for speed.
+it is for recovery, not for speed. Paths (issue 27): ``RUN/weight_push`` and its version
+directories are created with ``mkdir`` (0700); when they exist they must be real directories (a
+symlink is refused, never followed: opened with ``O_NOFOLLOW``) owned by this user, and their mode
+is set through that descriptor; files are created ``O_EXCL | O_NOFOLLOW``. The manifest is parsed
+only if its nesting is at most ``MAX_MANIFEST_DEPTH`` (a deeper one is ``FallbackRejected``, not a
+``RecursionError``).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from typing import Any, Sequence
 
@@ -421,6 +427,8 @@ class FallbackRejected(RuntimeError):
 
 _SHARD_NAME = re.compile(r"\A[0-9]{5}\.[0-9]{4}\.p[0-9]{1,6}\.bin\Z")
 _MANIFEST = "manifest.json"
+MAX_MANIFEST_DEPTH = 16  # nesting of a manifest (a real one has 7: manifest, leaves, leaf, shards, shard, box, pair)
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
 def fallback_key(authkey: bytes) -> bytes:
@@ -439,9 +447,46 @@ def _manifest_mac(key: bytes, manifest: dict) -> str:
     return _mac(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
+def _check_dir(path: str, chmod: bool = False, owner: bool = True) -> None:
+    """``path`` must be a real directory (a symlink is refused, not followed) owned by this user
+    (``owner``); ``chmod``: set it to 0700 through the descriptor that was checked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        what = "a symlink" if os.path.islink(path) else e.strerror
+        raise FallbackRejected(f"weight push fallback: {path} is not a directory of this run ({what}); refusing to "
+                               "use it") from None
+    try:
+        st = os.fstat(fd)
+        if owner and st.st_uid != os.geteuid():
+            raise FallbackRejected(f"weight push fallback: {path} belongs to uid {st.st_uid}, not to this process "
+                                   f"(uid {os.geteuid()}); refusing to use it")
+        if chmod:
+            os.fchmod(fd, 0o700)  # whatever the umask or an older run left
+    finally:
+        os.close(fd)
+
+
 def _private_dir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)  # whatever the umask or an older run left
+    """``path`` as a private directory: made (0700) when absent, else checked (``_check_dir``)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    _check_dir(path, chmod=True)
+
+
+def _remove(path: str) -> None:
+    """Remove ``path`` whatever it is (a symlink itself, never its target)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _write_private(path: str, data: Any) -> None:
@@ -455,9 +500,9 @@ def start_fallback(directory: str, version: int) -> str:
     writes its shards into it; ``commit_fallback`` renames it into place)."""
     _private_dir(directory)
     tmp = os.path.join(directory, f"v{version:08d}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove(tmp)
     os.mkdir(tmp, 0o700)
-    os.chmod(tmp, 0o700)
+    _check_dir(tmp, chmod=True)
     return tmp
 
 
@@ -466,6 +511,8 @@ def write_shards(tmp: str, leaves: Sequence[jax.Array], process_index: int | Non
     (0600) into ``tmp``; returns their manifest entries ``{leaf, file, box, mac}`` (``mac``:
     HMAC-SHA256 of the file's bytes under ``key``, see ``fallback_key``)."""
     me = jax.process_index() if process_index is None else process_index
+    _check_dir(os.path.dirname(os.path.abspath(tmp)))  # RUN/weight_push and its temporary directory: ours, no symlinks
+    _check_dir(tmp)
     entries = []
     with jax.transfer_guard("allow"):
         for i, x in enumerate(leaves):
@@ -501,8 +548,9 @@ def commit_fallback(tmp: str, version: int, keys: Sequence[str], leaves: Sequenc
         manifest["leaves"].append({"key": k, "shape": list(x.shape), "dtype": str(jnp.dtype(x.dtype)),
                                    "checksum": int(checksums[i]), "shards": shards})
     manifest["mac"] = _manifest_mac(key, manifest)
+    _check_dir(tmp)
     _write_private(os.path.join(tmp, _MANIFEST), json.dumps(manifest).encode())
-    shutil.rmtree(final, ignore_errors=True)
+    _remove(final)
     os.replace(tmp, final)
     return final
 
@@ -529,22 +577,37 @@ def _read_private(directory: str, name: str, what: str) -> bytes:
         return f.read()
 
 
+def _json_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays/objects in the JSON text ``raw`` (strings skipped), without parsing it."""
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
+    steps = (np.isin(brackets, (ord("["), ord("{"))).astype(np.int64)
+             - np.isin(brackets, (ord("]"), ord("}"))).astype(np.int64))
+    return int(np.cumsum(steps).max(initial=0))
+
+
 def read_weights(path: str, keys: Sequence[str], shardings: Sequence[NamedSharding], *, key: bytes,
                  version: int | None = None) -> tuple[list[jax.Array], list[int]]:
     """Read a ``write_weights`` directory onto ``shardings``; returns (leaves, manifest checksums).
 
     Verified before use (``FallbackRejected`` otherwise): the manifest's HMAC, its ``version`` (when
     given), every shard file name (``LLLLL.SSSS.pP.bin``: no path outside the directory), every
-    box inside its leaf and every shard file's size and HMAC."""
+    box inside its leaf and every shard file's size and HMAC; ``path`` and its parent are not
+    symlinks, the manifest nests at most ``MAX_MANIFEST_DEPTH`` deep."""
     mpath = os.path.join(path, _MANIFEST)
     if not os.path.isfile(mpath):
         raise FileNotFoundError(f"weight push fallback: {mpath} does not exist (is {os.path.dirname(path)} on a "
                                 "filesystem both processes see?)")
+    for d in (os.path.dirname(os.path.abspath(path)), path):
+        _check_dir(d, owner=False)
     raw = _read_private(path, _MANIFEST, "the manifest")
+    depth = _json_depth(raw)
+    if depth > MAX_MANIFEST_DEPTH:
+        raise FallbackRejected(f"weight push fallback: {mpath} is not a manifest (nested {depth} deep, at most "
+                               f"{MAX_MANIFEST_DEPTH})")
     try:
         manifest = json.loads(raw)
         mac = manifest["mac"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise FallbackRejected(f"weight push fallback: {mpath} is not a manifest") from None
     if type(mac) is not str or not hmac.compare_digest(mac, _manifest_mac(key, manifest)):
         raise FallbackRejected(f"weight push fallback: {mpath}: MAC mismatch (changed after the trainer wrote it, or "

@@ -11,6 +11,16 @@
   an unknown type, a lying frame header) is closed at once with ``MalformedMessageError`` naming it;
 * keys shorter than 16 bytes are refused; the codec round-trips the wire types and refuses others;
 * a port reserved by ``launch.reserve_port`` cannot be bound by anyone else but the RPC listener.
+
+Issue 27 (second pass), each with a control that switches that one protection off:
+
+* a flood of silent connections (from one and from many local addresses, still going on while the
+  real peer connects) does not keep the real peer out: the listener evicts the oldest silent ones,
+  limits each address, drops silent connections after ``first_bytes_timeout_s``, and ``connect``
+  retries a closed handshake;
+* a frame header claiming a 2 GiB buffer allocates nothing large and the connection is closed when
+  the bytes do not come; a control message beyond its cap is closed at once;
+* the leaf certificate that an unauthenticated client receives names no pid and no host.
 """
 from __future__ import annotations
 
@@ -41,7 +51,7 @@ class _MakesFile:
         return (open, (self.path, "w"))
 
 
-def _pair(listener, key=KEY, name="client", server_handler=None, on_lost=None):
+def _pair(listener, key=KEY, name="client", server_handler=None, on_lost=None, **server_kw):
     """(client Peer, server Peer) over ``listener``; ``on_lost`` observes the server side."""
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("c", rpc.connect(
@@ -49,7 +59,8 @@ def _pair(listener, key=KEY, name="client", server_handler=None, on_lost=None):
     t.start()
     sconn = listener.accept(10, "the client")
     t.join()
-    server = rpc.Peer(sconn, name, handler=server_handler or (lambda m, a, reply: reply(True, a)), on_lost=on_lost)
+    server = rpc.Peer(sconn, name, handler=server_handler or (lambda m, a, reply: reply(True, a)), on_lost=on_lost,
+                      **server_kw)
     client = rpc.Peer(box["c"], "server")
     return client, server
 
@@ -183,7 +194,14 @@ def _frame(body: bytes, bufs=()) -> bytes:
         b"".join(bufs)
 
 
-@pytest.mark.parametrize("payload", ["pickle", "not_a_call", "unknown_type", "bad_arity", "lying_header"])
+def _array_call(method: str, claim: int) -> bytes:
+    """The header and body of a call ``method`` whose one array claims ``claim`` bytes (none of them sent)."""
+    body = msgpack.packb(["call", 1, method, [[msgpack.ExtType(codec.EXT_ARRAY, b""), "|u1", [claim], 0]]])
+    return codec.HEADER.pack(len(body), 1) + codec.BUFLEN.pack(claim) + body
+
+
+@pytest.mark.parametrize("payload", ["pickle", "not_a_call", "unknown_type", "bad_arity", "lying_header",
+                                     "oversized_control", "oversized_ping"])
 def test_malformed_message_from_an_authenticated_peer_closes_it_at_once_naming_it(tmp_path, payload):
     marker = tmp_path / "pwned"
     frames = {
@@ -193,6 +211,8 @@ def test_malformed_message_from_an_authenticated_peer_closes_it_at_once_naming_i
             codec.EXT_DATACLASS, b"os:system"), {"command": "true"}]]])),
         "bad_arity": _frame(msgpack.packb(["reply", 1, False, ["only", "two"]])),
         "lying_header": codec.HEADER.pack(1 << 30, 0),
+        "oversized_control": _array_call("stats", 2 << 30),  # a control call claiming 2 GiB: refused on its header
+        "oversized_ping": _array_call("__ping__", 1 << 16),
     }
     lst = rpc.listen("127.0.0.1:0", KEY)
     lost = []
@@ -350,3 +370,224 @@ def test_every_wire_type_resolves_to_its_class():
     for name in WIRE_TYPES:
         cls = _resolve(name)
         assert _name(cls) == name, (name, _name(cls))
+
+
+# -- issue 27: pre-authentication denial of service -------------------------------------------------
+def _silent(port: int, src: str = "127.0.0.1") -> socket.socket:
+    """A TCP connection from ``src`` (any 127.x address is local) that never sends a byte."""
+    s = socket.socket()
+    s.bind((src, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def _flood(port: int, n_local: int = 40, n_spread: int = 40) -> list:
+    """``n_local`` silent connections from 127.0.0.1 and ``n_spread`` from 127.0.0.2-11."""
+    return [_silent(port) for _ in range(n_local)] + [_silent(port, f"127.0.0.{2 + i % 10}") for i in range(n_spread)]
+
+
+def _settle(lst, n: int, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(lst.in_handshake().values()) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the accept loop has taken the rest of the flood too
+
+
+def _close_all(socks) -> None:
+    for s in socks:
+        s.close()
+
+
+def test_silent_connection_flood_does_not_keep_the_real_peer_out():
+    lst = rpc.listen("127.0.0.1:0", KEY)  # defaults: 32 handshakes, 8 per address, first bytes within 3 s
+    port = lst.address[1]
+    socks = _flood(port)
+    stop = threading.Event()
+
+    def churn():  # the flood goes on while the real peer connects (every address, including its own)
+        i = 0
+        while not stop.is_set() and i < 300:
+            socks.append(_silent(port, f"127.0.0.{1 + i % 11}"))
+            i += 1
+            time.sleep(0.003)
+
+    try:
+        _settle(lst, 32)
+        held = lst.in_handshake()
+        assert sum(held.values()) == 32 and max(held.values()) <= 8, held
+        th = threading.Thread(target=churn, daemon=True)
+        th.start()
+        t0 = time.monotonic()
+        client, server = _pair(lst)  # from 127.0.0.1, one of the flooding addresses
+        joined_s = time.monotonic() - t0
+        stop.set()
+        th.join()
+        assert joined_s < 1.5, joined_s  # well inside the 3 s first-bytes deadline: evictions, not waiting it out
+        assert client.call("echo", "in", timeout=5) == ("in",)
+        assert any("evicted" in d and "it had sent nothing" in d for d in lst.dropped)
+        client.close()
+        server.close()
+    finally:
+        stop.set()
+        _close_all(socks)
+        lst.close()
+
+
+def test_control_silent_flood_keeps_the_real_peer_out_without_eviction():
+    lst = rpc.listen("127.0.0.1:0", KEY, _evict=False)  # the first pass: a full listener refuses new connections
+    port = lst.address[1]
+    socks = _flood(port)
+    try:
+        _settle(lst, 32)
+        t0 = time.monotonic()
+        with pytest.raises(rpc.AuthenticationError):  # the reported failure: at once, no retry (generator exits 2)
+            rpc.connect(f"127.0.0.1:{port}", KEY, 5, "the controller", _retry=False)
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(TimeoutError, match="within 1 s"):  # retrying alone does not get in while the flood holds
+            rpc.connect(f"127.0.0.1:{port}", KEY, 1.0, "the controller")
+    finally:
+        _close_all(socks)
+        lst.close()
+
+
+@pytest.mark.parametrize("first_bytes_s", [0.5, None])
+def test_silent_connections_are_dropped_after_the_first_bytes_deadline_and_connect_retries(first_bytes_s):
+    """Eviction off, so that only the first-bytes deadline and the client's retries are at work;
+    None: that deadline off (the whole handshake's 10 s) -- the control."""
+    kw = {} if first_bytes_s is None else {"first_bytes_timeout_s": first_bytes_s}
+    lst = rpc.listen("127.0.0.1:0", KEY, max_handshakes=8, _evict=False, **kw)
+    port = lst.address[1]
+    socks = _flood(port, 8, 0)
+    try:
+        _settle(lst, 8)
+        t0 = time.monotonic()
+        if first_bytes_s is None:
+            with pytest.raises(TimeoutError):
+                rpc.connect(f"127.0.0.1:{port}", KEY, 1.5, "the controller")
+            return
+        client, server = _pair(lst)
+        joined_s = time.monotonic() - t0
+        assert joined_s < first_bytes_s + 1.5, joined_s  # refused at first, in after the silent ones were dropped
+        assert sum("sent nothing within 0.5 s" in d for d in lst.dropped) == 8, lst.dropped
+        client.close()
+        server.close()
+    finally:
+        _close_all(socks)
+        lst.close()
+
+
+@pytest.mark.parametrize("per_host", [4, 8])
+def test_one_address_cannot_evict_the_handshakes_of_others(per_host):
+    """A flood that sends a byte (so it is not "silent") from one address evicts only its own
+    connections: two slow handshakes from another address stay. per_host 8 (= all slots): the
+    per-address limit off -- the control, where the flood evicts them."""
+    lst = rpc.listen("127.0.0.1:0", KEY, max_handshakes=8, max_handshakes_per_host=per_host)
+    port = lst.address[1]
+    others = [_silent(port, "127.0.0.3") for _ in range(2)]
+    socks = list(others)
+    try:
+        for s in others:
+            s.sendall(b"\x16")  # the start of a ClientHello, and then nothing
+        _settle(lst, 2)
+        for _ in range(20):
+            s = _silent(port, "127.0.0.2")
+            s.sendall(b"\x16")
+            socks.append(s)
+        deadline = time.monotonic() + 3
+        while sum("evicted" in d for d in lst.dropped) < (16 if per_host == 4 else 14) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held = lst.in_handshake()
+        if per_host == 4:
+            assert held == {"127.0.0.3": 2, "127.0.0.2": 4}, held
+        else:
+            assert "127.0.0.3" not in held, held
+    finally:
+        _close_all(socks)
+        lst.close()
+
+
+# -- issue 27: a frame header alone allocates nothing large --------------------------------------------
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_frame_header_claiming_a_huge_buffer_allocates_nothing_and_is_closed_after_a_deadline(incremental):
+    """A ``train`` call (bulk data: the caps allow GBs) whose header claims a 2 GiB array and whose
+    array bytes never come. Control (``_preallocate``: the first pass) with a 512 MiB claim."""
+    claim = (2 << 30) if incremental else (512 << 20)
+    lst = rpc.listen("127.0.0.1:0", KEY)
+    lost = []
+    client, server = _pair(lst, name="trainer-1 (pid 7 on node3)", on_lost=lost.append, frame_timeout_s=1.0)
+    server.conn._preallocate = not incremental
+    try:
+        assert client.call("echo", 1, timeout=5) == (1,)
+        base = peak = _rss()
+        t0 = time.monotonic()
+        with client.conn._send_lock:
+            client.conn._write(_array_call("train", claim))
+        while not lost and time.monotonic() - t0 < 5:
+            peak = max(peak, _rss())
+            time.sleep(0.005)
+        grew = peak - base
+        if incremental:
+            assert grew < (32 << 20), grew
+            assert lost and isinstance(lost[0], rpc.MalformedMessageError), lost
+            assert "stopped sending in the middle of a frame" in str(lost[0]) and "trainer-1" in str(lost[0])
+            assert 0.9 < time.monotonic() - t0 < 3.0
+        else:
+            assert grew > (400 << 20), grew  # the claimed size, allocated before a byte of it arrived
+    finally:
+        client.close()
+        server.close()
+        lst.close()
+
+
+# -- issue 27: the certificate an unauthenticated peer sees ----------------------------------------------
+def _leaf_seen_by_a_stranger(key: bytes):
+    """The leaf certificate that a client without the run's secret receives from a listener."""
+    import ssl
+
+    from cryptography import x509
+
+    lst = rpc.listen("127.0.0.1:0", key)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    try:
+        with socket.create_connection(lst.address, timeout=5) as raw, ctx.wrap_socket(raw) as s:
+            return x509.load_der_x509_certificate(s.getpeercert(binary_form=True))
+    finally:
+        lst.close()
+
+
+def _forget_credentials():
+    from jaxrl_async.distributed import tls
+
+    for f in (tls._credentials, tls.server_context, tls.client_context):
+        f.cache_clear()
+
+
+@pytest.mark.parametrize("neutral", [True, False])
+def test_leaf_certificate_tells_a_stranger_no_pid_and_no_host(monkeypatch, neutral):
+    from cryptography.x509.oid import NameOID
+
+    from jaxrl_async.distributed import tls
+
+    monkeypatch.setattr(tls, "_NEUTRAL_CERT", neutral)  # False: the first pass's leaf (the control)
+    _forget_credentials()
+    try:
+        cert = _leaf_seen_by_a_stranger(secrets.token_bytes(32))
+    finally:
+        _forget_credentials()
+    der = cert.public_bytes(__import__("cryptography").hazmat.primitives.serialization.Encoding.DER)
+    leaks = [x.encode() in der for x in (str(os.getpid()), socket.gethostname())]
+    cn = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+    if neutral:
+        assert cn == tls.LEAF_NAME and not any(leaks), (cn, leaks)
+        assert cert.not_valid_before_utc.year == 2000  # nor when the process started
+    else:
+        assert all(leaks), cn

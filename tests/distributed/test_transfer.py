@@ -174,3 +174,75 @@ def test_disk_fallback_files_are_private_and_macs_reject_tampering(tmp_path):
     rewrite(m, sign=False)
     with pytest.raises(FallbackRejected, match="manifest.json: MAC mismatch"):
         read_weights(path, ["['w']"], shardings, key=key, version=3)
+
+
+# -- issue 27: the fallback's paths ---------------------------------------------------------------------
+@pytest.mark.parametrize("protected", [True, False])
+def test_disk_fallback_refuses_a_symlink_planted_at_weight_push(tmp_path, monkeypatch, protected):
+    """Someone who can write the run directory plants ``RUN/weight_push -> a directory of theirs``
+    (or of a victim) before the first fallback: the writer refuses it instead of chmod-ing the target
+    and writing the weights into it. Control: the directory checks off (``_check_dir`` a no-op)."""
+    import os
+    import stat
+
+    from jaxrl_async.distributed import transfer
+    from jaxrl_async.distributed.transfer import FallbackRejected, fallback_key
+
+    run, victim = tmp_path / "run", tmp_path / "victim"
+    run.mkdir()
+    victim.mkdir(mode=0o755)
+    (victim / "keep").write_text("x")
+    os.symlink(victim, run / "weight_push")
+    if not protected:
+        monkeypatch.setattr(transfer, "_check_dir", lambda *a, **k: None)
+    x = jax.device_put(np.arange(8, dtype=np.float32), jax.devices()[0])
+    key = fallback_key(b"r" * 32)
+    if protected:
+        with pytest.raises(FallbackRejected, match="symlink"):
+            write_weights(str(run / "weight_push"), 5, ["['w']"], [x], checksum_fn([x]), key=key)
+        assert sorted(os.listdir(victim)) == ["keep"] and stat.S_IMODE(os.stat(victim).st_mode) == 0o755
+    else:
+        write_weights(str(run / "weight_push"), 5, ["['w']"], [x], checksum_fn([x]), key=key)
+        assert "v00000005" in os.listdir(victim)  # the attack: the weights went into the target
+
+
+def test_disk_fallback_replaces_a_planted_version_symlink_and_the_reader_refuses_symlinks(tmp_path):
+    import os
+
+    from jaxrl_async.distributed.transfer import FallbackRejected, fallback_key, start_fallback
+
+    key = fallback_key(b"r" * 32)
+    home, victim = tmp_path / "weight_push", tmp_path / "victim"
+    home.mkdir(mode=0o700)
+    victim.mkdir()
+    os.symlink(victim, home / "v00000003.tmp")  # where the next temporary directory will be
+    tmp = start_fallback(str(home), 3)
+    assert not os.path.islink(tmp) and os.path.isdir(tmp) and os.listdir(victim) == []
+    os.rmdir(tmp)
+    path, shardings = _fallback(tmp_path, key)
+    link = tmp_path / "weight_push" / "v00000009"
+    os.symlink(path, link)
+    with pytest.raises(FallbackRejected, match="symlink"):
+        read_weights(str(link), ["['w']"], shardings, key=key, version=3)
+    if os.geteuid() == 0:  # a directory of someone else (root can chown; the first pass chmod-ed and used it)
+        other = tmp_path / "other"
+        other.mkdir()
+        os.chown(other, 65534, 65534)
+        with pytest.raises(FallbackRejected, match="belongs to uid 65534"):
+            start_fallback(str(other), 1)
+
+
+def test_deeply_nested_manifest_is_rejected_not_a_recursion_error(tmp_path):
+    import json
+
+    from jaxrl_async.distributed.transfer import FallbackRejected, fallback_key
+
+    key = fallback_key(b"r" * 32)
+    path, shardings = _fallback(tmp_path, key)
+    deep = b'{"mac": "00", "leaves": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    with open(f"{path}/manifest.json", "wb") as f:
+        f.write(deep)
+    with pytest.raises(FallbackRejected, match="not a manifest \\(nested 200001 deep"):
+        read_weights(path, ["['w']"], shardings, key=key, version=3)
+    with pytest.raises(RecursionError):  # control: what parsing it does (what read_weights raised before)
+        json.loads(deep)
