@@ -167,7 +167,8 @@ def test_layering():
             bad += [f"{m} -> {d}" for d in deps if d.startswith(f"{PKG}.loop")]
     for m, deps in _deps(f"{PKG}.generator").items():  # the engine knows nothing of episodes or training
         bad += [f"{m} -> {d}" for d in deps if d.startswith((f"{PKG}.rollout", f"{PKG}.trainer", f"{PKG}.rl"))]
-    entry_points = {f"{PKG}.{t}" for t in ("main", "generate", "evaluate", "score", "export")} | {f"{PKG}.plan.__main__"}
+    entry_points = ({f"{PKG}.{t}" for t in ("main", "generate", "evaluate", "score", "export")}
+                    | {f"{PKG}.plan.__main__", f"{PKG}.serve.__main__"})
     for m, deps in _graph().items():  # a CLI module is a program, not a library: only its shared helpers are
         if m.startswith(f"{PKG}.cli") or m in entry_points:
             continue

@@ -51,6 +51,7 @@ from jaxrl_async.cli.common import (UserError, chat_template_wanted, cli_main, h
                                     require_file, require_output_file)
 from jaxrl_async.data.tokenizer import is_real_tokenizer, stop_token_ids  # noqa: F401  (re-exported)
 from jaxrl_async.cli.jsonl import BadRowError, bad_rows_error, check_row, iter_json_rows
+from jaxrl_async.generator.requests import cut_at_stop  # noqa: F401  (re-exported; the server uses it too)
 
 PROMPT_FIELDS = ("prompt", "prompt_ids")
 TOOL = "generate"
@@ -128,16 +129,6 @@ def read_rows(lines: Iterable[str], encode: Callable[[str, int], list[int]], voc
         echo = {k: obj[k] for k in ("id", "prompt", "prompt_ids") if k in obj}
         rows.append(PromptRow(i, ids, echo=echo))
     return rows, errors
-
-
-def cut_at_stop(text: str, stop_strings: Iterable[str]) -> tuple[str, str | None]:
-    """(``text`` before the first stop string in it, that string), or (``text``, None) when none is in it. The
-    generator stops a sample at the token completing a stop string, so the first one found is that one."""
-    hits = [(text.find(st), -len(st), st) for st in stop_strings if st and st in text]
-    if not hits:
-        return text, None
-    i, _, st = min(hits)  # the earliest; of two starting there, the longer
-    return text[:i], st
 
 
 def output_rows(row: int, samples: list, n: int, echo: dict[str, Any] | None = None,

@@ -11,7 +11,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -121,6 +121,16 @@ def finish_reason_for(token: int, num_generated: int, max_new_tokens: int, stop_
     if num_generated >= max_new_tokens or engine_done:
         return "length"
     return None
+
+
+def cut_at_stop(text: str, stop_strings: Iterable[str]) -> tuple[str, str | None]:
+    """(``text`` before the first stop string in it, that string), or (``text``, None) when none is in it. The
+    generator stops a sample at the token completing a stop string, so the first one found is that one."""
+    hits = [(text.find(st), -len(st), st) for st in stop_strings if st and st in text]
+    if not hits:
+        return text, None
+    i, _, st = min(hits)  # the earliest; of two starting there, the longer
+    return text[:i], st
 
 
 def stop_string_hit(decode: Callable[[list[int]], str], ids: Sequence[int], stop_strings: Sequence[str],
