@@ -112,9 +112,11 @@ def decode_attentions(platform: str) -> list[str]:
 
 
 def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len: int, steps: int,
-                 profile_dir: str | None = None, page_size: int = 16, kernel_options: dict | None = None) -> dict:
+                 profile_dir: str | None = None, page_size: int = 16, kernel_options: dict | None = None,
+                 num_steps: int = 1) -> dict:
     """One engine: fill every slot, then time ``steps`` decode steps three ways (module doc); ``profile_dir``: then
-    8 more pipelined steps under ``jax.profiler.trace`` (XProf/TensorBoard trace of host and device)."""
+    8 more pipelined steps under ``jax.profiler.trace`` (XProf/TensorBoard trace of host and device). ``num_steps``:
+    multi-step decode, K steps per dispatch (figures stay per decode step: a dispatch's time / K)."""
     from jaxrl_async.generator import kv_cache
     from jaxrl_async.generator.engine_api import PrefillRequest, SamplingParams
     from jaxrl_async.generator.factory import EngineConfig, build_engine
@@ -124,7 +126,8 @@ def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len:
     cfg = ModelConfig(**dims, max_position_embeddings=max(max_seq, 4096), dtype=dtype, param_dtype=dtype)
     eng = build_engine(EngineConfig(max_concurrent_decodes=slots, max_sequence_length=max_seq,
                                     prefill_buckets=(prompt_len,), max_prefill_pack=1, page_size=page_size,
-                                    num_pages=slots * kv_cache.pages_for(max_seq, page_size) + 1), cfg,
+                                    num_pages=slots * kv_cache.pages_for(max_seq, page_size) + 1,
+                                    decode_steps=num_steps), cfg,
                        attention=attention, kernel_options=kernel_options)
     params = eng.place_params(jax.tree.map(lambda x: x.astype(dtype), init_params(cfg, jax.random.key(0))))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -135,33 +138,37 @@ def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len:
                            SamplingParams(temperature=1.0, max_new_tokens=10**6, seed=s)) for s in range(slots)]
     for s, pre in enumerate(eng.prefill_many(params, reqs)):
         state = eng.insert(pre, state, s)
+    k = num_steps
+    gen = (lambda p, st: eng.generate(p, st, k)) if k > 1 else eng.generate  # noqa: E731
+    dispatches = max(1, steps // k)
     for _ in range(3):  # compiles the step
-        state, step = eng.generate(params, state)
+        state, step = gen(params, state)
     np.asarray(step.tokens)
     fill_s = time.perf_counter() - t0
     sync, host = [], []
-    for _ in range(steps):
+    for _ in range(dispatches):
         t0 = time.perf_counter()
-        state, step = eng.generate(params, state)
+        state, step = gen(params, state)
         t1 = time.perf_counter()
         np.asarray(step.tokens), np.asarray(step.logprobs)
-        sync.append(time.perf_counter() - t0)
-        host.append(t1 - t0)
+        sync.append((time.perf_counter() - t0) / k)
+        host.append((t1 - t0) / k)
     t0 = time.perf_counter()
-    for _ in range(steps):
-        state, step = eng.generate(params, state)
+    for _ in range(dispatches):
+        state, step = gen(params, state)
     np.asarray(step.tokens)
-    pipelined = (time.perf_counter() - t0) / steps
+    pipelined = (time.perf_counter() - t0) / (dispatches * k)
     if profile_dir:
         with jax.profiler.trace(profile_dir):
-            for _ in range(8):
-                state, step = eng.generate(params, state)
+            for _ in range(max(1, 8 // k)):
+                state, step = gen(params, state)
             np.asarray(step.tokens)
-    live = float(state.host.pos[state.host.live].mean()) - steps
+    live = float(state.host.pos[state.host.live].mean()) - dispatches * k
     kv_bytes = slots * live * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     bw = hbm_bandwidth(jax.devices()[0])
     roof = (weight_bytes + kv_bytes) / bw if bw else None
-    return {"attention": attention, "page_size": page_size, "kernel_options": kernel_options, "slots": slots,
+    return {"attention": attention, "decode_steps": k, "page_size": page_size, "kernel_options": kernel_options,
+            "slots": slots,
             "layers": cfg.num_layers, "hidden": cfg.hidden_size,
             "live_tokens": round(live), "sync_ms": 1e3 * statistics.median(sync),
             "pipelined_ms": 1e3 * pipelined, "host_ms": 1e3 * statistics.median(host),
@@ -241,6 +248,22 @@ def main(argv=None) -> int:
             out["decode"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             save()
+    if "multistep" in sections:  # multi-step decode: K = 1, 4, 8, 16 steps per dispatch (one program, one copy)
+        big = DECODE_CPU_MODEL if reduced else DECODE_MODEL
+        att = decode_attentions(dev.platform)[0]
+        for d in (FIXED_MODEL, big):
+            for k in (1, 4, 8, 16):
+                if over_budget():
+                    row = {"attention": att, "decode_steps": k, "hidden": d["hidden_size"], "skipped": "time budget"}
+                else:
+                    try:
+                        row = decode_point(d, dtype, att, 64, 64 if reduced else 448, args.decode_steps, num_steps=k)
+                    except Exception as e:  # noqa: BLE001 - reported as a result
+                        row = {"attention": att, "decode_steps": k, "hidden": d["hidden_size"],
+                               "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+                out.setdefault("multistep", []).append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                save()
     if "sweep" in sections:  # the platform's decode kernel: page size x kernel block options (Qwen3-0.6B, 64 slots)
         big = DECODE_CPU_MODEL if reduced else DECODE_MODEL
         att = decode_attentions(dev.platform)[0]
