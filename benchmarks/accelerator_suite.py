@@ -113,7 +113,7 @@ def decode_attentions(platform: str) -> list[str]:
 
 def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len: int, steps: int,
                  profile_dir: str | None = None, page_size: int = 16, kernel_options: dict | None = None,
-                 num_steps: int = 1, unroll: bool | None = None) -> dict:
+                 num_steps: int = 1) -> dict:
     """One engine: fill every slot, then time ``steps`` decode steps three ways (module doc); ``profile_dir``: then
     8 more pipelined steps under ``jax.profiler.trace`` (XProf/TensorBoard trace of host and device). ``num_steps``:
     multi-step decode, K steps per dispatch (figures stay per decode step: a dispatch's time / K)."""
@@ -128,7 +128,7 @@ def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len:
                                     prefill_buckets=(prompt_len,), max_prefill_pack=1, page_size=page_size,
                                     num_pages=slots * kv_cache.pages_for(max_seq, page_size) + 1,
                                     decode_steps=num_steps), cfg,
-                       attention=attention, kernel_options=kernel_options, unroll_decode_steps=unroll)
+                       attention=attention, kernel_options=kernel_options)
     params = eng.place_params(jax.tree.map(lambda x: x.astype(dtype), init_params(cfg, jax.random.key(0))))
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     rng = np.random.default_rng(0)
@@ -167,8 +167,7 @@ def decode_point(dims: dict, dtype: str, attention: str, slots: int, prompt_len:
     kv_bytes = slots * live * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     bw = hbm_bandwidth(jax.devices()[0])
     roof = (weight_bytes + kv_bytes) / bw if bw else None
-    return {"attention": attention, "decode_steps": k, "unrolled": eng._unroll_steps, "page_size": page_size,
-            "kernel_options": kernel_options,
+    return {"attention": attention, "decode_steps": k, "page_size": page_size, "kernel_options": kernel_options,
             "slots": slots,
             "layers": cfg.num_layers, "hidden": cfg.hidden_size,
             "live_tokens": round(live), "sync_ms": 1e3 * statistics.median(sync),
@@ -252,15 +251,13 @@ def main(argv=None) -> int:
     if "multistep" in sections:  # multi-step decode: K = 1, 4, 8, 16 steps per dispatch (one program, one copy)
         big = DECODE_CPU_MODEL if reduced else DECODE_MODEL
         att = decode_attentions(dev.platform)[0]
-        for d, k, unroll in [(FIXED_MODEL, k, None) for k in (1, 8, 16)] + [(big, 1, None)] + [
-                (big, k, u) for k in (8, 16) for u in (False, True)]:
-            if True:
+        for d in (FIXED_MODEL, big):
+            for k in (1, 4, 8, 16):
                 if over_budget():
                     row = {"attention": att, "decode_steps": k, "hidden": d["hidden_size"], "skipped": "time budget"}
                 else:
                     try:
-                        row = decode_point(d, dtype, att, 64, 64 if reduced else 448, args.decode_steps, num_steps=k,
-                                           unroll=unroll)
+                        row = decode_point(d, dtype, att, 64, 64 if reduced else 448, args.decode_steps, num_steps=k)
                     except Exception as e:  # noqa: BLE001 - reported as a result
                         row = {"attention": att, "decode_steps": k, "hidden": d["hidden_size"],
                                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}

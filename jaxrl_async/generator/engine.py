@@ -207,8 +207,6 @@ class PagedEngine(Engine):
           extra output is compiled.
       max_decode_steps: most decode steps one `generate(..., num_steps=K)` dispatch may run (multi-step decode,
           `engine_steps.decode_multi_fn`; at most `page_size`); the orchestrator chooses K per dispatch.
-      unroll_decode_steps: a multi-step dispatch's steps as straight-line code (`decode_multi_fn`'s `unroll`);
-          None: on GPUs only (XLA:GPU evaluates loop conditions on the host, which blocks the dispatching thread).
       check_fit: an explicit `num_pages` must fit the free memory too (`kv_cache.check_num_pages`;
           `generator.factory.build_engine` turns it on). A pool that does not fit raises `kv_cache.KVSizingError`.
 
@@ -222,8 +220,7 @@ class PagedEngine(Engine):
                  attention: str = "auto", decode_block_pages: int | None = None,
                  kernel_options: dict | None = None, max_prefill_pack: int = 8, record_routing: bool = False,
                  compact_decode: bool = False, compact_levels: int = 2, compact_min_rows: int = 8,
-                 compact_in_background: bool = False, check_fit: bool = False, max_decode_steps: int = 1,
-                 unroll_decode_steps: bool | None = None):
+                 compact_in_background: bool = False, check_fit: bool = False, max_decode_steps: int = 1):
         if max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
         if max_sequence_length < 2:
@@ -247,7 +244,6 @@ class PagedEngine(Engine):
             raise ValueError(f"max_decode_steps must be in [1, page_size={page_size}] (a dispatch maps at most one "
                              f"new page per slot), got {max_decode_steps}")
         self.max_decode_steps = int(max_decode_steps)
-        self._unroll_steps = unroll_decode_steps
         if record_routing and not cfg.num_experts:
             raise ValueError("record_routing needs a mixture-of-experts model (num_experts > 0)")
         self.record_routing = bool(record_routing)
@@ -365,8 +361,6 @@ class PagedEngine(Engine):
                               attention=self.attention, block_pages=self.decode_block_pages,
                               kernel_options=self.kernel_options, pages_axis=self.pages_axis, record_routing=rec)
         self._multi_steps: dict = {}  # (truncation, K) -> jitted K-step program (built on first use)
-        if self._unroll_steps is None:
-            self._unroll_steps = self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
         self._multi_out = (ss, (self.stacked_slot_sharding,) * 4 + ((self.replicated,) if rec else ()))
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
         self._no_new_pages = None  # put on the devices at the first step (the engine builds on compile-only meshes)
@@ -747,8 +741,7 @@ class PagedEngine(Engine):
         fn = self._multi_steps.get((trunc, k))
         if fn is None:
             traced = traced_with_activation_rules(functools.partial(
-                decode_multi_fn, num_steps=k, truncation=trunc, unroll=self._unroll_steps, **self._multi_kw), self.mesh,
-                "generator")
+                decode_multi_fn, num_steps=k, truncation=trunc, **self._multi_kw), self.mesh, "generator")
             fn = self._multi_steps[(trunc, k)] = jax.jit(traced, donate_argnums=1, out_shardings=self._multi_out)
         return fn
 

@@ -160,15 +160,13 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     return out, step
 
 
-def decode_multi_fn(params: Params, arrays, new_pages, new_index, *, num_steps: int, unroll: bool = False, **kw):
+def decode_multi_fn(params: Params, arrays, new_pages, new_index, *, num_steps: int, **kw):
     """`num_steps` decode steps in one program (multi-step decode: one dispatch and one host copy for K tokens per
     slot). The host maps every page the K steps will start before the dispatch: `new_pages` [S] (-1: none) goes to
     page-table index `new_index` [S] (K <= page_size, so at most one per slot); then `decode_step_fn` runs K times
     under `lax.scan` with nothing to map. A slot that stops (stop token, max_new_tokens, sequence limit) at step i
     is inactive for the rest: its later rows are invalid and change nothing, exactly as K single steps would.
-    `unroll`: the K steps as straight-line code instead of a loop (XLA:GPU runs a while loop's condition on the
-    host, so a looped dispatch blocks the host until its last step; unrolled, the dispatch returns at once and
-    the next one overlaps). Returns (arrays, step outputs stacked [K, S, ...])."""
+    Returns (arrays, step outputs stacked [K, S, ...])."""
     S, maxp = arrays["page_table"].shape
     rows = jnp.arange(S)
     j = jnp.clip(new_index, 0, maxp - 1)
@@ -179,7 +177,7 @@ def decode_multi_fn(params: Params, arrays, new_pages, new_index, *, num_steps: 
     def body(a, _):
         return decode_step_fn(params, a, unmapped, **kw)
 
-    return jax.lax.scan(body, arrays, None, length=num_steps, unroll=bool(unroll))
+    return jax.lax.scan(body, arrays, None, length=num_steps)
 
 
 def decode_rows_fn(params: Params, arrays, new_pages, rows, *, pool_keys: tuple[str, ...], **kw):
