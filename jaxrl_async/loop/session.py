@@ -49,6 +49,7 @@ class TrainingSession:
         self.staleness = StalenessManager(self.eta, tr.batch_size, ro.effective_max_concurrent(tr.batch_size),
                                           version=point.step)
         self.reward_fn = make_reward(ro.reward)
+        self._reward_failed = 0  # completions the reward failed on so far (``_reward_failures``)
         self.ledger = self._ledger()
         self.steps = StepRunner(self.trainer, self.ledger, point.nonfinite, advantage=tr.advantage,
                                 n_samples=ro.n_samples, step=point.step, version=point.step)
@@ -199,6 +200,7 @@ class TrainingSession:
         self.result.lag_by_group.extend((step - 1, g.ticket.id, g.lag) for g in out.groups)
         row = step_row(out, push, self.pusher, self.generator.stats(), self.staleness.counts(), self.clock,
                        version=version, wait_s=wait_s)
+        row.update(self._reward_failures(step))
         if step % c.logging.log_every == 0 or step == tr.total_steps:
             self.metrics.log(step, row)
         self.result.last_metrics = row
@@ -206,6 +208,21 @@ class TrainingSession:
             self._evaluate(step)
         if self.ckpt.should_save(step) and step < tr.total_steps:
             self._save("periodic")
+
+    def _reward_failures(self, step: int) -> dict[str, int]:
+        """Completions the reward function failed on since the last step (it raised, or returned a non-number: each
+        scored 0 by ``SafeReward``), as ``reward/failed`` with one line naming the last error; never silent."""
+        stats = getattr(self.reward_fn, "stats", None)
+        if stats is None:
+            return {}
+        st = stats()
+        total = st.get("errors", 0) + st.get("invalid", 0)
+        new, self._reward_failed = total - self._reward_failed, total
+        if new > 0:
+            self.metrics.message(f"step {step}: the reward failed on {new} completion(s), scored "
+                                 f"{getattr(self.reward_fn, 'default', 0.0):g} ({total} in this process; last: "
+                                 f"{getattr(self.reward_fn, 'last_error', None)})")
+        return {"reward/failed": new}
 
     # -- evaluation and checkpoints -----------------------------------------------------------------------
     def _eval_due(self, step: int) -> bool:  # (also the one a stop or a kill left undone at the resumed step)

@@ -143,6 +143,9 @@ def test_failing_rewards_and_rejecting_workflow_do_not_stop_the_loop(tmp_path):
     c = res.counts
     assert c["rejected_by_reason"].get("episode_none", 0) >= 1, c  # counted, with its reason
     _check_accounting(res, B=4)
+    # the reward's failures are counted per step and said (scored 0, never silent)
+    rows = [r for r in _rows(res.run_dir) if "reward/failed" in r]
+    assert len(rows) == 3 and sum(r["reward/failed"] for r in rows) >= 3, rows
 
 
 def test_data_ledger_replays_outstanding_items_in_draw_order():
