@@ -634,23 +634,32 @@ class PagedEngine(Engine):
             if self._no_new_pages is None:
                 self._no_new_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
             return self._no_new_pages
+        new_pages, _ = self._allocate_pages(state, need)
+        return jax.device_put(new_pages, self.slot_sharding)
+
+    def _allocate_pages(self, state: DecodeState, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One page from its replica's pages for every slot in `need` (a replica short of pages first drops the
+        slots the device already stopped, then raises `OutOfPagesError` before changing anything): (new_pages,
+        new_index) [S], the page and the page-table index it goes to (-1 / 0 for the other slots)."""
+        h = state.host
         per = self._S // self.kv_replicas
         counts = need.reshape(self.kv_replicas, per).sum(axis=1)
         if any(c > a.num_free for c, a in zip(counts, h.alloc.allocs)):
             h.done |= np.asarray(state.arrays["done"]) & h.live  # stop ids are only known on the device
-            need &= ~h.done
+            need = need & ~h.done
         slots = np.flatnonzero(need)
         for r, a in enumerate(h.alloc.allocs):
             rs = slots[slots // per == r].tolist()
             if len(rs) > a.num_free:
                 a.allocate(len(rs), rs)  # raises OutOfPagesError (.slots: that replica's), nothing changed
         new_pages = np.full(self._S, -1, np.int32)
+        new_index = np.zeros(self._S, np.int32)
         for s in slots:
             (p,) = h.alloc.of(s).allocate(1, [int(s)])
             h.alloc.of(s).slot_pages[s].append(p)
-            new_pages[s] = p
+            new_pages[s], new_index[s] = p, h.num_pages[s]
         h.num_pages[slots] += 1
-        return jax.device_put(new_pages, self.slot_sharding)
+        return new_pages, new_index
 
     # -- compacted decode (module doc) -----------------------------------------------------------
     def _compacted(self, params: Params, arrays, new_pages, trunc: bool, live: np.ndarray):
@@ -715,27 +724,11 @@ class PagedEngine(Engine):
         """`_grow` for a K-step dispatch: (new_pages, new_index) [S] of every active slot whose next k writes (fewer
         where max_new_tokens or the sequence limit ends it sooner) start a page (k <= page_size: at most one)."""
         h = state.host
-        act = h.live & ~h.done
         steps = np.minimum(k, np.minimum(h.max_new - h.num_generated, self._max_seq - 1 - h.pos))
-        need = act & (steps >= 1) & ((h.pos + np.maximum(steps, 1) - 1) // self.page_size >= h.num_pages)
-        per = self._S // self.kv_replicas
-        counts = need.reshape(self.kv_replicas, per).sum(axis=1)
-        if any(c > a.num_free for c, a in zip(counts, h.alloc.allocs)):
-            h.done |= np.asarray(state.arrays["done"]) & h.live  # stop ids are only known on the device
-            need &= ~h.done
-        slots = np.flatnonzero(need)
-        for r, a in enumerate(h.alloc.allocs):
-            rs = slots[slots // per == r].tolist()
-            if len(rs) > a.num_free:
-                a.allocate(len(rs), rs)  # raises OutOfPagesError (.slots: that replica's), nothing changed
-        new_pages = np.full(self._S, -1, np.int32)
-        new_index = np.zeros(self._S, np.int32)
-        for s in slots:
-            (p,) = h.alloc.of(s).allocate(1, [int(s)])
-            h.alloc.of(s).slot_pages[s].append(p)
-            new_pages[s], new_index[s] = p, h.num_pages[s]
-        h.num_pages[slots] += 1
-        return (jax.device_put(new_pages, self.slot_sharding), jax.device_put(new_index, self.slot_sharding))
+        need = (h.live & ~h.done & (steps >= 1)
+                & ((h.pos + np.maximum(steps, 1) - 1) // self.page_size >= h.num_pages))
+        new_pages, new_index = self._allocate_pages(state, need)
+        return jax.device_put(new_pages, self.slot_sharding), jax.device_put(new_index, self.slot_sharding)
 
     def _multi_step_fn(self, trunc: bool, k: int):
         fn = self._multi_steps.get((trunc, k))

@@ -212,16 +212,13 @@ class TrainingSession:
     def _reward_failures(self, step: int) -> dict[str, int]:
         """Completions the reward function failed on since the last step (it raised, or returned a non-number: each
         scored 0 by ``SafeReward``), as ``reward/failed`` with one line naming the last error; never silent."""
-        stats = getattr(self.reward_fn, "stats", None)
-        if stats is None:
-            return {}
-        st = stats()
-        total = st.get("errors", 0) + st.get("invalid", 0)
+        st = self.reward_fn.stats()  # a SafeReward (make_reward)
+        total = st["errors"] + st["invalid"]
         new, self._reward_failed = total - self._reward_failed, total
         if new > 0:
             self.metrics.message(f"step {step}: the reward failed on {new} completion(s), scored "
-                                 f"{getattr(self.reward_fn, 'default', 0.0):g} ({total} in this process; last: "
-                                 f"{getattr(self.reward_fn, 'last_error', None)})")
+                                 f"{self.reward_fn.default:g} ({total} in this process; last: "
+                                 f"{self.reward_fn.last_error})")
         return {"reward/failed": new}
 
     # -- evaluation and checkpoints -----------------------------------------------------------------------
