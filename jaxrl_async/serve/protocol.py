@@ -31,7 +31,8 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                             429: "rate_limit_error", 504: "timeout_error"}.get(status, "server_error")
+                             409: "invalid_request_error", 429: "rate_limit_error",
+                             504: "timeout_error"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
