@@ -110,7 +110,8 @@ def build_app(backend: ServeBackend, api_key: str | None = None, sessions: Sessi
         out = batch.outputs[0]
         choices = []
         for s in out.samples:
-            content, calls, reason = final_text(s.text or "", s.finish_reason, req.sampling.stop, req.parse_tools)
+            content, calls, reason = final_text(s.text or "", s.finish_reason, req.sampling.stop, req.parse_tools,
+                                                req.parallel_tool_calls)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
@@ -125,7 +126,8 @@ def build_app(backend: ServeBackend, api_key: str | None = None, sessions: Sessi
     async def chat_stream(request: Request, batch: Batch, req: Any, prompt: list[int], head: dict) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
         n = req.sampling.n
-        texts = [TextStream(backend.decode, req.sampling.stop, req.parse_tools) for _ in range(n)]
+        texts = [TextStream(backend.decode, req.sampling.stop, req.parse_tools, req.parallel_tool_calls)
+                 for _ in range(n)]
         completion_tokens = 0
         try:
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
