@@ -45,3 +45,14 @@ class SometimesNoneWorkflow(RLVRWorkflow):
         if k % 4 == 0:
             return [None] * n
         return super().run_group(item, ctx, n)
+
+
+async def two_turn_agent(client, row):
+    """An ``openai_agent`` agent (``rollout.agent=loop_targets:two_turn_agent``): asks, then asks again with its
+    answer in the history, through the run's endpoint with the plain ``openai`` SDK; the reward is has_digit of
+    the second answer."""
+    msgs = list(row["messages"])
+    r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=12)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content or ""}, {"role": "user", "content": "again"}]
+    r2 = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=12)
+    return has_digit("", r2.choices[0].message.content or "", "")
