@@ -144,6 +144,11 @@ class TrainingSession:
     def _train(self) -> None:
         c, tr, signals = self.cfg, self.cfg.trainer, self.control.signals
         self.generator.start()
+        if hasattr(self.workflow, "ensure_endpoint"):  # openai_agent: its endpoint up (and its URL said) before rollouts
+            try:
+                self.workflow.ensure_endpoint(self.generator)
+            except (ValueError, OSError) as e:
+                raise FatalRunError(f"rollout.workflow={c.rollout.workflow}: {e}") from None
         self.dispatcher.start()
         step = self.steps.step
         if self._eval_due(step) and step not in {s for s, _, _ in self.result.eval_history}:

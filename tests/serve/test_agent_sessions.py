@@ -330,3 +330,35 @@ def test_versions_follow_a_weight_update_mid_episode(tok):
             wf.close()
     v = {t.metadata["turn"]: set(t.versions[t.prompt_len:].tolist()) for t in group.trajectories}
     assert v == {0: {0}, 1: {1}}
+
+
+@pytest.mark.parametrize("overrides,field,says", [
+    (["rollout.workflow=openai_agent"], "rollout.agent", "needs rollout.agent"),
+    (["rollout.workflow=openai_agent", "rollout.agent=no_such_module:run"], "rollout.agent", "cannot import"),
+    (["rollout.agent=online"], "rollout.agent", "is for rollout.workflow=openai_agent"),
+    (["rollout.workflow=openai_agent", "rollout.agent=online", "rollout.agent_host=0.0.0.0"], "rollout.agent_api_key",
+     "not a loopback address"),
+    (["rollout.workflow=openai_agent", "rollout.agent=online", "rollout.agent_turn_discount=1.5"],
+     "rollout.agent_turn_discount", "[0, 1]"),
+    (["rollout.workflow=openai_agent", "rollout.agent=online", "rollout.agent_samples=concat"], "rollout.agent_samples",
+     "concat"),
+])
+def test_agent_settings_are_checked_at_validation(overrides, field, says):
+    from jaxrl_async.config import ConfigError, apply_overrides, validate
+    from jaxrl_async.config.default import get_config
+
+    with pytest.raises(ConfigError) as e:
+        validate(apply_overrides(get_config(), overrides))
+    assert e.value.field == field and says in str(e.value)
+
+
+def test_an_endpoint_needs_the_generator_in_this_process(tok):
+    from jaxrl_async.serve.endpoint import AgentEndpoint
+
+    class Remote:  # what a multi-process run's RemoteGenerator offers: no engine, no slots
+        version = 0
+
+    with pytest.raises(ValueError, match="multi-process"):
+        AgentEndpoint(Remote(), tok)
+    with pytest.raises(ValueError, match="API key"):
+        AgentEndpoint(Remote(), tok, host="0.0.0.0")
