@@ -15,6 +15,7 @@ import operator
 from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
 from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 
+MAX_TOKENS = 64  # per model call (the embedded default's context is 128 tokens, prompts up to 64)
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
@@ -46,7 +47,7 @@ async def run(client, row) -> str:
     """One episode: the row's question in, the agent's final answer out."""
     agent = Agent(name="calculator", instructions=None, tools=[calculator],
                   model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
-                  model_settings=ModelSettings(temperature=1.0, max_tokens=64))
+                  model_settings=ModelSettings(temperature=1.0, max_tokens=MAX_TOKENS))
     try:
         result = await Runner.run(agent, row["question"], max_turns=3, run_config=RunConfig(tracing_disabled=True))
     except (MaxTurnsExceeded, ModelBehaviorError):  # the policy kept calling tools / wrote a malformed call: no answer

@@ -362,3 +362,36 @@ def test_an_endpoint_needs_the_generator_in_this_process(tok):
         AgentEndpoint(Remote(), tok)
     with pytest.raises(ValueError, match="API key"):
         AgentEndpoint(Remote(), tok, host="0.0.0.0")
+
+
+def test_the_agents_sdk_calculator_example_runs_as_a_workflow(tok, monkeypatch):
+    """``examples/calculator_agent.py`` (an OpenAI Agents SDK ``Agent`` with a ``calculator`` tool) as the
+    ``openai_agent`` workflow's agent, on a scripted model that calls the tool and then answers: the tool ran, the
+    answer was scored, and both model calls are the episode's per-turn samples."""
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    import calculator_agent
+
+    monkeypatch.setattr(calculator_agent, "MAX_TOKENS", 128)  # the test's character-level tokenizer: a token per char
+    def script(prompt, k, sp):
+        text = tok.decode(prompt)
+        if "<|tool|>" in text:
+            return ids(tok, "\\boxed{" + text.rsplit("<|tool|>", 1)[1].split("<|")[0] + "}") + [2]
+        return ids(tok, '<tool_call>{"name": "calculator", "arguments": {"expression": "47 + 18 - 5"}}</tool_call>') + [2]
+
+    scored = []
+
+    def reward_fn(prompt, text, answer, **meta):
+        scored.append(text)
+        return float(text == "\\boxed{60}")
+
+    wf = OpenAIAgentWorkflow(calculator_agent.run, tok, reward_fn, eos_ids=(2,))
+    with generator_of(tok, script) as gen:
+        try:
+            group = run_group(wf, gen, Item("r7", "47+18-5", answer="60"))
+        finally:
+            wf.close()
+    assert scored == ["\\boxed{60}"] and calculator_agent.evaluate("2*(3-5)") == -4
+    assert sorted(t.metadata["turn"] for t in group.trajectories) == [0, 1]
+    assert all(t.reward == 1.0 for t in group.trajectories)
