@@ -272,7 +272,8 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         if isinstance(result, str):
             if self.reward_fn is None:
                 raise ValueError("the agent returned text but the workflow has no reward function")
-            return float(ctx.reward(self.reward_fn, row["question"], result, row["answer"], **row["metadata"]))
+            meta = {k: v for k, v in row["metadata"].items() if k not in ("prompt", "completion", "answer")}
+            return float(ctx.reward(self.reward_fn, row["question"], result, row["answer"], **meta))
         if session.reward is None:
             raise ValueError("the agent returned None and reported no reward (POST /v1/sessions/{id}/reward)")
         return float(session.reward)

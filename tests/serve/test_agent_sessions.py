@@ -51,7 +51,7 @@ class Item:
     def __init__(self, id, question, answer="3"):
         self.id, self.prompt, self.answer = id, question, answer
         self.prompt_ids = [5, 6, 7]
-        self.metadata = {"raw_prompt": question}
+        self.metadata = {"raw_prompt": question, "completion": "a gold completion column", "source": "t.jsonl:1"}
 
 
 def run_group(workflow, generator, item, n=1, timeout=60.0, seed=0):
@@ -225,7 +225,7 @@ def test_rewards_text_answers_and_missing_rewards(tok):
     seen = []
 
     def reward_fn(prompt, text, answer, **meta):
-        seen.append((prompt, text, answer))
+        seen.append((prompt, text, answer, meta))
         return 1.0 if text == answer else 0.0
 
     def sync_agent(client, row):  # a plain function gets the synchronous client
@@ -254,7 +254,7 @@ def test_rewards_text_answers_and_missing_rewards(tok):
             finally:
                 wf.close()
             assert t.reward == expect
-        assert seen == [("what is 3+4", "7", "7")]
+        assert seen == [("what is 3+4", "7", "7", {"source": "t.jsonl:1"})]  # the row's columns, as RLVR passes them
         wf = OpenAIAgentWorkflow(silent_agent, tok, reward_fn, eos_ids=(2,))
         from jaxrl_async.rollout.workflow import GroupRejected
 
