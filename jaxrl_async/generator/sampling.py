@@ -49,6 +49,64 @@ def request_key(seed: jax.Array, sample_index: jax.Array, position: jax.Array) -
     return jax.random.fold_in(jax.random.fold_in(key, sample_index), position)
 
 
+# The Gumbel noise of a batch, [B, V]: the numbers jax.random draws (`request_key`, then `jax.random.gumbel(key, (V,))`),
+# computed as plain uint32 arithmetic. jax lowers its threefry hash on CPU as a 5-trip while loop (every trip a
+# dozen thunks and copies of its [B, V] carries): three such loops per decode step, ~250 thunks, most of the step's
+# fixed cost on a small model. The unrolled hash below is the same function (jax's own non-CPU lowering,
+# `_threefry2x32_lowering(use_rolled_loops=False)`), so the stream is unchanged, bit for bit
+# (tests/generator/test_sampling.py); where jax's settings pick another stream it falls back to jax.random.
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def threefry2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The Threefry-2x32 block cipher (20 rounds) on uint32 arrays (broadcast together), unrolled."""
+    u32 = jnp.uint32
+    k1, k2, x1, x2 = (jnp.asarray(a, u32) for a in (k1, k2, x1, x2))
+    ks = (k1, k2, k1 ^ k2 ^ u32(0x1BD11BDA))
+    x = [x1 + ks[0], x2 + ks[1]]
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x[0] = x[0] + x[1]
+            x[1] = jax.lax.shift_left(x[1], u32(r)) | jax.lax.shift_right_logical(x[1], u32(32 - r))
+            x[1] = x[0] ^ x[1]
+        x[0] = x[0] + ks[(i + 1) % 3]
+        x[1] = x[1] + ks[(i + 2) % 3] + u32(i + 1)
+    return x[0], x[1]
+
+
+def _lean_stream() -> bool:
+    """jax's settings draw the stream `gumbel_noise` reproduces (the defaults: threefry2x32, partitionable bits,
+    low-range Gumbel)."""
+    cfg = jax.config
+    return (str(getattr(cfg, "jax_default_prng_impl", "")) == "threefry2x32"
+            and bool(getattr(cfg, "jax_threefry_partitionable", False))
+            and not bool(getattr(cfg, "jax_high_dynamic_range_gumbel", True)))
+
+
+def gumbel_noise(seed: jax.Array, sample_index: jax.Array, position: jax.Array, vocab: int) -> jax.Array:
+    """[B, V] float32: row b = jax.random.gumbel(request_key(seed[b], sample_index[b], position[b]), (V,)),
+    bitwise (unrolled threefry; see above)."""
+    if not _lean_stream():
+        keys = jax.vmap(request_key)(seed, sample_index, position)
+        return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
+    u32 = jnp.uint32
+    zero = jnp.zeros_like(seed, u32)
+    # PRNGKey(seed) = (seed >> 32, seed) = (0, seed) for uint32 seeds; fold_in(key, d) = threefry(key, (0, d))
+    k1, k2 = threefry2x32(zero, seed.astype(u32), zero, sample_index.astype(u32))
+    k1, k2 = threefry2x32(k1, k2, zero, position.astype(u32))
+    # random_bits(key, 32, (V,)) with partitionable threefry: b1 ^ b2 of threefry(key, (0, iota))
+    iota = jax.lax.broadcasted_iota(u32, (1, vocab), 1)
+    b1, b2 = threefry2x32(k1[:, None], k2[:, None], jnp.zeros((1, vocab), u32), iota)
+    bits = b1 ^ b2
+    # jax.random.uniform(minval=tiny, maxval=1) then -log(-log(u)), the same operations in the same order
+    f32 = jnp.float32
+    tiny = f32(jnp.finfo(f32).tiny)
+    floats = jax.lax.bitcast_convert_type(jax.lax.shift_right_logical(bits, u32(32 - 23)) | u32(0x3F800000),
+                                          f32) - f32(1.0)
+    u = jax.lax.max(tiny, floats * (f32(1.0) - tiny) + tiny)
+    return -jnp.log(-jnp.log(u))
+
+
 def scale_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     """z = logits / T per row (T > 0), logits unchanged where T == 0. logits [B, V], T [B]."""
     t = temperature[:, None].astype(jnp.float32)
@@ -161,8 +219,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     def sampled():
         no_theta = jnp.full(z.shape[:1], -jnp.inf, jnp.float32)
         theta = jax.lax.cond(jnp.any(trunc), truncated, lambda: no_theta) if truncation else no_theta
-        keys = jax.vmap(request_key)(seed, sample_index, position)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[-1:], jnp.float32))(keys)
+        gumbel = gumbel_noise(seed, sample_index, position, z.shape[-1])
         # one argmax for the whole batch: sampled rows over their support + noise, greedy rows over the logits
         return first_argmax(jnp.where((temperature > 0)[:, None],
                                       jnp.where(z >= theta[:, None], z, -jnp.inf) + gumbel, logits))

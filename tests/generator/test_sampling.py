@@ -111,6 +111,22 @@ def test_request_key_formula():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 1001, 1024])
+def test_gumbel_noise_is_jax_random_bitwise(vocab):
+    """The unrolled threefry noise of the sampler = jax.random's (request_key, then gumbel), bit for bit, over
+    seeds up to 2**32 - 1, negative and large sample indices and positions; and so does the fallback path."""
+    rng = np.random.default_rng(vocab)
+    B = 41
+    seed = jnp.asarray(np.concatenate([[0, 2**32 - 1], rng.integers(0, 2**32, B - 2, dtype=np.uint64)]).astype(np.uint32))
+    idx = jnp.asarray(np.concatenate([[0, -1], rng.integers(-2**31, 2**31 - 1, B - 2)]).astype(np.int32))
+    pos = jnp.asarray(np.concatenate([[0, 2**31 - 1], rng.integers(0, 2**31 - 1, B - 2)]).astype(np.int32))
+    ref = jax.jit(lambda s, i, p: jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(
+        jax.vmap(sampling.request_key)(s, i, p)))(seed, idx, pos)
+    assert sampling._lean_stream()
+    got = jax.jit(lambda s, i, p: sampling.gumbel_noise(s, i, p, vocab))(seed, idx, pos)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(ref).view(np.uint32))
+
+
 def test_row_result_independent_of_batch_composition():
     """A row's token depends only on its own logits, params and key, not on its neighbours or its row.
     (All calls use the [N, V] shape of the other tests: one compilation for the module.)"""
