@@ -83,17 +83,24 @@ def _lean_stream() -> bool:
             and not bool(getattr(cfg, "jax_high_dynamic_range_gumbel", True)))
 
 
-def gumbel_noise(seed: jax.Array, sample_index: jax.Array, position: jax.Array, vocab: int) -> jax.Array:
-    """[B, V] float32: row b = jax.random.gumbel(request_key(seed[b], sample_index[b], position[b]), (V,)),
-    bitwise (unrolled threefry; see above)."""
+def row_keys(seed: jax.Array, sample_index: jax.Array, position: jax.Array):
+    """The request keys of a batch (`request_key` per row): with the lean stream a pair of [B] uint32 arrays, else
+    jax's [B, 2] raw keys (`gumbel_from_keys` takes either)."""
     if not _lean_stream():
-        keys = jax.vmap(request_key)(seed, sample_index, position)
-        return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
+        return jax.vmap(request_key)(seed, sample_index, position)
     u32 = jnp.uint32
     zero = jnp.zeros_like(seed, u32)
     # PRNGKey(seed) = (seed >> 32, seed) = (0, seed) for uint32 seeds; fold_in(key, d) = threefry(key, (0, d))
     k1, k2 = threefry2x32(zero, seed.astype(u32), zero, sample_index.astype(u32))
-    k1, k2 = threefry2x32(k1, k2, zero, position.astype(u32))
+    return threefry2x32(k1, k2, zero, position.astype(u32))
+
+
+def gumbel_from_keys(keys, vocab: int) -> jax.Array:
+    """[B, V] float32: row b = jax.random.gumbel(key b, (V,)), bitwise (unrolled threefry; see above)."""
+    if not isinstance(keys, tuple):
+        return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
+    u32 = jnp.uint32
+    k1, k2 = keys
     # random_bits(key, 32, (V,)) with partitionable threefry: b1 ^ b2 of threefry(key, (0, iota))
     iota = jax.lax.broadcasted_iota(u32, (1, vocab), 1)
     b1, b2 = threefry2x32(k1[:, None], k2[:, None], jnp.zeros((1, vocab), u32), iota)
@@ -105,6 +112,12 @@ def gumbel_noise(seed: jax.Array, sample_index: jax.Array, position: jax.Array, 
                                           f32) - f32(1.0)
     u = jax.lax.max(tiny, floats * (f32(1.0) - tiny) + tiny)
     return -jnp.log(-jnp.log(u))
+
+
+def gumbel_noise(seed: jax.Array, sample_index: jax.Array, position: jax.Array, vocab: int) -> jax.Array:
+    """[B, V] float32: row b = jax.random.gumbel(request_key(seed[b], sample_index[b], position[b]), (V,)),
+    bitwise."""
+    return gumbel_from_keys(row_keys(seed, sample_index, position), vocab)
 
 
 def scale_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
@@ -216,10 +229,14 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         theta = jax.lax.cond(jnp.any(unsettled), full_sort_rows, lambda: theta)
         return jnp.where(trunc, theta, -jnp.inf)
 
+    # the row keys are computed here, outside the branch: an operand of the cond is materialised once, where
+    # inside it XLA fused the two [B] key hashes into the [B, V] noise, recomputing them for every element
+    keys = row_keys(seed, sample_index, position)
+
     def sampled():
         no_theta = jnp.full(z.shape[:1], -jnp.inf, jnp.float32)
         theta = jax.lax.cond(jnp.any(trunc), truncated, lambda: no_theta) if truncation else no_theta
-        gumbel = gumbel_noise(seed, sample_index, position, z.shape[-1])
+        gumbel = gumbel_from_keys(keys, z.shape[-1])
         # one argmax for the whole batch: sampled rows over their support + noise, greedy rows over the logits
         return first_argmax(jnp.where((temperature > 0)[:, None],
                                       jnp.where(z >= theta[:, None], z, -jnp.inf) + gumbel, logits))
