@@ -142,7 +142,7 @@ class Tree:
 def run(args, base_dir: str) -> dict:
     import jax
 
-    sys.path.insert(0, base_dir)
+    sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), base_dir]  # this tree, baseline
     from jaxrl_async.models.config import ModelConfig
     from jaxrl_async.models.transformer import init_params
 

@@ -37,3 +37,28 @@ def test_accelerator_suite_imports_no_data_layer():
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_decode_fixed_cost_bench_runs_both_trees_side_by_side(tmp_path):
+    """bench_decode_fixed_cost.py: the baseline revision imported next to this tree in one process; both engines
+    step the same slots (the same tokens here: the baseline is this very revision), no recompilation."""
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        import pytest
+
+        pytest.skip("not a git checkout")
+    out = tmp_path / "fixed.json"
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_decode_fixed_cost.py"),
+                           "--baseline", "HEAD", "--rounds", "1", "--ks", "1", "2", "--engine-steps", "4", "--chunk",
+                           "2", "--new-tokens", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert [r["K"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        assert r["same_tokens"] == 1.0 and r["max_logprob_diff"] == 0.0, r
+        assert r["current"]["generator_ms_per_step"] > 0 and r["baseline"]["engine_sync_ms"] > 0, r
+    assert res["raw"]["files"]["baseline"].endswith(os.path.join("jaxrl_async_baseline", "__init__.py"))
+    for counts in res["compiles"].values():
+        assert counts["generate_plain"] == 1 and counts["generate_multi"] == 1, counts
+    assert res["program"]["current"] == res["program"]["baseline"] and res["program"]["current"]["entry_thunks"] > 0
