@@ -201,6 +201,9 @@ class TrainingSession:
         row = step_row(out, push, self.pusher, self.generator.stats(), self.staleness.counts(), self.clock,
                        version=version, wait_s=wait_s)
         row.update(self._reward_failures(step))
+        replica_metrics = getattr(self.generator, "replica_metrics", None)  # several generator replicas (distributed)
+        if replica_metrics is not None:
+            row.update(replica_metrics())
         if step % c.logging.log_every == 0 or step == tr.total_steps:
             self.metrics.log(step, row)
         self.result.last_metrics = row
