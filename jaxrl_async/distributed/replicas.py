@@ -282,7 +282,7 @@ class RemoteGenerator:
 
     def _mark_dead(self, rep: Replica, peer: Any, err: BaseException) -> bool:
         with self._lock:
-            if rep.peer is not peer or rep.state == "dead":
+            if rep.peer is not peer or rep.state == "dead" or self._closed:  # closed: stop() closes them all
                 return False
             was = rep.state
             rep.state, rep.inflight = "dead", 0
