@@ -53,6 +53,7 @@ __all__ = ["OpenAIAgentWorkflow", "agent_function", "episode_samples", "AGENT_MO
 log = logging.getLogger(__name__)
 AGENT_MODEL_NAME = "policy"  # the model name the endpoint serves (any OpenAI ``model`` must name it)
 SAMPLE_MODES = ("per_turn", "stitched")
+RECORD_WAIT_S = 10.0  # at an episode's end, the longest wait for the records of its calls
 
 
 def agent_function(spec: str) -> Callable[..., Any]:
@@ -216,6 +217,11 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 reward = self._wait_online(session, ctx)
             else:
                 reward = self._run_agent(session, row, ep, ctx)
+            # the records of calls whose (streamed) answer reached the agent first: moments away; a call still
+            # running after the bound (the agent did not wait for it) is not trained
+            if not session.wait(lambda s: s.pending == 0, RECORD_WAIT_S):
+                log.warning("session %s ended with %d call(s) unrecorded after %.0f s; not trained", session.id,
+                            session.pending, RECORD_WAIT_S)
             calls = session.ordered_calls()
         finally:
             ep.sessions.end(session)
