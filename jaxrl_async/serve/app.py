@@ -89,9 +89,10 @@ def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         check_key(request)
-        req = parse_chat(await read_json(request), backend.model_name, backend.vocab_size)
+        req = parse_chat(await read_json(request), backend.model_name, backend.vocab_size, backend.max_top_logprobs)
         prompt = backend.render_chat(req)
-        sp = backend.sampling_params(req.sampling, backend.budget(len(prompt), req.sampling.max_tokens, "messages"))
+        sp = backend.sampling_params(req.sampling, backend.budget(len(prompt), req.sampling.max_tokens, "messages"),
+                                     req.top_logprobs)
         batch = backend.submit([prompt], sp, req.sampling.stream, "chat")
         rid, created = new_id("chatcmpl"), now()
         head = {"id": rid, "created": created, "model": backend.model_name}
@@ -110,8 +111,9 @@ def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
             if calls:
                 message["tool_calls"] = calls
             choices.append({"index": s.sample_index, "message": message, "finish_reason": reason,
-                            "logprobs": chat_logprobs(backend.token_strings(s.completion_ids), s.logprobs)
-                            if req.logprobs else None, **_record_fields(s)})
+                            "logprobs": chat_logprobs(backend.token_strings(s.completion_ids), s.logprobs,
+                                                      backend.top_strings(s.top_logprobs)) if req.logprobs else None,
+                            **_record_fields(s)})
         n_out = sum(len(s.completion_ids) for s in out.samples)
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage(len(prompt), n_out),
                 "system_fingerprint": None, "prompt_token_ids": prompt,
@@ -142,7 +144,8 @@ def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
                     delta["content"] = text
                 yield sse({**head, "choices": [{
                     "index": i, "delta": delta, "finish_reason": reason,
-                    "logprobs": chat_logprobs(backend.token_strings(ids), list(ev.logprobs)) if req.logprobs else None,
+                    "logprobs": chat_logprobs(backend.token_strings(ids), list(ev.logprobs),
+                                              backend.top_strings(ev.top_logprobs)) if req.logprobs else None,
                     "token_ids": ids, "token_logprobs": list(ev.logprobs), "policy_versions": list(ev.versions)}]})
             if req.sampling.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(len(prompt), completion_tokens),
@@ -161,10 +164,11 @@ def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_key(request)
-        req = parse_completion(await read_json(request), backend.model_name, backend.vocab_size)
+        req = parse_completion(await read_json(request), backend.model_name, backend.vocab_size,
+                               backend.max_top_logprobs)
         prompts = [backend.encode_prompt(p) for p in req.prompts]
         budgets = [backend.budget(len(p), req.sampling.max_tokens, "prompt") for p in prompts]
-        sp = backend.sampling_params(req.sampling, min(budgets))
+        sp = backend.sampling_params(req.sampling, min(budgets), req.top_logprobs)
         batch = backend.submit(prompts, sp, req.sampling.stream, "cmpl")
         head = {"id": new_id("cmpl"), "created": now(), "model": backend.model_name, "object": "text_completion"}
         prompt_texts = [p if isinstance(p, str) else backend.decode(p) for p in req.prompts]
@@ -184,7 +188,8 @@ def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
                 lp = None
                 if req.logprobs:
                     toks = backend.token_strings(s.completion_ids)
-                    lp = completion_logprobs(toks, list(s.logprobs))
+                    lp = completion_logprobs(toks, list(s.logprobs), tops=backend.top_strings(s.top_logprobs)
+                                             if req.top_logprobs else None)
                 choices.append({"index": p * n + s.sample_index, "text": (prompt_texts[p] if req.echo else "") + text,
                                 "logprobs": lp, "finish_reason": reason, "prompt_token_ids": prompts[p],
                                 **_record_fields(s)})
@@ -214,7 +219,8 @@ def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
                 if ev.finish_reason is not None:
                     rest, _, reason = st.finish(ev.finish_reason)
                     text += rest
-                lp = completion_logprobs(backend.token_strings(ids), list(ev.logprobs)) if req.logprobs else None
+                lp = completion_logprobs(backend.token_strings(ids), list(ev.logprobs), tops=backend.top_strings(
+                    ev.top_logprobs) if req.top_logprobs else None) if req.logprobs else None
                 yield sse({**head, "choices": [{"index": p * n + ev.sample_index, "text": text, "logprobs": lp,
                                                 "finish_reason": reason, "token_ids": ids,
                                                 "token_logprobs": list(ev.logprobs),
