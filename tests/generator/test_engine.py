@@ -754,3 +754,9 @@ def test_generator_delivers_top_logprobs(fam):
     assert all(len(t) == 3 for t in out.top_logprobs)
     assert [t for c in chunks for t in c.top_logprobs] == out.top_logprobs
     assert none.completion_ids == out.completion_ids and none.top_logprobs == [()] * len(out.completion_ids)
+    # the compacted decode step (one live slot: 2 rows) returns them too
+    comp = make_engine(cfg, max_top_logprobs=4, compact_decode=True, compact_min_rows=1, compact_levels=1)
+    ctops = []
+    assert run(comp, params, [(p, sp)], tops=ctops)[0] == toks and comp.compact_steps > 0
+    assert [i.tolist() for _, i in ctops[0]] == [i.tolist() for _, i in tops[0]]
+    np.testing.assert_allclose([v for v, _ in ctops[0]], [v for v, _ in tops[0]], rtol=0, atol=1e-5)
