@@ -14,6 +14,6 @@ def test_ruff_check_passes():
     exe = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
     if exe is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
-    proc = subprocess.run([exe, "check", "jaxrl_async", "tests", "benchmarks", "configs"], cwd=ROOT,
+    proc = subprocess.run([exe, "check", "jaxrl_async", "tests", "benchmarks", "configs", "examples"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]

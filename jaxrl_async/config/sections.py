@@ -177,7 +177,14 @@ class RolloutConfig:
     * ``n_samples``: samples per prompt (GRPO group size).
     * ``kv_update_policy``: what in-flight sequences do on a weight update (``recompute_kv`` = AReaL's
       re-prefill under the new weights; ``keep_kv`` = PipelineRL, continue on the old cache).
-    * ``workflow``: ``"rlvr"`` or ``"package.module:Class"`` (a ``RolloutWorkflow`` subclass).
+    * ``workflow``: ``"rlvr"``, ``"openai_agent"`` (agents written with any OpenAI client, ``rollout/openai_agent.py``)
+      or ``"package.module:Class"`` (a ``RolloutWorkflow`` subclass).
+    * ``agent`` (``openai_agent``): ``"package.module:function"``, ``fn(client, row)`` with an OpenAI client of the
+      run's agent endpoint, or ``"online"`` (agents in other processes claim episodes over HTTP).
+    * ``agent_samples``: ``"per_turn"`` (one sample per model call, reward discounted back by
+      ``agent_turn_discount``) or ``"stitched"`` (one per conversation where the calls' tokens extend each other).
+    * ``agent_host`` / ``agent_port`` / ``agent_api_key``: the agent endpoint's address (port 0: any free port) and
+      key (default: a random one; a non-loopback host needs one).
     * ``reward``: built-in (``math``, ``gsm8k``, ``code``) or ``"package.module:function"``.
     * ``filter_zero_signal_groups``: DAPO dynamic sampling (reject groups whose rewards are all equal).
     * ``group_timeout_s``: wall-clock cap per group (aborted and rejected, reason ``timeout``).
@@ -193,6 +200,12 @@ class RolloutConfig:
     sampling: SamplingConfig = SamplingConfig()
     engine: EngineConfig = EngineConfig()
     workflow: str = "rlvr"
+    agent: str | None = None
+    agent_samples: Literal["per_turn", "stitched"] = "per_turn"
+    agent_turn_discount: float = 1.0
+    agent_host: str = "127.0.0.1"
+    agent_port: int = 0
+    agent_api_key: str | None = None
     reward: str = "math"
     reward_workers: int = 2
     filter_zero_signal_groups: bool = False

@@ -106,7 +106,22 @@ def _import_rules(cfg: RunConfig) -> None:
             load_reward_fn(ro.reward)
         except RewardLoadError as e:
             raise ConfigError("rollout.reward", str(e)) from None
-    if ro.workflow != "rlvr":
+    if ro.workflow == "openai_agent":
+        import importlib.util
+
+        missing = [m for m in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
+        _require(not missing, "rollout.workflow",
+                 f"openai_agent needs {', '.join(missing)}: pip install 'jaxrl_async[agent]'")
+        _require(ro.agent is not None, "rollout.agent",
+                 "rollout.workflow=openai_agent needs rollout.agent=package.module:function (or online)")
+        if ro.agent != "online":
+            from jaxrl_async.rollout.openai_agent import agent_function
+
+            try:
+                agent_function(ro.agent)
+            except ValueError as e:
+                raise ConfigError("rollout.agent", str(e)) from None
+    elif ro.workflow != "rlvr":
         from jaxrl_async.rollout.workflow import workflow_class
 
         try:
@@ -128,8 +143,18 @@ def _rollout_rules(cfg: RunConfig) -> None:
              f"must be > 0 or None, got {ro.group_timeout_s}")
     _require(ro.max_consecutive_failures >= 1, "rollout.max_consecutive_failures",
              f"must be >= 1, got {ro.max_consecutive_failures}")
-    _require(ro.workflow == "rlvr" or ":" in ro.workflow, "rollout.workflow",
-             f"must be 'rlvr' or 'package.module:Class', got {ro.workflow!r}")
+    _require(ro.workflow in ("rlvr", "openai_agent") or ":" in ro.workflow, "rollout.workflow",
+             f"must be 'rlvr', 'openai_agent' or 'package.module:Class', got {ro.workflow!r}")
+    _require(ro.agent is None or ro.workflow == "openai_agent", "rollout.agent",
+             f"is for rollout.workflow=openai_agent (the workflow is {ro.workflow!r})")
+    _require(0.0 <= ro.agent_turn_discount <= 1.0, "rollout.agent_turn_discount",
+             f"must be in [0, 1], got {ro.agent_turn_discount}")
+    _require(0 <= ro.agent_port <= 65535, "rollout.agent_port", f"must be in [0, 65535], got {ro.agent_port}")
+    if ro.workflow == "openai_agent":
+        from jaxrl_async.serve.endpoint import is_loopback
+
+        _require(is_loopback(ro.agent_host) or bool(ro.agent_api_key), "rollout.agent_api_key",
+                 f"rollout.agent_host={ro.agent_host!r} is not a loopback address: set an API key")
     from jaxrl_async.rewards.registry import BUILTIN_REWARDS
 
     _require(ro.reward in BUILTIN_REWARDS or ":" in ro.reward, "rollout.reward",

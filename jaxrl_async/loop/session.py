@@ -90,7 +90,9 @@ class TrainingSession:
             from jaxrl_async.rl.advantages import group_has_signal
 
             should_accept = lambda g: group_has_signal(g.rewards)  # noqa: E731
-        workflow = build_workflow(ro.workflow, self.reward_fn, self.setup.tokenizer)
+        workflow = build_workflow(ro.workflow, self.reward_fn, self.setup.tokenizer, ro, self.setup.eos_ids,
+                                  say=self.control.say)
+        self.workflow = workflow
         return RolloutDispatcher(
             workflow, self.generator, self.staleness, ledger, n_samples=ro.n_samples,
             sampling=ro.sampling.params(n=ro.n_samples, seed=c.seed, stop_token_ids=self.setup.eos_ids),
@@ -142,6 +144,11 @@ class TrainingSession:
     def _train(self) -> None:
         c, tr, signals = self.cfg, self.cfg.trainer, self.control.signals
         self.generator.start()
+        if hasattr(self.workflow, "ensure_endpoint"):  # openai_agent: its endpoint up (and its URL said) before rollouts
+            try:
+                self.workflow.ensure_endpoint(self.generator)
+            except (ValueError, OSError) as e:
+                raise FatalRunError(f"rollout.workflow={c.rollout.workflow}: {e}") from None
         self.dispatcher.start()
         step = self.steps.step
         if self._eval_due(step) and step not in {s for s, _, _ in self.result.eval_history}:
@@ -201,6 +208,11 @@ class TrainingSession:
         row = step_row(out, push, self.pusher, self.generator.stats(), self.staleness.counts(), self.clock,
                        version=version, wait_s=wait_s)
         row.update(self._reward_failures(step))
+        if hasattr(self.workflow, "step_metrics"):  # e.g. openai_agent: turns, stitched / fallen-back episodes
+            row.update(self.workflow.step_metrics(out.groups))
+        replica_metrics = getattr(self.generator, "replica_metrics", None)  # several generator replicas (distributed)
+        if replica_metrics is not None:
+            row.update(replica_metrics())
         if step % c.logging.log_every == 0 or step == tr.total_steps:
             self.metrics.log(step, row)
         self.result.last_metrics = row
@@ -269,6 +281,8 @@ class TrainingSession:
     def _shutdown(self, close_metrics: bool) -> None:
         self.ledger.freeze()
         self.dispatcher.stop(timeout=10.0)
+        if hasattr(self.workflow, "close"):  # e.g. openai_agent's endpoint
+            self.workflow.close()
         self.staleness.close()
         self.pusher.close(timeout=10.0)
         try:

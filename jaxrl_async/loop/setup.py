@@ -176,13 +176,22 @@ def sft_examples(setup: RunSetup) -> list[Any]:
     return ex
 
 
-def build_workflow(spec: str, reward_fn: Any, tokenizer: Any) -> Any:
-    """``rollout.workflow``: ``rlvr`` or ``module:Class`` (a ``RolloutWorkflow`` subclass, given the tokenizer
-    and the reward function when its constructor takes them)."""
+def build_workflow(spec: str, reward_fn: Any, tokenizer: Any, rollout: Any = None, eos_ids: Any = (),
+                   say: Any = None) -> Any:
+    """``rollout.workflow``: ``rlvr``, ``openai_agent`` (``rollout.agent*`` from ``rollout``, the config section) or
+    ``module:Class`` (a ``RolloutWorkflow`` subclass, given the tokenizer and the reward function when its
+    constructor takes them)."""
     from jaxrl_async.rollout.workflow import RLVRWorkflow, workflow_class
 
     if spec == "rlvr":
         return RLVRWorkflow(reward_fn, tokenizer)
+    if spec == "openai_agent":
+        from jaxrl_async.rollout.openai_agent import OpenAIAgentWorkflow
+
+        ro = rollout
+        return OpenAIAgentWorkflow(ro.agent, tokenizer, reward_fn, samples=ro.agent_samples,
+                                   turn_discount=ro.agent_turn_discount, host=ro.agent_host, port=ro.agent_port,
+                                   api_key=ro.agent_api_key, eos_ids=eos_ids, say=say)
     try:
         cls = workflow_class(spec)
     except ValueError as e:

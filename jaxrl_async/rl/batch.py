@@ -16,9 +16,10 @@ def build_training_batch(groups: Sequence[Any], adv_cfg: Any, group_size: int) -
     group structure passed in), as AReaL does: group-level statistics (GRPO's mean/std, RLOO's
     leave-one-out mean) are per group, batch-level ones (LitePPO's std, REINFORCE++ and ``adv_norm``)
     are over all B·n trajectories of the step. A group with fewer than ``group_size`` trajectories
-    (``allow_partial_groups``) is a group of its own size. Token conventions: trajectory arrays are
-    token-aligned (``loss_mask[t] = 1`` on generated token t), which is what ``compute_advantages``
-    and the trainer's packing expect.
+    (``allow_partial_groups``) is a group of its own size; so is one whose episodes gave several samples
+    each (``rollout.workflow=openai_agent``'s per-turn samples: statistics over all of the group's samples).
+    Token conventions: trajectory arrays are token-aligned (``loss_mask[t] = 1`` on generated token t),
+    which is what ``compute_advantages`` and the trainer's packing expect.
     """
     from jaxrl_async.rl.advantages import compute_advantages
     from jaxrl_async.trainer.packing import TrainSequence
@@ -27,8 +28,10 @@ def build_training_batch(groups: Sequence[Any], adv_cfg: Any, group_size: int) -
     sizes = [len(cg.item.trajectories) for cg in groups]
     if not trajs:
         raise ValueError("build_training_batch: no trajectories")
-    if any(n > group_size for n in sizes):
-        raise ValueError(f"a group has {max(sizes)} trajectories, more than group_size {group_size}")
+    for cg, n in zip(groups, sizes):  # more only when episodes gave several samples (one per agent turn)
+        episodes = (getattr(cg.item, "metadata", None) or {}).get("episodes", n)
+        if episodes > group_size:
+            raise ValueError(f"a group has {episodes} episodes, more than group_size {group_size}")
     T = max(t.length for t in trajs)
     mask = np.zeros((len(trajs), T), np.int32)
     logprobs = np.zeros((len(trajs), T), np.float32)

@@ -333,8 +333,9 @@ class RolloutWorkflow(abc.ABC):
     """Base class of all workflows: implement :meth:`run_episode` (see the module docstring)."""
 
     @abc.abstractmethod
-    def run_episode(self, item: Any, ctx: EpisodeContext) -> Trajectory | None:
-        """Run one episode for ``item``; return its Trajectory, or None to reject the group."""
+    def run_episode(self, item: Any, ctx: EpisodeContext) -> Trajectory | list[Trajectory] | None:
+        """Run one episode for ``item``; return its Trajectory (or, for an episode that trains on several samples,
+        a non-empty list of them: all go into the group), or None to reject the group."""
 
     def run_group(self, item: Any, ctx: EpisodeContext, n: int) -> list[Trajectory | None]:
         """n episodes of ``item``, run concurrently on ``ctx.episode_executor`` (sample i gets
@@ -399,6 +400,14 @@ class RLVRWorkflow(RolloutWorkflow):
         return tok.decode(list(sample.completion_ids), skip_special_tokens=True)
 
 
+def _is_episode_result(r: Any) -> bool:
+    """An episode's result: one Trajectory, or a non-empty list of them (an episode that trains on several
+    samples, e.g. one per agent turn)."""
+    if isinstance(r, Trajectory):
+        return True
+    return isinstance(r, list) and bool(r) and all(isinstance(t, Trajectory) for t in r)
+
+
 class GroupSampler:
     """Runs one group (n samples of one item) and validates it into a :class:`TrajectoryGroup`.
 
@@ -425,13 +434,18 @@ class GroupSampler:
             raise GroupRejected(f"error:{type(e).__name__}", str(e)) from e
         if len(results) != self.n_samples:
             raise GroupRejected("wrong_group_size", f"run_group returned {len(results)} results, expected {self.n_samples}")
-        bad = [type(r).__name__ for r in results if r is not None and not isinstance(r, Trajectory)]
+        bad = [type(r).__name__ for r in results if r is not None and not _is_episode_result(r)]
         if bad:
-            raise GroupRejected("invalid_trajectory", f"workflow returned {bad[0]} instead of Trajectory/None")
-        kept = [r for r in results if r is not None]
-        if not kept or (len(kept) < len(results) and not self.allow_partial):
-            raise GroupRejected("episode_none", f"{len(results) - len(kept)} of {len(results)} episodes returned None")
-        group = TrajectoryGroup(item, kept, ctx.group_id, {"dropped_episodes": len(results) - len(kept)})
+            raise GroupRejected("invalid_trajectory",
+                                f"workflow returned {bad[0]} instead of Trajectory, a non-empty list of them, or None")
+        episodes = [r for r in results if r is not None]
+        if not episodes or (len(episodes) < len(results) and not self.allow_partial):
+            raise GroupRejected("episode_none", f"{len(results) - len(episodes)} of {len(results)} episodes returned None")
+        kept = [t for r in episodes for t in (r if isinstance(r, list) else [r])]
+        meta = {"dropped_episodes": len(results) - len(episodes)}
+        if len(kept) != len(episodes):
+            meta["episodes"] = len(episodes)  # episodes gave several samples each (e.g. one per agent turn)
+        group = TrajectoryGroup(item, kept, ctx.group_id, meta)
         if self.should_accept is not None and not self.should_accept(group):
             raise GroupRejected("filtered")
         return group

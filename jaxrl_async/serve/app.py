@@ -15,6 +15,7 @@ import secrets
 from typing import Any, AsyncIterator
 
 from jaxrl_async.serve.backend import Batch, ClientGone, ServeBackend, TextStream, final_text
+from jaxrl_async.serve.sessions import Session, SessionStore
 from jaxrl_async.serve.protocol import (APIError, chat_logprobs, completion_logprobs, new_id, now, parse_chat,
                                         parse_completion, usage)
 
@@ -33,9 +34,10 @@ def _record_fields(sample: Any) -> dict:
             "policy_versions": list(sample.versions)}
 
 
-def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
+def build_app(backend: ServeBackend, api_key: str | None = None, sessions: SessionStore | None = None) -> Any:
     """The FastAPI application serving ``backend``; with ``api_key`` every ``/v1`` route needs
-    ``Authorization: Bearer <api_key>``."""
+    ``Authorization: Bearer <api_key>``; with ``sessions`` (the agent workflow's endpoint) the session routes too
+    (``add_session_routes``)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -89,11 +91,14 @@ def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         check_key(request)
+        return await chat_call(request, None)
+
+    async def chat_call(request: Request, session: Session | None):
         req = parse_chat(await read_json(request), backend.model_name, backend.vocab_size, backend.max_top_logprobs)
         prompt = backend.render_chat(req)
         sp = backend.sampling_params(req.sampling, backend.budget(len(prompt), req.sampling.max_tokens, "messages"),
                                      req.top_logprobs)
-        batch = backend.submit([prompt], sp, req.sampling.stream, "chat")
+        batch = backend.submit([prompt], sp, req.sampling.stream, "chat", metadata=call_meta(session))
         rid, created = new_id("chatcmpl"), now()
         head = {"id": rid, "created": created, "model": backend.model_name}
         if req.sampling.stream:
@@ -106,7 +111,8 @@ def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
         out = batch.outputs[0]
         choices = []
         for s in out.samples:
-            content, calls, reason = final_text(s.text or "", s.finish_reason, req.sampling.stop, req.parse_tools)
+            content, calls, reason = final_text(s.text or "", s.finish_reason, req.sampling.stop, req.parse_tools,
+                                                req.parallel_tool_calls)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
@@ -122,7 +128,8 @@ def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
     async def chat_stream(request: Request, batch: Batch, req: Any, prompt: list[int], head: dict) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
         n = req.sampling.n
-        texts = [TextStream(backend.decode, req.sampling.stop, req.parse_tools) for _ in range(n)]
+        texts = [TextStream(backend.decode, req.sampling.stop, req.parse_tools, req.parallel_tool_calls)
+                 for _ in range(n)]
         completion_tokens = 0
         try:
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -164,12 +171,15 @@ def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_key(request)
+        return await completions_call(request, None)
+
+    async def completions_call(request: Request, session: Session | None):
         req = parse_completion(await read_json(request), backend.model_name, backend.vocab_size,
                                backend.max_top_logprobs)
         prompts = [backend.encode_prompt(p) for p in req.prompts]
         budgets = [backend.budget(len(p), req.sampling.max_tokens, "prompt") for p in prompts]
         sp = backend.sampling_params(req.sampling, min(budgets), req.top_logprobs)
-        batch = backend.submit(prompts, sp, req.sampling.stream, "cmpl")
+        batch = backend.submit(prompts, sp, req.sampling.stream, "cmpl", metadata=call_meta(session))
         head = {"id": new_id("cmpl"), "created": now(), "model": backend.model_name, "object": "text_completion"}
         prompt_texts = [p if isinstance(p, str) else backend.decode(p) for p in req.prompts]
         n = req.sampling.n
@@ -238,4 +248,61 @@ def build_app(backend: ServeBackend, api_key: str | None = None) -> Any:
             if not batch.finished:
                 batch.abort()
 
+    if sessions is not None:
+        add_session_routes(app, sessions, check_key, read_json, chat_call, completions_call, models)
     return app
+
+
+def call_meta(session: Session | None) -> dict | None:
+    """The generator request's metadata that files a call under its session (in submission order)."""
+    return None if session is None else {"session": session.id, "seq": session.next_seq()}
+
+
+def add_session_routes(app: Any, sessions: SessionStore, check_key: Any, read_json: Any, chat_call: Any,
+                       completions_call: Any, models: Any) -> None:
+    """The agent-session routes (``serve/sessions.py``): ``/sessions/{id}/v1/...`` (an OpenAI base URL per
+    episode, every call recorded), ``POST /v1/sessions`` (online agents claim an offered episode: its id, base
+    URL and dataset row; 429 when none is offered), ``POST /v1/sessions/{id}/reward`` (``{"reward": x}``, ends
+    the episode for training), ``GET /v1/sessions/{id}`` (what has been recorded)."""
+    from fastapi import Request
+
+    @app.post("/sessions/{sid}/v1/chat/completions")
+    async def session_chat(sid: str, request: Request):
+        check_key(request)
+        return await chat_call(request, sessions.get(sid))
+
+    @app.post("/sessions/{sid}/v1/completions")
+    async def session_completions(sid: str, request: Request):
+        check_key(request)
+        return await completions_call(request, sessions.get(sid))
+
+    @app.get("/sessions/{sid}/v1/models")
+    async def session_models(sid: str, request: Request):
+        check_key(request)
+        sessions.get(sid)
+        return await models(request)
+
+    @app.post("/v1/sessions")
+    async def claim(request: Request):
+        check_key(request)
+        s = sessions.claim()
+        base = str(request.base_url).rstrip("/")
+        return {"session_id": s.id, "base_url": f"{base}/sessions/{s.id}/v1", "row": s.row}
+
+    @app.post("/v1/sessions/{sid}/reward")
+    async def reward(sid: str, request: Request):
+        check_key(request)
+        body = await read_json(request)
+        if not isinstance(body, dict) or "reward" not in body:
+            raise APIError(400, "reward: the body must be a JSON object with a 'reward' number", param="reward")
+        s = sessions.set_reward(sid, body["reward"])
+        return {"session_id": s.id, "reward": s.reward, "calls": len(s.calls)}
+
+    @app.get("/v1/sessions/{sid}")
+    async def session_info(sid: str, request: Request):
+        check_key(request)
+        s = sessions.get(sid)
+        calls = s.ordered_calls()
+        return {"session_id": s.id, "calls": len(calls), "aborted_calls": s.aborted_calls,
+                "completion_tokens": sum(len(c.completion_ids) for c in calls),
+                "policy_versions": sorted({v for c in calls for v in c.versions})}

@@ -288,23 +288,27 @@ def partial_suffix(text: str, markers: Sequence[str]) -> int:
     return best
 
 
-def final_text(text: str, finish_reason: str, stops: Sequence[str], parse_tools: bool
+def final_text(text: str, finish_reason: str, stops: Sequence[str], parse_tools: bool, parallel_tool_calls: bool = True
                ) -> tuple[str | None, list[dict], str]:
-    """(content, tool calls, finish reason) of a finished sample's text."""
+    """(content, tool calls, finish reason) of a finished sample's text; without ``parallel_tool_calls`` the
+    first call only (as vLLM: the later ones are dropped, the tokens keep them)."""
     if stops and finish_reason == "stop":
         text, _ = cut_at_stop(text, stops)
     if parse_tools:
         content, calls = parse_tool_calls(text)
         if calls:
-            return content, calls, "tool_calls" if finish_reason == "stop" else finish_reason
+            return content, calls if parallel_tool_calls else calls[:1], \
+                "tool_calls" if finish_reason == "stop" else finish_reason
     return text, [], finish_reason
 
 
 class TextStream:
     """The text deltas of one streamed sample."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], parse_tools: bool):
+    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], parse_tools: bool,
+                 parallel_tool_calls: bool = True):
         self.decode, self.stops, self.parse_tools = decode, tuple(stops), parse_tools
+        self.parallel_tool_calls = parallel_tool_calls
         self.ids: list[int] = []
         self.sent = ""
 
@@ -326,7 +330,8 @@ class TextStream:
 
     def finish(self, finish_reason: str) -> tuple[str, list[dict], str]:
         """(the rest of the content, tool calls, finish reason)."""
-        content, calls, reason = final_text(self.decode(self.ids), finish_reason, self.stops, self.parse_tools)
+        content, calls, reason = final_text(self.decode(self.ids), finish_reason, self.stops, self.parse_tools,
+                                            self.parallel_tool_calls)
         if calls:
             return "", calls, reason
         content = content or ""

@@ -4,9 +4,12 @@ tool-call parser of the Qwen/Hermes ``<tool_call>`` format, and the response bod
 Requests are checked by hand rather than by pydantic models so that every refusal names the field the way OpenAI's
 API does (``{"error": {"message", "type", "param", "code"}}``, ``param`` the field), and so that this module
 imports nothing outside the standard library (the ``serve`` extra's packages are imported where the server starts).
-Unknown fields are ignored (as vLLM does); fields the engine cannot honour (penalties, ``logit_bias``, forced tool
-choices, more ``top_logprobs`` / completions ``logprobs`` than the server's ``--max-top-logprobs``) are refused with a
-400 naming them rather than silently ignored.
+Unknown fields are ignored (as vLLM does), and so are known ones that change nothing about the output here
+(``store``, ``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``, ``prediction``, ``reasoning_effort``,
+``verbosity``); fields the engine cannot honour (penalties, ``logit_bias``, forced tool choices, ``response_format`` other
+than text, audio output, the deprecated ``functions``, more ``top_logprobs`` / completions ``logprobs`` than the
+server's ``--max-top-logprobs``) are refused with a 400 naming them
+rather than silently ignored. ``parallel_tool_calls`` false keeps the first parsed call (as vLLM).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                             429: "rate_limit_error", 504: "timeout_error"}.get(status, "server_error")
+                             409: "invalid_request_error", 429: "rate_limit_error",
+                             504: "timeout_error"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -178,21 +182,24 @@ class ChatRequest:
     top_logprobs: int = 0
     tools: list[dict] | None = None
     parse_tools: bool = False  # tools given and tool_choice "auto"
+    parallel_tool_calls: bool = True  # False: only the first parsed call is returned (as vLLM)
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
 
-def _content_text(content: Any, where: str) -> str | None:
+def _content_text(content: Any, where: str, role: str | None = None) -> str | None:
+    """A message's content as text: text parts joined; an assistant's ``refusal`` parts are its text (as vLLM)."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+            if kind != key or not isinstance(part.get(key), str):
                 raise bad(f"{where}.content[{j}]", f"only text parts are supported, got {kind!r}")
-            parts.append(part["text"])
+            parts.append(part[key])
         return "".join(parts)
     raise bad(f"{where}.content", "must be a string, a list of text parts or null")
 
@@ -229,7 +236,7 @@ def parse_messages(messages: Any) -> list[dict]:
         if role not in ROLES:
             raise bad(f"{where}.role", f"must be one of {list(ROLES)}, got {role!r}")
         msg = {k: v for k, v in m.items() if v is not None}
-        msg["content"] = _content_text(m.get("content"), where)
+        msg["content"] = _content_text(m.get("content"), where, role)
         if role == "developer":  # OpenAI's newer name of the system role; templates know "system"
             msg["role"] = "system"
         if role == "assistant" and m.get("tool_calls"):
@@ -245,6 +252,9 @@ def parse_messages(messages: Any) -> list[dict]:
 
 
 def parse_tools(body: dict) -> tuple[list[dict] | None, bool]:
+    for name in ("functions", "function_call"):  # the deprecated function calling: a client would wait for calls
+        if body.get(name) is not None:
+            raise bad(name, "the deprecated function-calling fields are not supported; use tools and tool_choice")
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None:
@@ -270,7 +280,8 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool]:
 
 def _top_limit(name: str, k: int, max_top_logprobs: int) -> None:
     if k > max_top_logprobs:
-        raise bad(name, f"at most {max_top_logprobs} on this server (--max-top-logprobs {max_top_logprobs}), got {k}")
+        raise bad(name, f"at most {max_top_logprobs} on this server (serve's --max-top-logprobs; in an RL run "
+                        f"rollout.engine.max_top_logprobs), got {k}")
 
 
 def parse_chat(body: Any, served: str, vocab_size: int, max_top_logprobs: int = 0) -> ChatRequest:
@@ -285,6 +296,12 @@ def parse_chat(body: Any, served: str, vocab_size: int, max_top_logprobs: int = 
         raise bad("top_logprobs", "needs logprobs to be true")
     _top_limit("top_logprobs", top, max_top_logprobs)
     tools, parse = parse_tools(body)
+    parallel = _bool(body, "parallel_tool_calls", True)  # (accepted without tools, as vLLM)
+    modalities = _get(body, "modalities", ["text"])
+    if not isinstance(modalities, list) or any(m != "text" for m in modalities):
+        raise bad("modalities", f"this server produces text only (['text']), got {modalities!r}")
+    if body.get("audio") is not None:
+        raise bad("audio", "audio output is not supported by this server")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad("response_format", "only {'type': 'text'} is supported")
@@ -298,7 +315,7 @@ def parse_chat(body: Any, served: str, vocab_size: int, max_top_logprobs: int = 
     agp = _bool(body, "add_generation_prompt", not cont)
     if cont and (agp or messages[-1]["role"] != "assistant"):
         raise bad("continue_final_message", "needs a final assistant message and add_generation_prompt false")
-    return ChatRequest(messages, sampling, logprobs, top, tools, parse, kwargs, agp, cont)
+    return ChatRequest(messages, sampling, logprobs, top, tools, parse, parallel, kwargs, agp, cont)
 
 
 # ---------------------------------------------------------------------------------------------

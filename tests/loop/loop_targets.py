@@ -14,6 +14,15 @@ def has_digit(prompt: str, completion: str, answer: str, **metadata) -> float:
     return float(any(ch.isdigit() for ch in completion))
 
 
+def has_digit_slow(prompt: str, completion: str, answer: str, **metadata) -> float:
+    """has_digit after 50 ms (a run that paces itself without burning CPU: the replica-restart test needs its
+    steps to outlast a generator process's restart)."""
+    import time
+
+    time.sleep(0.05)
+    return has_digit(prompt, completion, answer)
+
+
 def has_digit_given_row(prompt: str, completion: str, answer: str, **metadata) -> float:
     """has_digit, but only when the row's metadata reached the reward (its ``source``: file and row), as the
     rollout and the evaluate CLI pass it; 0 without it."""
@@ -45,3 +54,14 @@ class SometimesNoneWorkflow(RLVRWorkflow):
         if k % 4 == 0:
             return [None] * n
         return super().run_group(item, ctx, n)
+
+
+async def two_turn_agent(client, row):
+    """An ``openai_agent`` agent (``rollout.agent=loop_targets:two_turn_agent``): asks, then asks again with its
+    answer in the history, through the run's endpoint with the plain ``openai`` SDK; the reward is has_digit of
+    the second answer."""
+    msgs = list(row["messages"])
+    r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=12)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content or ""}, {"role": "user", "content": "again"}]
+    r2 = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=12)
+    return has_digit("", r2.choices[0].message.content or "", "")

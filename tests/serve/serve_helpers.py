@@ -3,6 +3,7 @@ template (tools, ``<tool_call>`` JSON), a scripted host-only engine, and a uvico
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -101,16 +102,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def capturing(app: Any, bodies: list) -> Any:
+    """The ASGI ``app`` appending the JSON body of every POST it receives to ``bodies`` (what a client sent);
+    a plain ASGI wrapper, so the routes still see their client disconnect."""
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        try:
+            bodies.append(json.loads(body))
+        except ValueError:
+            bodies.append(body)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        await app(scope, replay, send)
+    return wrapped
+
+
 @contextlib.contextmanager
-def running_server(backend: Any, api_key: str | None = None):
-    """A uvicorn server of ``build_app(backend)`` on a free port in a thread; yields its base URL (``.../v1``)."""
+def running_server(backend: Any, api_key: str | None = None, bodies: list | None = None):
+    """A uvicorn server of ``build_app(backend)`` on a free port in a thread; yields its base URL (``.../v1``).
+    With ``bodies``, the JSON body of every POST request is appended to it."""
     import uvicorn
 
     from jaxrl_async.serve.app import build_app
 
+    app = build_app(backend, api_key=api_key)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(backend, api_key=api_key), host="127.0.0.1", port=port,
-                                          log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app if bodies is None else capturing(app, bodies), host="127.0.0.1",
+                                          port=port, log_level="warning", timeout_graceful_shutdown=2))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     deadline = time.monotonic() + 30

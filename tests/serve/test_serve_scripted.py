@@ -92,7 +92,7 @@ def test_logprobs_and_top_logprobs(tok):
         assert content[0]["bytes"] == [97] and content[0]["top_logprobs"] == []
         assert chat(url, logprobs=True, top_logprobs=0).status_code == 200
         # this engine computes no alternatives (max_top_logprobs 0): the limit is named
-        assert "at most 0 on this server (--max-top-logprobs 0), got 2" in error_of(
+        assert "at most 0 on this server (serve's --max-top-logprobs; in an RL run rollout.engine.max_top_logprobs), got 2" in error_of(
             chat(url, logprobs=True, top_logprobs=2), 400, "top_logprobs")
         assert "needs logprobs" in error_of(chat(url, top_logprobs=2), 400, "top_logprobs")
         assert "must be in [0, 20]" in error_of(chat(url, logprobs=True, top_logprobs=21), 400, "top_logprobs")
@@ -167,6 +167,48 @@ def test_tool_calls_parsed(tok):
         assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
         error_of(chat(url, tools=tools, tool_choice="required"), 400, "tool_choice")
         error_of(chat(url, tools=[{"type": "function", "function": {}}]), 400, "tools[0].function.name")
+
+
+def test_fields_agent_frameworks_send(tok):
+    """The fields of the OpenAI API that clients such as the Agents SDK and LangChain send: harmless ones are
+    accepted and ignored, parallel_tool_calls false keeps the first call (as vLLM), refusal parts of an assistant
+    message are its text, and fields whose semantics this server lacks are a 400 naming them."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    two = TOOL_TEXT + TOOL_TEXT.replace('"a": 1', '"a": 5')
+    with script_backend(tok, text_script(tok, [two])) as b, running_server(b) as url:
+        ok = dict(store=False, metadata={"k": "v"}, user="u1", service_tier="auto", prompt_cache_key="p",
+                  reasoning_effort="low", verbosity="low", prediction={"type": "content", "content": "x"},
+                  response_format={"type": "text"}, modalities=["text"], stream_options=None, logprobs=None,
+                  top_logprobs=None, max_completion_tokens=200, n=1)
+        r = chat(url, tools=tools, tool_choice="auto", **ok)
+        assert r.status_code == 200, r.text
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+        assert [json.loads(c["function"]["arguments"])["a"] for c in calls] == [1, 5]  # parallel_tool_calls: true
+        c = chat(url, tools=tools, parallel_tool_calls=False).json()["choices"][0]
+        assert len(c["message"]["tool_calls"]) == 1 and c["finish_reason"] == "tool_calls"
+        assert json.loads(c["message"]["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": 2}
+        assert tok.decode(c["token_ids"]).count("<tool_call>") == 2  # the tokens keep what the model wrote
+        events = sse_events(chat(url, tools=tools, parallel_tool_calls=False, stream=True))
+        deltas = [tc for e in events[:-1] for tc in e["choices"][0]["delta"].get("tool_calls", [])]
+        assert len(deltas) == 1 and deltas[0]["index"] == 0
+        assert chat(url, parallel_tool_calls=False).status_code == 200  # without tools: accepted (as vLLM)
+        error_of(chat(url, tools=tools, parallel_tool_calls="no"), 400, "parallel_tool_calls")
+        # an assistant turn the model refused: its refusal part is its text; a user's refusal part is refused
+        msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                {"role": "user", "content": "y"}]
+        assert "<|assistant|>no<|user|>y" in tok.decode(chat(url, messages=msgs).json()["prompt_token_ids"])
+        error_of(chat(url, messages=[{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]), 400,
+                 "messages[0].content[0]")
+        # semantics this server does not have
+        error_of(chat(url, functions=[{"name": "add", "parameters": {}}]), 400, "functions")
+        error_of(chat(url, function_call="auto"), 400, "function_call")
+        error_of(chat(url, modalities=["text", "audio"]), 400, "modalities")
+        error_of(chat(url, audio={"voice": "alloy", "format": "wav"}), 400, "audio")
+        error_of(chat(url, response_format={"type": "json_object"}), 400, "response_format")
+        error_of(chat(url, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), 400,
+                 "response_format")
+        error_of(chat(url, tools=tools, tool_choice={"type": "function", "function": {"name": "add"}}), 400,
+                 "tool_choice")
 
 
 def test_openai_sdk_against_the_server(tok):
