@@ -92,8 +92,9 @@ def test_logprobs_and_top_logprobs(tok):
         assert content[0]["bytes"] == [97] and content[0]["top_logprobs"] == []
         assert chat(url, logprobs=True, top_logprobs=0).status_code == 200
         # this engine computes no alternatives (max_top_logprobs 0): the limit is named
-        assert "at most 0 on this server (serve's --max-top-logprobs; in an RL run rollout.engine.max_top_logprobs), got 2" in error_of(
-            chat(url, logprobs=True, top_logprobs=2), 400, "top_logprobs")
+        msg = error_of(chat(url, logprobs=True, top_logprobs=2), 400, "top_logprobs")
+        assert "at most 0 on this server (serve's --max-top-logprobs; in an RL run rollout.engine.max_top_logprobs), " \
+               "got 2" in msg
         assert "needs logprobs" in error_of(chat(url, top_logprobs=2), 400, "top_logprobs")
         assert "must be in [0, 20]" in error_of(chat(url, logprobs=True, top_logprobs=21), 400, "top_logprobs")
 
