@@ -128,11 +128,15 @@ class ServeBackend:
       eos_ids: the ids generation stops at (``data.tokenizer.stop_token_ids``) unless ``ignore_eos``.
       max_queue: samples that may wait for a slot; beyond them a request is refused with 429.
       request_timeout_s: longest time a request may take (queue + generation) before it is aborted (504).
+      default_max_tokens: new tokens of a request that sets no ``max_tokens`` (None: the rest of the context; the
+        agent endpoint uses the run's ``rollout.sampling.max_new_tokens``).
     """
 
     def __init__(self, generator: Any, tokenizer: Any, *, model_name: str, vocab_size: int,
-                 eos_ids: Sequence[int] = (), max_queue: int = 256, request_timeout_s: float = 600.0):
+                 eos_ids: Sequence[int] = (), max_queue: int = 256, request_timeout_s: float = 600.0,
+                 default_max_tokens: int | None = None):
         self.generator = generator
+        self.default_max_tokens = default_max_tokens
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = int(vocab_size)
@@ -210,7 +214,7 @@ class ServeBackend:
                            param=param, code="context_length_exceeded")
         room = self.max_model_len - prompt_len
         if max_tokens is None:
-            return room
+            return room if self.default_max_tokens is None else min(room, self.default_max_tokens)
         if max_tokens > room:
             raise APIError(400, f"max_tokens: {max_tokens} new tokens after a prompt of {prompt_len} exceed the context "
                                 f"of {self.max_model_len} tokens (at most {room})", param="max_tokens",

@@ -417,3 +417,20 @@ def test_a_streamed_call_is_recorded_before_the_episode_ends(tok):
         finally:
             wf.close()
     assert list(t.completion_ids) == got == ids(tok, "streamed words") + [2]
+
+
+def test_a_call_without_max_tokens_gets_the_runs_budget(tok):
+    script = lambda p, k, sp: ids(tok, "a long answer") + [2]  # noqa: E731
+
+    async def agent(client, row):
+        r = await client.chat.completions.create(model="policy", messages=row["messages"])  # no max_tokens
+        assert r.choices[0].finish_reason == "length"
+        return 1.0
+
+    wf = OpenAIAgentWorkflow(agent, tok, eos_ids=(2,), default_max_tokens=3)
+    with generator_of(tok, script) as gen:
+        try:
+            (t,) = run_group(wf, gen, Item("r9", "q")).trajectories
+        finally:
+            wf.close()
+    assert list(t.completion_ids) == ids(tok, "a l")
