@@ -100,6 +100,31 @@ def test_rope_index_matches_hf(tiny):
         qwen2_5_vl.prepare_inputs(cfg, ids, grids[:-1], mask)
 
 
+def test_decode_positions_follow_rope_deltas(tiny):
+    """Tokens generated after a prompt with images sit at index + rope_delta on all three rows (what the
+    generator's 1D decode positions use): the positions of the prompt + continuation agree."""
+    _, hf, cfg, params = tiny
+    rng = np.random.default_rng(8)
+    grids = [(1, 8, 12), (1, 4, 4)]
+    prompt = _prompt(rng, grids)
+    cont = list(rng.integers(3, 240, 4))
+    _, delta = qwen2_5_vl.rope_index(cfg, np.asarray([prompt]), grids)
+    pos, delta2 = qwen2_5_vl.rope_index(cfg, np.asarray([prompt + cont]), grids)
+    T = len(prompt)
+    np.testing.assert_array_equal(pos[:, 0, T:], np.broadcast_to(np.arange(T, T + 4) + delta[0], (3, 4)))
+    assert delta2[0] == delta[0] < 0
+    # and the logits of the continuation with 1D positions index + delta equal the M-RoPE forward's
+    ids = np.asarray([prompt + cont])
+    pixels = _pixels(rng, grids)
+    prep = qwen2_5_vl.prepare_inputs(cfg, ids, grids)
+    full = np.asarray(qwen2_5_vl.apply(params, cfg, ids, pixels, grids))
+    mixed = np.where(np.arange(ids.shape[1]) < T, prep["positions"], np.arange(ids.shape[1]) + delta[0])
+    one_d = np.asarray(jax.jit(qwen2_5_vl.logits, static_argnums=1)(params, cfg, jnp.asarray(ids), jnp.asarray(mixed),
+                                                                         jnp.ones(ids.shape, jnp.int32), jnp.asarray(pixels),
+                                                                         prep["layout"]))
+    np.testing.assert_allclose(one_d, full, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("grids", [[(1, 8, 12)], [(1, 6, 10), (2, 4, 4), (1, 2, 14)], [(1, 16, 4)]])
 def test_vision_layout_and_features_match_hf(tiny, grids):
     _, hf, cfg, params = tiny
@@ -116,12 +141,13 @@ def test_vision_layout_and_features_match_hf(tiny, grids):
     with torch.no_grad():
         ref = hf.model.get_image_features(torch.tensor(pixels), torch.tensor(grids)).pooler_output
     ref = torch.cat(ref).numpy()
-    ours = np.asarray(jax.jit(qwen2_5_vl.image_features, static_argnums=1)(params, cfg, jnp.asarray(pixels), lay.arrays()))
+    features = jax.jit(qwen2_5_vl.image_features, static_argnums=1)
+    ours = np.asarray(features(params, cfg, jnp.asarray(pixels), lay.arrays()))
     assert ours.shape == ref.shape
     assert np.abs(ours - ref).max() <= TOL
     # the windows matter: every block attending to whole frames gives other features
     full = dict(lay.arrays(), window_ids=lay.frame_ids)
-    other = np.asarray(qwen2_5_vl.image_features(params, cfg, jnp.asarray(pixels), full))
+    other = np.asarray(features(params, cfg, jnp.asarray(pixels), full))
     assert np.abs(other - ref).max() > 1e-2
 
 
@@ -204,5 +230,6 @@ def test_params_tables_and_shardings(tiny):
     for rules in ("trainer", "generator"):
         sh = model_shardings(cfg, mesh, rules)
         assert jax.tree.structure(sh) == jax.tree.structure(params)
-    fresh = qwen2_5_vl.init_params(cfg, jax.random.PRNGKey(0))
+    fresh = jax.eval_shape(lambda k: qwen2_5_vl.init_params(cfg, k), jax.random.PRNGKey(0))
     assert jax.tree.structure(fresh) == jax.tree.structure(params)
+    assert [a.shape for a in jax.tree.leaves(fresh)] == [a.shape for a in jax.tree.leaves(params)]
