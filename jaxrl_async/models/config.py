@@ -17,6 +17,8 @@ Supported architectures (selected by `model_type`):
 |            |                     | `mlp_only_layers`/`decoder_sparse_step` say   |
 
 Qwen2.5 checkpoints use `model_type: qwen2`.
+Qwen2.5-VL (`model_type: qwen2_5_vl`) is `qwen2_5_vl.VLConfig`: a qwen2 `ModelConfig` with `mrope_section`
+(M-RoPE) and the vision tower's `vision.VisionConfig`.
 """
 
 from __future__ import annotations
