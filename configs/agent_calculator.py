@@ -4,9 +4,9 @@ Everything is the embedded default (``jaxrl_async/config/default.py``: tiny Qwen
 start, async GRPO with eta = 2 on two simulated CPU devices) except the rollout: each of the 8 episodes of a prompt
 is one ``Runner.run`` of the agent on the run's agent endpoint (``rollout.workflow=openai_agent``), its model calls
 recorded as the engine generated them and trained as per-turn samples. The agent sets its own sampling (temperature
-1, 64 tokens: ``rollout.sampling`` is not used by agent calls). 60 RL steps (the default's accuracy settles by
-step ~25). Held-out accuracy is the run's usual greedy evaluation of the policy on the same prompt the agent's
-first call sends. Needs ``pip install 'jaxrl_async[agent]' openai-agents``.
+1, 64 tokens; ``rollout.sampling`` only gives calls without ``max_tokens`` their budget). 60 RL steps (the
+default's accuracy settles by step ~25). Held-out accuracy is the run's usual greedy evaluation of the policy on
+the same prompt the agent's first call sends. Needs ``pip install 'jaxrl_async[agent]' openai-agents``.
 
     python -m jaxrl_async.main --config configs/agent_calculator.py
 """

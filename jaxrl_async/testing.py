@@ -67,6 +67,49 @@ def make_tiny_hf_model(out_dir: str, family: str = "qwen3", seed: int = 0, std: 
     return out_dir
 
 
+# special tokens of the tiny Qwen2.5-VL (`make_tiny_vl_model`): inside the 256-token vocabulary
+TINY_VL_TOKENS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+
+
+def tiny_vl_config(vocab_size: int = 256, tie_word_embeddings: bool = False, **vision_overrides) -> Any:
+    """A transformers ``Qwen2_5_VLConfig`` of a tiny model: a 2-layer qwen2 text model (head_dim 16, GQA 2, M-RoPE
+    sections 2/3/3) and a 3-block vision tower (4 x 4 pixel patches, 2 x 2 merge, windows of 2 x 2 merge units
+    with block 1 attending fully)."""
+    import transformers
+
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=16, out_hidden_size=64,
+                  fullatt_block_indexes=[1])
+    vision.update(vision_overrides)
+    text = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=tie_word_embeddings)
+    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings,
+                                         **TINY_VL_TOKENS)
+
+
+def make_tiny_vl_model(out_dir: str, seed: int = 0, std: float = 0.15, **overrides) -> str:
+    """Write a random tiny ``Qwen2_5_VLForConditionalGeneration`` (`tiny_vl_config`) with ``save_pretrained``
+    (norms 1 + noise, non-zero biases, as `make_tiny_hf_model`); returns out_dir."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(tiny_vl_config(**overrides)).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight")):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(std * torch.randn_like(p))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
 def make_tiny_tokenizer(out_dir: str, vocab_size: int = 256) -> str:
     """Save a character-level Hugging Face tokenizer (ids < vocab_size) into out_dir.
 

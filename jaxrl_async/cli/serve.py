@@ -2,13 +2,16 @@
 
     python -m jaxrl_async.serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
         [--served-model-name NAME] [--max-concurrent N] [--max-model-len L] [--max-queue Q]
-        [--dtype float32|bfloat16] [--request-timeout S] [--page-size P] [--num-pages N] [--no-warmup]
+        [--dtype float32|bfloat16] [--request-timeout S] [--page-size P] [--num-pages N]
+        [--max-top-logprobs K] [--no-warmup]
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (OpenAI's request and response
 formats, `stream` as server-sent events), GET /health. Concurrent requests share the decode batch of
 --max-concurrent slots; up to --max-queue more samples wait for a slot, beyond that a request gets 429.
 Every response also carries the prompt and completion token ids, the behaviour log-probs of the tokens
-and their policy version (`jaxrl_async/serve/app.py`). Prompts: chat messages are rendered by the
+and their policy version (`jaxrl_async/serve/app.py`); chat `top_logprobs` and completions `logprobs` give up to
+--max-top-logprobs alternatives per token (default 20, OpenAI's largest; 0 leaves them out of the compiled
+step). Prompts: chat messages are rendered by the
 tokenizer's chat template (with `tools`), exactly as `generate` renders a one-message prompt; Qwen's
 `<tool_call>{...}</tool_call>` output is returned as `tool_calls`.
 
@@ -31,6 +34,7 @@ import time
 
 from jaxrl_async.cli.common import (UserError, cli_main, has_tokenizer_files, load_model, load_tokenizer, make_parser,
                                     model_config, note, note_cpu_bfloat16)
+from jaxrl_async.serve.protocol import MAX_TOP_LOGPROBS  # (the standard library only)
 
 TOOL = "serve"
 API_KEY_ENV = "JAXRL_ASYNC_API_KEY"
@@ -69,6 +73,9 @@ def build_parser():
     ap.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
     ap.add_argument("--num-pages", type=int, default=None,
                     help="KV pages (default: sized from the free memory; on a CPU the host's available RAM)")
+    ap.add_argument("--max-top-logprobs", type=int, default=MAX_TOP_LOGPROBS,
+                    help=f"most top_logprobs (chat) / logprobs (completions) a request may ask for, in [0, "
+                         f"{MAX_TOP_LOGPROBS}] (each decode step computes this many alternatives per token; 0: none)")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="compile at the first requests instead of before serving")
     ap.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -85,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= {lo}")
     if args.port > 65535:
         ap.error("--port must be <= 65535")
+    if not 0 <= args.max_top_logprobs <= MAX_TOP_LOGPROBS:
+        ap.error(f"--max-top-logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {args.max_top_logprobs}")
     for name in ("max_model_len", "num_pages"):
         if getattr(args, name) is not None and getattr(args, name) < 2:
             ap.error(f"--{name.replace('_', '-')} must be >= 2")
@@ -121,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg, params = load_model("--model", args.model, cfg=cfg)
     spec = EngineConfig(max_concurrent_decodes=args.max_concurrent, max_sequence_length=max_len,
-                        page_size=args.page_size, num_pages=args.num_pages)
+                        page_size=args.page_size, num_pages=args.num_pages, max_top_logprobs=args.max_top_logprobs)
     engine = build_engine(spec, cfg, fields=CLI_FLAGS)
     params = engine.place_params(params)
     if args.warmup:

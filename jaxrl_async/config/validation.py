@@ -178,6 +178,7 @@ def _rollout_rules(cfg: RunConfig) -> None:
     _require(1 <= en.decode_steps <= en.page_size, "rollout.engine.decode_steps",
              f"must be in [1, rollout.engine.page_size={en.page_size}] (a dispatch maps at most one new KV page per "
              f"slot), got {en.decode_steps}")
+    _require(en.max_top_logprobs >= 0, "rollout.engine.max_top_logprobs", f"must be >= 0, got {en.max_top_logprobs}")
     if en.prefill_buckets is not None:
         b = sorted(set(en.prefill_buckets))
         _require(bool(b) and b[0] >= 1, "rollout.engine.prefill_buckets", f"must be positive ints, got {en.prefill_buckets}")

@@ -139,8 +139,10 @@ class DistributedServices:
 
     def __init__(self, *, listener: Any, num_generators: int = 1, accept_timeout_s: float = 300.0,
                  call_timeout_s: float = 600.0, heartbeat_s: float = 5.0, heartbeat_timeout_s: float = 60.0,
-                 transfer_host: str = "127.0.0.1"):
+                 transfer_host: str = "127.0.0.1", replica_timeout_s: float = 300.0):
         self.listener, self.num_generators = listener, int(num_generators)
+        self.replica_timeout_s = float(replica_timeout_s)
+        self._rejoin_stop = threading.Event()
         self.accept_timeout_s, self.call_timeout_s = accept_timeout_s, call_timeout_s
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.transfer_host = transfer_host
@@ -191,6 +193,10 @@ class DistributedServices:
         conn = rpc.accept(self.listener, self.accept_timeout_s,
                           f"role process ({k + 1} of {total}: {n_followers} other trainer process(es), "
                           f"{self.num_generators} generator(s))")
+        return self._register(conn, k)
+
+    def _register(self, conn: Any, k: int) -> tuple[rpc.Peer, dict[str, Any]]:
+        """The role process on ``conn`` registers (name, pid, host; within 60 s)."""
         hello: dict[str, Any] = {}
         got = threading.Event()
 
@@ -224,13 +230,47 @@ class DistributedServices:
     def generators(self, setup: Any, control: Any) -> RemoteGenerators:
         return RemoteGenerators(self, setup, control.say)
 
+    def start_rejoins(self, role: RemoteGenerators, say: Callable[[str], None]) -> None:
+        """After the generators started (``RemoteGenerators.start``): from now on, a generator process that
+        connects (a replica restarted by its launcher) registers and rejoins (``RemoteGenerators.join``) on a
+        thread of its own."""
+        def admit(conn: Any, k: int) -> None:
+            try:
+                peer, hello = self._register(conn, k)
+            except Exception as e:  # noqa: BLE001 - one line; the run goes on
+                say(f"a role process connected but did not register: {type(e).__name__}: {e}")
+                conn.close()
+                return
+            if hello.get("role") == "trainer":
+                say(f"{peer.name}: a trainer process cannot join a running group; closing it")
+                peer.close()
+                return
+            say(f"generator connected: {peer.name} (rejoining)")
+            role.join(peer, str(hello["name"]))
+
+        def loop() -> None:
+            k = self.num_generators + 1000
+            while not self._rejoin_stop.is_set():
+                try:
+                    conn = self.listener.accept(1.0, "restarted generator")
+                except TimeoutError:
+                    continue
+                except Exception:  # noqa: BLE001 - the listener is closed: the run is ending
+                    return
+                k += 1
+                threading.Thread(target=admit, args=(conn, k), name=f"rejoin-{k}", daemon=True).start()
+
+        threading.Thread(target=loop, name="rejoin-acceptor", daemon=True).start()
+
     def close(self) -> None:
         """The end of the run: requests per generator, and the trainer group let go (its operation logs
         compared: every follower must have run the leader's operations, in the leader's order)."""
+        self._rejoin_stop.set()
         if self.remote is not None:
+            r = self.remote
             print("[jaxrl_async] requests per generator: " + ", ".join(
-                f"{p.name.split(' ')[0]} {n}" for p, n in zip(self.remote.peers, self.remote.submitted)),
-                file=sys.stderr, flush=True)
+                f"{x.name} {x.requests}" + (f" ({x.failures} lost, {x.rejoins} rejoined)" if x.failures else "")
+                for x in r.replicas), file=sys.stderr, flush=True)
         if self.group is not None:
             self.group.finish(log_dir=self.run_dir)
 
@@ -249,6 +289,8 @@ def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices of this process")
     ap.add_argument("--accept-timeout", type=float, default=300.0)
     ap.add_argument("--heartbeat-timeout", type=float, default=60.0)
+    ap.add_argument("--replica-timeout", type=float, default=300.0, help="seconds the run waits with no generator "
+                    "replica in service (all lost, none restarted yet) before it fails with an emergency checkpoint")
     ap.add_argument("--transfer-host", default=None, help="interface address the transfer server listens on and "
                     "generators pull from (default: the --listen host on process 0; on the other trainer processes "
                     "the address they reach process 0 from). Never 0.0.0.0: the transfer server has no "
@@ -361,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     listener = rpc.listen(a.listen, authkey, reuse_port=a.listen_reuse_port)
     services = DistributedServices(listener=listener, num_generators=a.generators, accept_timeout_s=a.accept_timeout,
-                                   heartbeat_timeout_s=a.heartbeat_timeout, transfer_host=host)
+                                   heartbeat_timeout_s=a.heartbeat_timeout, transfer_host=host,
+                                   replica_timeout_s=a.replica_timeout)
     try:
         # the steps' progress: a bar on a terminal; one line per step into a pipe or a file (the launcher
         # streams this process's output line by line: a bar's carriage-return redraws would show at its end only)

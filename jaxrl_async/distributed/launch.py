@@ -13,9 +13,14 @@ GPU node, give each role its devices with ``--trainer-env CUDA_VISIBLE_DEVICES=4
 --generator-env CUDA_VISIBLE_DEVICES=0,1,2,3`` (TPU: ``TPU_VISIBLE_CHIPS``); on several nodes start
 the role modules directly from the cluster's launcher (``docs/launch.md``).
 
-Supervision: a generator that exits while the controller runs makes the controller fail with an
-error naming it (and an emergency checkpoint); the launcher then waits for the controller (timeout)
-and kills what is left. The controller exiting stops the generators (they exit when its connection
+Supervision: a generator replica that exits with a non-zero status while the controller runs (killed,
+crashed, or dropped by the controller for not answering) is restarted after a backoff (``--restart-backoff``
+seconds, doubling, at most 30 s; at most ``--max-restarts`` times per replica); meanwhile the controller
+re-queues its requests to the other replicas, and the restarted process rejoins under the same name (it is
+given the newest weights before it serves; ``distributed/replicas.py``). With no replica in service for
+``--replica-timeout`` seconds (a controller option) the controller fails with an error naming the last
+lost one (and an emergency checkpoint). A trainer process that dies ends the run (no restart). The
+controller exiting stops the generators (they exit when its connection
 closes; killed after ``--grace`` seconds otherwise). A clean finish is quiet: the controller stops each
 generator (``stop``) and ends the trainer group (``finish``) before it closes their connections, so they
 exit 0 without reporting a lost controller; a generator or trainer process that loses its controller
@@ -141,6 +146,9 @@ def build_parser():
     ap.add_argument("--port", type=int, default=None, help="controller port on 127.0.0.1 (default: a free one)")
     ap.add_argument("--grace", type=float, default=60.0,
                     help="seconds the other processes get to exit after the controller, then they are killed")
+    ap.add_argument("--max-restarts", type=int, default=3, help="restarts of each generator replica (0: none)")
+    ap.add_argument("--restart-backoff", type=float, default=1.0,
+                    help="seconds before a replica's first restart (doubling per restart of it, at most 30)")
     return ap
 
 
@@ -177,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--port must be in [1, 65535]")
     if args.grace < 0:
         ap.error("--grace must be >= 0")
+    if args.max_restarts < 0 or args.restart_backoff < 0:
+        ap.error("--max-restarts and --restart-backoff must be >= 0")
     for flag, kvs in (("--trainer-env", args.trainer_env), ("--generator-env", args.generator_env)):
         for kv in kvs:
             if "=" not in kv or not kv.split("=", 1)[0]:
@@ -191,20 +201,43 @@ def main(argv: list[str] | None = None) -> int:
                 for cmd in trainer_cmds]
     ctrl = trainers[0]
     pumps = [_pump(ctrl, "[controller]")] + [_pump(p, f"[trainer-{i}]") for i, p in enumerate(trainers[1:], 1)]
-    gens = []
-    for k, cmd in enumerate(gen_cmds):
-        p = subprocess.Popen(cmd, env=_env(args.generator_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        gens.append(p)
+    gen_env = _env(args.generator_env)
+
+    def start_generator(k: int) -> subprocess.Popen:
+        p = subprocess.Popen(gen_cmds[k], env=gen_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         pumps.append(_pump(p, f"[generator-{k}]"))
-    reported = set()
+        return p
+
+    gens = [start_generator(k) for k in range(len(gen_cmds))]
+    restarts = [0] * len(gens)
+    due: dict[int, float] = {}  # replica -> when its restart is due
+    finished: set[int] = set()  # stopped by the controller (status 0), or out of restarts
     try:
         while ctrl.poll() is None:
+            now = time.monotonic()
             for k, p in enumerate(gens):
-                # status 0: the controller stopped it (the run's orderly end); anything else is a lost generator
-                if p.poll() is not None and p.returncode != 0 and k not in reported:
-                    reported.add(k)
-                    print(f"[launch] generator-{k} (pid {p.pid}) exited with status {p.returncode}; waiting for the "
-                          "controller to stop", file=sys.stderr, flush=True)
+                if k in due:
+                    if now >= due[k]:
+                        del due[k]
+                        gens[k] = start_generator(k)
+                        print(f"[launch] generator-{k} restarted (pid {gens[k].pid}; restart {restarts[k]} of "
+                              f"{args.max_restarts})", file=sys.stderr, flush=True)
+                    continue
+                if k in finished or p.poll() is None:
+                    continue
+                # status 0: the controller stopped it (the run's orderly end); anything else is a lost replica
+                if p.returncode == 0:
+                    finished.add(k)
+                elif restarts[k] < args.max_restarts:
+                    delay = min(args.restart_backoff * 2 ** restarts[k], 30.0)
+                    restarts[k] += 1
+                    due[k] = now + delay
+                    print(f"[launch] generator-{k} (pid {p.pid}) exited with status {p.returncode}; restarting it in "
+                          f"{delay:.1f} s", file=sys.stderr, flush=True)
+                else:
+                    finished.add(k)
+                    print(f"[launch] generator-{k} (pid {p.pid}) exited with status {p.returncode}; not restarted "
+                          f"(--max-restarts {args.max_restarts} reached)", file=sys.stderr, flush=True)
             time.sleep(0.2)
     except KeyboardInterrupt:
         ctrl.terminate()

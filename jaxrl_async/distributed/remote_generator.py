@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
-import itertools
 import json
 import os
 import shutil
@@ -18,133 +17,13 @@ from typing import Any, Callable, Sequence
 
 from jaxrl_async.generator.factory import generator_model_config
 from jaxrl_async.distributed import rpc
+from jaxrl_async.distributed.replicas import RemoteGenerator, RemoteHandle
 from jaxrl_async.generator.weight_sync import NewestWinsPusher
 
 __all__ = ["PUSH_LOG", "CrossPushStats", "RemoteGenerator", "RemoteGenerators", "RemoteHandle", "TransferPusher",
            "adapters_of"]
 
 PUSH_LOG = "weight_push.jsonl"
-
-
-# =============================================================================================
-# Remote generator (Generator interface over RPC)
-# =============================================================================================
-class RemoteHandle:
-    def __init__(self, request_id: str, future: cf.Future, gen: "RemoteGenerator", peer_index: int):
-        self.request_id, self._future, self._gen, self._peer = request_id, future, gen, peer_index
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> Any:
-        from jaxrl_async.generator.orchestrator import GeneratorError
-
-        try:
-            return self._future.result(timeout)
-        except cf.TimeoutError:
-            raise TimeoutError(f"request {self.request_id!r} not finished after {timeout} s "
-                               f"(on {self._gen.peers[self._peer].name})") from None
-        except (rpc.PeerLostError, rpc.RemoteError) as e:
-            raise GeneratorError(f"request {self.request_id!r} failed: {e}") from e
-
-    def abort(self) -> None:
-        self._gen.abort(self.request_id)
-
-
-class RemoteGenerator:
-    """``rollout.orchestrator.Generator``'s caller API over generator processes.
-
-    Requests go to the generator with the fewest in flight. ``error`` is the first lost peer
-    (``PeerLostError`` naming it): the dispatcher checks it and stops the run.
-    """
-
-    def __init__(self, peers: Sequence[rpc.Peer], *, call_timeout_s: float = 120.0):
-        self.peers = list(peers)
-        self.call_timeout_s = call_timeout_s
-        self._lock = threading.Lock()
-        self._inflight = [0] * len(self.peers)
-        self.submitted = [0] * len(self.peers)  # requests routed to each generator (load balance)
-        self._where: dict[str, int] = {}
-        self._ids = itertools.count()
-        self._version = 0
-        self._last_stats = None
-        self.start_info: list[dict] = []
-
-    @property
-    def error(self) -> BaseException | None:
-        return next((p.error for p in self.peers if p.error is not None), None)
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def start(self) -> "RemoteGenerator":
-        return self  # started in RemoteGenerators.start (after the first weights)
-
-    def set_version(self, version: int) -> None:
-        """The version every generator now decodes with (the pusher's ``on_applied``)."""
-        self._version = int(version)
-
-    def submit(self, prompt_ids: Sequence[int], sampling: Any = None, request_id: str | None = None,
-               metadata: Any = None, *, stream: bool = False) -> RemoteHandle:
-        from jaxrl_async.generator.orchestrator import GeneratorError
-
-        if stream:
-            raise NotImplementedError("streaming requests are not served across processes")
-        err = self.error
-        if err is not None:
-            raise GeneratorError(f"generator lost: {err}") from err
-        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-        with self._lock:
-            i = min(range(len(self.peers)), key=lambda k: self._inflight[k])
-            self._inflight[i] += 1
-            self.submitted[i] += 1
-            self._where[rid] = i
-        fut = self.peers[i].call_async("submit", rid, [int(t) for t in prompt_ids], sampling, metadata)
-
-        def done(_f: cf.Future, i: int = i, rid: str = rid) -> None:
-            with self._lock:
-                self._inflight[i] -= 1
-                self._where.pop(rid, None)
-
-        fut.add_done_callback(done)
-        return RemoteHandle(rid, fut, self, i)
-
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            i = self._where.get(str(request_id))
-        if i is not None and self.peers[i].error is None:
-            self.peers[i].call_async("abort", str(request_id))
-
-    def stats(self) -> Any:
-        """The generators' ``GeneratorStats`` summed (version: the minimum). A failed call keeps the
-        last value (the peer loss itself is reported through ``error``)."""
-        from jaxrl_async.generator.orchestrator import GeneratorStats
-
-        try:
-            got = [p.call("stats", timeout=self.call_timeout_s)[0] for p in self.peers]
-        except (rpc.PeerLostError, rpc.PeerTimeoutError, rpc.RemoteError):
-            if self._last_stats is None:
-                raise
-            return self._last_stats
-        if len(got) == 1:
-            s = got[0]
-        else:
-            f = {k.name: None for k in dataclasses.fields(GeneratorStats)}
-            summed = {k: sum(getattr(g, k) for g in got) for k in f if k not in ("version",)}
-            summed["slot_utilisation"] = sum(g.slot_utilisation for g in got) / len(got)
-            s = GeneratorStats(version=min(g.version for g in got), **summed)
-        self._last_stats = s
-        return s
-
-    def stop(self) -> None:
-        for p in self.peers:
-            if p.error is None:
-                try:
-                    p.call("stop", timeout=60.0)
-                except (rpc.PeerLostError, rpc.PeerTimeoutError, rpc.RemoteError):
-                    pass
-            p.close()
 
 
 # =============================================================================================
@@ -202,6 +81,7 @@ class TransferPusher(NewestWinsPusher):
         self.routes = collections.Counter(p.route for p in self.plans)
         self.fallback_key = fallback_key if fallback_key is not None else _fallback_key()
         self.select = select  # params -> the pushed tree (LoRA: the adapters); None: all of them
+        self.last: tuple[list, list[int], int] | None = None  # the newest delivered (wire, checksums, version)
         self._start()
 
     def _prepare(self, params: Any) -> tuple[list, Any]:
@@ -234,26 +114,60 @@ class TransferPusher(NewestWinsPusher):
         return stats
 
     def _deliver(self, payload: tuple[list, Any], stats: CrossPushStats, t0: float) -> None:
-        from jaxrl_async.distributed.transfer import (commit_fallback, host_checksums, new_pull_id, start_fallback,
-                                                      write_shards)
+        from jaxrl_async.distributed.transfer import host_checksums
 
         wire, sums_dev = payload
         v = stats.version
         sums = host_checksums(sums_dev)
+        peers = self.remote.push_targets()  # the live replicas; a joining one catches up on this thread
+        replies = self._send_weights(peers, v, wire, sums, stats)
+        self.last = (wire, sums, v)  # what a (re)joining replica is given before it serves
+        got = [r for r in replies if r is not None]
+        t2 = time.perf_counter()
+        # the generators reply after applying: apply_s is theirs (slowest), transfer_s the rest
+        stats.apply_s = max((float(r.get("apply_s") or 0.0) for r in got), default=0.0)
+        stats.total_s = t2 - t0
+        stats.transfer_s = stats.total_s - stats.apply_s
+        stats.transport = "disk" if stats.fallback_reason else "transfer"
+        x = 0
+        for s in sums:
+            x ^= s
+        stats.checksum = x
+        if self.log_path is not None:
+            addresses = self.addresses or [self.server.address()]
+            rec = {**dataclasses.asdict(stats), "checksums": sums, "routes": dict(self.routes),
+                   "trainer_processes": len(addresses),
+                   "generators": [{"name": p.name, "lost": r is None,
+                                   **{k: (r or {}).get(k) for k in ("transport", "pull_s", "verify_s", "apply_s",
+                                                                    "load_s", "shards", "bytes", "sources")},
+                                   "checksums_match": r is not None and r.get("checksums") == sums}
+                                  for p, r in zip(peers, replies)]}
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def _send_weights(self, peers: Sequence[rpc.Peer], v: int, wire: list, sums: list[int],
+                      stats: CrossPushStats | None = None) -> list[dict | None]:
+        """Version ``v`` to ``peers`` (pull from the transfer servers, the disk fallback for a failed
+        pull); their replies, None for a replica lost (or dropped for not answering) meanwhile."""
+        from jaxrl_async.distributed.transfer import commit_fallback, new_pull_id, start_fallback, write_shards
+
+        if not peers:
+            return []
         shards = self.sender.shards(wire)
         addresses = self.addresses or [self.server.address()]
-        uuids = [new_pull_id() for _ in self.remote.peers]  # 64 random bits each, sent over the encrypted RPC
+        uuids = [new_pull_id() for _ in peers]  # 64 random bits each, sent over the encrypted RPC
         if self.group is not None:  # the other trainer processes register their shards
             self.group.call("register", v, uuids, self.timeout_s, timeout=self.timeout_s + 30.0)
         futs = []
-        for p, uuid in zip(self.remote.peers, uuids):
+        for p, uuid in zip(peers, uuids):
             self.server.await_pull(uuid, shards)
             futs.append(p.call_async("pull_weights", v, uuid, addresses, sums, self.timeout_s))
-        replies = [self._reply(f, p, "pull_weights", v) for f, p in zip(futs, self.remote.peers)]
-        failed = [i for i, r in enumerate(replies) if not r["ok"]]
-        path = None
+        replies = [self._reply(f, p, "pull_weights", v) for f, p in zip(futs, peers)]
+        failed = [i for i, r in enumerate(replies) if r is not None and not r["ok"]]
         if failed:
-            stats.fallback_reason = "; ".join(f"{self.remote.peers[i].name}: {replies[i]['reason']}" for i in failed)
+            reason = "; ".join(f"{peers[i].name}: {replies[i]['reason']}" for i in failed)
+            if stats is not None:
+                stats.fallback_reason = reason
             tmp = start_fallback(self.fallback_dir, v)
             entries = write_shards(tmp, wire, key=self.fallback_key)
             if self.group is not None:
@@ -261,40 +175,46 @@ class TransferPusher(NewestWinsPusher):
                     entries.extend(got)
             path = commit_fallback(tmp, v, self.keys, wire, sums, entries, key=self.fallback_key)
             for i in failed:
-                p = self.remote.peers[i]
+                p = peers[i]
                 replies[i] = self._reply(p.call_async("load_weights", v, path, sums, self.timeout_s), p, "load_weights", v)
             shutil.rmtree(path, ignore_errors=True)
-        t2 = time.perf_counter()
-        # the generators reply after applying: apply_s is theirs (slowest), transfer_s the rest
-        stats.apply_s = max(float(r.get("apply_s") or 0.0) for r in replies)
-        stats.total_s = t2 - t0
-        stats.transfer_s = stats.total_s - stats.apply_s
-        stats.transport = "disk" if failed else "transfer"
-        x = 0
-        for s in sums:
-            x ^= s
-        stats.checksum = x
-        if self.log_path is not None:
-            rec = {**dataclasses.asdict(stats), "checksums": sums, "routes": dict(self.routes),
-                   "trainer_processes": len(addresses),
-                   "generators": [{"name": p.name, **{k: r.get(k) for k in ("transport", "pull_s", "verify_s",
-                                                                         "apply_s", "load_s", "shards", "bytes",
-                                                                         "sources")},
-                                   "checksums_match": r.get("checksums") == sums}
-                                  for p, r in zip(self.remote.peers, replies)]}
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+        return replies
 
-    def _reply(self, fut: cf.Future, peer: rpc.Peer, method: str, version: int) -> dict:
+    def _reply(self, fut: cf.Future, peer: rpc.Peer, method: str, version: int) -> dict | None:
+        """A replica's reply; None when it was lost, or did not answer in time (then it is dropped: its
+        process sees the connection close and exits, its launcher restarts it)."""
         try:
             r = fut.result(self.timeout_s + 30.0)
         except cf.TimeoutError:
-            raise rpc.PeerTimeoutError(f"{peer.name}: {method} of version {version} not answered within "
-                                       f"{self.timeout_s + 30:.0f} s") from None
+            self.remote.mark_lost(peer, rpc.PeerTimeoutError(
+                f"{peer.name}: {method} of version {version} not answered within {self.timeout_s + 30:.0f} s"))
+            return None
+        except rpc.PeerLostError:
+            return None  # the router saw it (or will, from its monitor)
         if r.get("ok") and r.get("checksums") is not None and len(r["checksums"]) != len(self.keys):
             raise RuntimeError(f"{peer.name}: {method} of version {version} verified {len(r['checksums'])} leaves, "
                                f"{len(self.keys)} were sent")
         return r
+
+    def catch_up(self, peer: rpc.Peer, have: int | None = None, then: Callable[[], Any] | None = None) -> cf.Future:
+        """On the push thread (between two pushes): give ``peer`` the newest pushed version unless it
+        already has it (``have``), then run ``then`` (the router's ``activate``). The future's value: the
+        version it holds."""
+        def task() -> int:
+            if self.last is None:
+                raise RuntimeError("no weights were pushed yet")
+            wire, sums, v = self.last
+            if have is None or have < v:
+                r = self._send_weights([peer], v, wire, sums)[0]
+                if r is None:
+                    raise rpc.PeerLostError(f"{peer.name}: lost while receiving version {v}")
+                if not r.get("ok"):
+                    raise RuntimeError(f"{peer.name}: version {v} not applied: {r.get('reason')}")
+            if then is not None:
+                then()
+            return v
+
+        return self.run_on_push_thread(task)
 
 
 def adapters_of(params: Any) -> Any:
@@ -329,6 +249,10 @@ class RemoteGenerators:
         self.call_timeout_s = services.call_timeout_s
         self.select = None  # LoRA: params -> the adapters (what a push carries)
         self.remote: RemoteGenerator | None = None
+        self._pusher: TransferPusher | None = None  # the run's (``pusher``): rejoining replicas catch up on its thread
+        self._initial_last: Any = None  # the initial push's (wire, checksums, version)
+        self._pusher_ready = threading.Event()
+        self.join_spec: dict[str, Any] | None = None
 
     def _spec(self, first: Any, lora_src: Any) -> dict[str, Any]:
         import jax
@@ -357,7 +281,8 @@ class RemoteGenerators:
         # the first push: the adapters (the generators build the base), or base + adapters once (source "push")
         self.select = adapters_of if lora_src is not None and lora_src["source"] != "push" else None
         first = params if self.select is None else self.select(params)
-        futs = [p.call_async("init", self._spec(first, lora_src)) for p in peers]  # engines built in parallel
+        self.join_spec = self._spec(first, lora_src)
+        futs = [p.call_async("init", self.join_spec) for p in peers]  # engines built in parallel
         infos = [_result(f, p, "init", self.call_timeout_s) for f, p in zip(futs, peers)]
         if lora_src is not None:
             if self.group is not None and lora_src["source"] != "push":
@@ -366,9 +291,12 @@ class RemoteGenerators:
         self.server = start_server(self.services.transfer_host)
         self.addresses = [self.server.address()]
         self._configure_push(first, [i["layouts"] for i in infos], dtype)
-        self.remote = self.services.remote = RemoteGenerator(peers, call_timeout_s=min(self.call_timeout_s, 120.0))
+        self.remote = self.services.remote = RemoteGenerator(
+            peers, call_timeout_s=min(self.call_timeout_s, 120.0), say=self.say,
+            replica_timeout_s=getattr(self.services, "replica_timeout_s", 300.0))
         initial = self._make_pusher(None, self.call_timeout_s, None)
         st = initial.push_now(params, version)
+        self._initial_last = initial.last
         initial.close()
         self.say(f"initial weights (version {version}, {st.bytes / 2**20:.1f} MiB) pushed to {len(peers)} generator(s) "
                  f"via {st.transport} in {st.total_s:.2f} s (routes {dict(initial.routes)})")
@@ -378,6 +306,8 @@ class RemoteGenerators:
                                  stage="adapters")
         self.remote.start_info = [p.call("start", timeout=self.call_timeout_s) for p in peers]
         self.remote.set_version(version)
+        if hasattr(self.services, "start_rejoins"):  # restarted replicas may connect from now on
+            self.services.start_rejoins(self, self.say)
         return self.remote
 
     def _configure_push(self, tree: Any, dst_layouts: list, dtype: str, stage: str | None = None) -> None:
@@ -398,11 +328,13 @@ class RemoteGenerators:
                 raise RuntimeError(f"{p.name}: generator layouts differ between generator processes")
         src_layouts = [layout_of(x.sharding, x.ndim) for x in leaves]
         self.plans = plan_transfer(keys, [x.shape for x in leaves], dtype, src_layouts, dst_layouts[0])
+        self.push_config = (src_layouts, dst_layouts[0], dtype, keys, stage)  # a rejoining replica's
         self.src_shardings = [x.sharding for x in leaves]
         if self.group is not None:  # one transfer server per trainer process, each serving its own shards
             self.addresses[1:] = self.group.results(self.group.send("configure_push", self.plans, dtype,
                                                                      self.select is not None), "configure_push")
         owners = WireSender(self.plans, self.src_shardings).owners
+        self.owners = owners
         for p in peers:
             got = p.call("configure_push", src_layouts, dtype, owners, stage, timeout=self.call_timeout_s)
             if got.get("keys", keys) != keys:
@@ -424,7 +356,49 @@ class RemoteGenerators:
             generator.set_version(v)
             on_applied(v)
 
-        return self._make_pusher(applied, timeout_s, initial_version)
+        p = self._make_pusher(applied, timeout_s, initial_version)
+        p.last = self._initial_last
+        self._pusher = p
+        self._pusher_ready.set()
+        return p
+
+    # -- a restarted replica rejoins ----------------------------------------------------------------
+    def join(self, peer: rpc.Peer, name: str) -> bool:
+        """A restarted generator process registered as ``name``: build its engine, configure the push,
+        give it the newest pushed weights, start it, and (on the push thread, so it misses no push) put
+        it back in the routing set. One line and the process stopped / closed when it cannot rejoin."""
+        remote = self.remote
+        rep = remote.begin_join(name, peer) if remote is not None else None
+        if rep is None:
+            self.say(f"{peer.name}: not admitted (no lost replica named {name!r}, or the run is ending); stopping it")
+            try:
+                peer.call("stop", timeout=30.0)
+            except (rpc.PeerLostError, rpc.PeerTimeoutError, rpc.RemoteError):
+                pass
+            peer.close()
+            return False
+        t0 = time.monotonic()
+        try:
+            if self.setup.model_cfg.lora is not None:
+                raise RuntimeError("a LoRA run does not re-admit a restarted replica (issue 26: not built)")
+            src_layouts, dst_layouts, dtype, keys, stage = self.push_config
+            info = _result(peer.call_async("init", self.join_spec), peer, "init", self.call_timeout_s)
+            if info["layouts"] != dst_layouts:
+                raise RuntimeError("its parameter layouts differ from the other replicas' (another mesh or devices?)")
+            got = peer.call("configure_push", src_layouts, dtype, self.owners, stage, timeout=self.call_timeout_s)
+            if got.get("keys", keys) != keys:
+                raise RuntimeError("its engine has different parameters than the trainer")
+            if not self._pusher_ready.wait(self.call_timeout_s):
+                raise TimeoutError(f"the run's weight pusher did not start within {self.call_timeout_s:.0f} s")
+            pusher = self._pusher
+            v = pusher.catch_up(peer).result(pusher.timeout_s + 60.0)
+            peer.call("start", timeout=self.call_timeout_s)
+            v = pusher.catch_up(peer, have=v, then=lambda: remote.activate(rep, peer)).result(pusher.timeout_s + 60.0)
+        except Exception as e:  # noqa: BLE001 - one line; the process exits and may be restarted again
+            remote.abandon_join(rep, peer, RuntimeError(f"{peer.name}: rejoin failed: {type(e).__name__}: {e}"))
+            return False
+        self.say(f"{peer.name} rejoined at version {v} ({time.monotonic() - t0:.1f} s: engine, weights, compile)")
+        return True
 
     def close(self) -> None:
         pass  # the generator processes are stopped by ``RemoteGenerator.stop``

@@ -209,6 +209,9 @@ class PagedEngine(Engine):
           `engine_steps.decode_multi_fn`; at most `page_size`); the orchestrator chooses K per dispatch.
       check_fit: an explicit `num_pages` must fit the free memory too (`kv_cache.check_num_pages`;
           `generator.factory.build_engine` turns it on). A pool that does not fit raises `kv_cache.KVSizingError`.
+      max_top_logprobs: K > 0: prefill and every decode step also return the K largest log-probs of the distribution
+          each token was sampled from and their ids (`Prefix.first_top_*`, `StepResult.top_*`; a request takes its
+          `SamplingParams.top_logprobs` <= K of them). 0: no extra output is compiled (the programs are unchanged).
 
     Build engines with `generator.factory.build_engine` (the one sizing path and its one-line errors).
     """
@@ -220,7 +223,8 @@ class PagedEngine(Engine):
                  attention: str = "auto", decode_block_pages: int | None = None,
                  kernel_options: dict | None = None, max_prefill_pack: int = 8, record_routing: bool = False,
                  compact_decode: bool = False, compact_levels: int = 2, compact_min_rows: int = 8,
-                 compact_in_background: bool = False, check_fit: bool = False, max_decode_steps: int = 1):
+                 compact_in_background: bool = False, check_fit: bool = False, max_decode_steps: int = 1,
+                 max_top_logprobs: int = 0):
         if max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
         if max_sequence_length < 2:
@@ -244,6 +248,9 @@ class PagedEngine(Engine):
             raise ValueError(f"max_decode_steps must be in [1, page_size={page_size}] (a dispatch maps at most one "
                              f"new page per slot), got {max_decode_steps}")
         self.max_decode_steps = int(max_decode_steps)
+        if not 0 <= max_top_logprobs <= cfg.vocab_size:
+            raise ValueError(f"max_top_logprobs must be in [0, vocab_size={cfg.vocab_size}], got {max_top_logprobs}")
+        self.max_top_logprobs = int(max_top_logprobs)
         if record_routing and not cfg.num_experts:
             raise ValueError("record_routing needs a mixture-of-experts model (num_experts > 0)")
         self.record_routing = bool(record_routing)
@@ -338,30 +345,35 @@ class PagedEngine(Engine):
         self._kv_zeros = jax.jit(kv_zeros, static_argnums=0, out_shardings=(kv_sh, kv_sh))
         # two programs each for sampling: with the top-k/top-p machinery, and without it for the (common, RL)
         # batches that need none (same tokens; about half the compile time; `sampling.sample`)
-        self._sample_firsts = {t: jax.jit(functools.partial(sample_first_fn, truncation=t)) for t in (True, False)}
+        K = self.max_top_logprobs  # top log-probs outputs (0: none; the programs are the ones without them)
+        self._sample_firsts = {t: jax.jit(functools.partial(sample_first_fn, truncation=t, top_logprobs=K))
+                               for t in (True, False)}
         null = self.null_page
         kv_axis = self.pool_sharding.spec[self.layout.head_axis]
         self._insert = jax.jit(functools.partial(insert_fn, layout=self.layout, mesh=self.mesh,
                                                  pages_axis=self.pages_axis, kv_axis=kv_axis),
                                donate_argnums=0, out_shardings=ss)
         self._release = jax.jit(functools.partial(release_fn, null_page=null), donate_argnums=0, out_shardings=ss)
-        step_out = (ss, (self.slot_sharding,) * 4 + ((self.replicated,) if rec else ()))
+        top_sh = (self._named(("batch", None), (self._S, K)),) * 2 if K else ()
+        step_out = (ss, (self.slot_sharding,) * 4 + ((self.replicated,) if rec else ()) + top_sh)
         self._steps = {t: jax.jit(traced(functools.partial(
             decode_step_fn, cfg=cfg, page_size=self.page_size, max_seq=self._max_seq, null_page=null,
             attention=self.attention, block_pages=self.decode_block_pages, kernel_options=self.kernel_options,
-            pages_axis=self.pages_axis, truncation=t, record_routing=rec)), donate_argnums=1, out_shardings=step_out)
-            for t in (True, False)}
+            pages_axis=self.pages_axis, truncation=t, record_routing=rec, top_logprobs=K)), donate_argnums=1,
+            out_shardings=step_out) for t in (True, False)}
         self._step = self._steps[True]  # the full decode step (any sampling parameters; what `plan` compiles)
         self._rows_steps = {t: jax.jit(traced(functools.partial(
             decode_rows_fn, pool_keys=self.layout.keys, cfg=cfg, page_size=self.page_size, max_seq=self._max_seq,
             null_page=null, attention=self.attention, block_pages=self.decode_block_pages,
-            kernel_options=self.kernel_options, pages_axis=self.pages_axis, truncation=t, record_routing=rec)),
-            donate_argnums=1, out_shardings=step_out) for t in (True, False)}
+            kernel_options=self.kernel_options, pages_axis=self.pages_axis, truncation=t, record_routing=rec,
+            top_logprobs=K)), donate_argnums=1, out_shardings=step_out) for t in (True, False)}
         self._multi_kw = dict(cfg=cfg, page_size=self.page_size, max_seq=self._max_seq, null_page=null,
                               attention=self.attention, block_pages=self.decode_block_pages,
-                              kernel_options=self.kernel_options, pages_axis=self.pages_axis, record_routing=rec)
+                              kernel_options=self.kernel_options, pages_axis=self.pages_axis, record_routing=rec,
+                              top_logprobs=K)
         self._multi_steps: dict = {}  # (truncation, K) -> jitted K-step program (built on first use)
-        self._multi_out = (ss, (self.stacked_slot_sharding,) * 4 + ((self.replicated,) if rec else ()))
+        self._multi_out = (ss, (self.stacked_slot_sharding,) * 4 + ((self.replicated,) if rec else ())
+                           + tuple(NamedSharding(self.mesh, P(None, *x.spec)) for x in top_sh))
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
         self._no_new_pages = None  # put on the devices at the first step (the engine builds on compile-only meshes)
 
@@ -443,6 +455,9 @@ class PagedEngine(Engine):
                              f"max_stop_tokens={self.max_stop_tokens} of this engine")
         if not 0 <= sp.seed < sampling.MAX_SEED:
             raise ValueError(f"SamplingParams.seed must be in [0, 2**32), got {sp.seed}")
+        if sp.top_logprobs > self.max_top_logprobs:
+            raise ValueError(f"SamplingParams.top_logprobs={sp.top_logprobs} exceeds this engine's max_top_logprobs="
+                             f"{self.max_top_logprobs}")
 
     def bucket_for(self, length: int) -> int:
         for b in self.buckets:
@@ -526,13 +541,13 @@ class PagedEngine(Engine):
             nb = self._sample_rows(n)
             pad = lambda xs, dt: np.asarray(xs + [xs[-1]] * (nb - n), dt)  # noqa: B023, E731
             trunc = any(_truncates(reqs[i][1].sampling) for i in g)
-            firsts, lps = self._sample_firsts[trunc](logits, pad(rows, np.int32), pad(cols["t"], np.float32),
-                                             pad(cols["k"], np.int32), pad(cols["p"], np.float32),
-                                             pad(cols["seed"], np.uint32), pad(cols["idx"], np.int32),
-                                             pad(cols["pos"], np.int32))
-            pending.append((g, k, v, bucket, offsets, firsts, lps, ids))
-        host = jax.device_get([(f, lp, ids) for *_, f, lp, ids in pending])  # the one host sync
-        for (g, k, v, bucket, offsets, *_), (firsts, lps, ids) in zip(pending, host):
+            firsts, lps, *top = self._sample_firsts[trunc](logits, pad(rows, np.int32), pad(cols["t"], np.float32),
+                                                   pad(cols["k"], np.int32), pad(cols["p"], np.float32),
+                                                   pad(cols["seed"], np.uint32), pad(cols["idx"], np.int32),
+                                                   pad(cols["pos"], np.int32))
+            pending.append((g, k, v, bucket, offsets, (firsts, lps, ids, top)))
+        host = jax.device_get([p[-1] for p in pending])  # the one host sync
+        for (g, k, v, bucket, offsets, _), (firsts, lps, ids, top) in zip(pending, host):
             at = 0
             for row, i in enumerate(g):
                 toks, r = reqs[i]
@@ -545,7 +560,9 @@ class PagedEngine(Engine):
                                      length=n_tok, first_tokens=first, first_logprobs=lp, sampling=sp,
                                      sample_indices=tuple(range(r.sample_offset, r.sample_offset + ns)),
                                      first_done=first_done,
-                                     routing=ids[0][offsets[row]:offsets[row] + n_tok] if ids else None)
+                                     routing=ids[0][offsets[row]:offsets[row] + n_tok] if ids else None,
+                                     first_top_logprobs=np.asarray(top[0][at - ns:at]) if top else None,
+                                     first_top_ids=np.asarray(top[1][at - ns:at]) if top else None)
         return out  # type: ignore[return-value]
 
     # -- insert ---------------------------------------------------------------------------
@@ -751,28 +768,36 @@ class PagedEngine(Engine):
         compact = (self._compacted(params, state.arrays, new_pages, trunc, h.live) if self.compact_sizes else None)
         if compact is not None:
             prog, rows = compact
-            arrays, (tokens, logprobs, valid, done, *routing) = prog(params, state.arrays, new_pages, rows)
+            arrays, outs = prog(params, state.arrays, new_pages, rows)
             self.compact_steps += 1
         else:
-            arrays, (tokens, logprobs, valid, done, *routing) = self._steps[trunc](params, state.arrays, new_pages)
+            arrays, outs = self._steps[trunc](params, state.arrays, new_pages)
         act = h.live & ~h.done
         h.pos[act] += 1
         h.num_generated[act] += 1
         h.done |= act & ((h.num_generated >= h.max_new) | (h.pos + 1 >= self._max_seq))
-        return DecodeState(arrays, h), StepResult(tokens, logprobs, valid, done, *routing)
+        return DecodeState(arrays, h), self._step_result(outs)
+
+    def _step_result(self, outs) -> StepResult:
+        """The StepResult of a decode program's step tuple (`engine_steps.decode_step_fn`: 4 entries, the routing
+        when recording, the top log-probs and ids when max_top_logprobs > 0)."""
+        tokens, logprobs, valid, done, *extra = outs
+        routing = extra.pop(0) if self.record_routing else None
+        top_lp, top_ids = extra if self.max_top_logprobs else (None, None)
+        return StepResult(tokens, logprobs, valid, done, routing, top_lp, top_ids)
 
     def _generate_multi(self, params: Params, state: DecodeState, k: int) -> tuple[DecodeState, StepResult]:
         new_pages, new_index = self._grow_ahead(state, k)
         h = state.host
         trunc = bool((h.trunc & h.live & ~h.done).any())
-        arrays, (tokens, logprobs, valid, done, *routing) = self._multi_step_fn(trunc, k)(
+        arrays, outs = self._multi_step_fn(trunc, k)(
             params, state.arrays, new_pages, new_index)
         for _ in range(k):  # the host's view of positions and length limits (stop tokens: read from the results)
             act = h.live & ~h.done
             h.pos[act] += 1
             h.num_generated[act] += 1
             h.done |= act & ((h.num_generated >= h.max_new) | (h.pos + 1 >= self._max_seq))
-        return DecodeState(arrays, h), StepResult(tokens, logprobs, valid, done, *routing)
+        return DecodeState(arrays, h), self._step_result(outs)
 
     # -- release --------------------------------------------------------------------------
     def release(self, state: DecodeState, slot: int) -> DecodeState:

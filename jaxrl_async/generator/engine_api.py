@@ -41,6 +41,9 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()  # checked on the host by the orchestrator (needs detokenizer)
     seed: int = 0
     n: int = 1  # samples per prompt
+    # the top_logprobs most likely tokens of each step's distribution (the one the token was drawn from) with their
+    # log-probs, per token (engines built with max_top_logprobs >= this; 0: none)
+    top_logprobs: int = 0
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -53,6 +56,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"SamplingParams.top_logprobs must be >= 0, got {self.top_logprobs}")
 
 
 @dataclasses.dataclass
@@ -68,6 +73,10 @@ class Prefix:
     # [length, L, k] int16 host array: the experts every prompt token was routed to in each MoE layer (engines
     # built with record_routing; None otherwise)
     routing: np.ndarray | None = None
+    # [num_samples, K] float32 / int32 host arrays (engines with max_top_logprobs = K > 0; else None): the K largest
+    # log-probs of each first token's distribution, descending, and their token ids
+    first_top_logprobs: np.ndarray | None = None
+    first_top_ids: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,16 +100,22 @@ class StepResult:
     # [S, L, k] int16 (engines built with record_routing; else None): the experts of the token each slot FED
     # this step (its last sampled token, at its position before the step) in each MoE layer
     routing: Any = None
+    # [S, K] float32 / int32 (engines built with max_top_logprobs = K > 0; else None): the K largest log-probs of the
+    # distribution each slot's token was sampled from (log-softmax of the temperature-scaled logits), descending,
+    # and their token ids
+    top_logprobs: Any = None
+    top_ids: Any = None
 
     def copy_to_host_async(self) -> "StepResult":
-        for a in (self.tokens, self.logprobs, self.valid, self.done, self.routing):
+        for a in (self.tokens, self.logprobs, self.valid, self.done, self.routing, self.top_logprobs, self.top_ids):
             if hasattr(a, "copy_to_host_async"):
                 a.copy_to_host_async()
         return self
 
     def to_host(self) -> "StepResult":
+        opt = lambda a: None if a is None else np.asarray(a)  # noqa: E731
         return StepResult(*(np.asarray(a) for a in (self.tokens, self.logprobs, self.valid, self.done)),
-                          routing=None if self.routing is None else np.asarray(self.routing))
+                          routing=opt(self.routing), top_logprobs=opt(self.top_logprobs), top_ids=opt(self.top_ids))
 
     @property
     def num_steps(self) -> int:
@@ -111,8 +126,9 @@ class StepResult:
         """One [S] StepResult per step, in order (the result itself when it holds one step)."""
         if self.num_steps == 1 and np.ndim(self.tokens) == 1:
             return [self]
-        return [StepResult(self.tokens[i], self.logprobs[i], self.valid[i], self.done[i],
-                           None if self.routing is None else self.routing[i]) for i in range(self.num_steps)]
+        at = lambda a, i: None if a is None else a[i]  # noqa: E731
+        return [StepResult(self.tokens[i], self.logprobs[i], self.valid[i], self.done[i], at(self.routing, i),
+                           at(self.top_logprobs, i), at(self.top_ids, i)) for i in range(self.num_steps)]
 
 
 class OutOfPagesError(RuntimeError):
@@ -136,6 +152,9 @@ class Engine(abc.ABC):
 
     #: most decode steps one `generate` dispatch may run (multi-step decode); 1 = one step per dispatch
     max_decode_steps: int = 1
+    #: K: every prefill and decode step also returns the K most likely tokens and their log-probs (`Prefix.first_top_*`,
+    #: `StepResult.top_*`); requests take up to K (`SamplingParams.top_logprobs`); 0 = none
+    max_top_logprobs: int = 0
 
     @property
     @abc.abstractmethod

@@ -81,11 +81,15 @@ def prefill_chunk_fn(params: Params, k_buf, v_buf, tokens: jax.Array, start: jax
 
 
 def sample_first_fn(logits: jax.Array, rows, temperature, top_k, top_p, seed, sample_index, position, *,
-                    truncation: bool = True):
+                    truncation: bool = True, top_logprobs: int = 0):
     """First tokens of the samples of one prefill call: sample j draws from logits[rows[j]] ([N, V]) with
-    its own parameters (all [n]); `truncation`: see `sampling.sample`."""
-    return sampling.sample(jnp.take(logits, rows, axis=0), temperature, top_k, top_p, seed, sample_index, position,
-                           truncation=truncation)
+    its own parameters (all [n]); `truncation`: see `sampling.sample`. Returns (tokens, logprobs), and with
+    `top_logprobs` = K > 0 (static) also the K largest log-probs [n, K] and their ids (`sampling.top_logprobs`)."""
+    logits = jnp.take(logits, rows, axis=0)
+    out = sampling.sample(logits, temperature, top_k, top_p, seed, sample_index, position, truncation=truncation)
+    if top_logprobs:
+        out += sampling.top_logprobs(logits, temperature, top_logprobs)
+    return out
 
 
 def insert_fn(arrays, k, v, dest_pages, dest_offsets, page_row, slot, ints, floats, seed, stop_row, replica, *,
@@ -119,7 +123,8 @@ def release_fn(arrays, slot, *, null_page: int):
 
 def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int,
                    null_page: int, attention: str = "blocked", block_pages: int = 8, kernel_options=None,
-                   pages_axis: str | None = None, truncation: bool = True, record_routing: bool = False):
+                   pages_axis: str | None = None, truncation: bool = True, record_routing: bool = False,
+                   top_logprobs: int = 0):
     """One token for every slot. new_pages [S]: page to map at index pos // page_size (-1: none).
 
     attention: the decode attention (`paged_attention.DECODE_ATTENTION`; its pool layout names the pool
@@ -128,6 +133,9 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
 
     Returns (arrays, (tokens, logprobs, valid, done)); see the module doc for the bookkeeping. `record_routing`
     (MoE): the step tuple has a fifth entry, the experts of the token each slot fed, [S, L, k] int16.
+    `top_logprobs` = K > 0 (static): two more entries last, the K largest log-probs [S, K] of the distribution each
+    slot's token was drawn from and their token ids (`sampling.top_logprobs`; zeros for inactive slots); 0: the
+    program is the one without them.
     """
     S, maxp = arrays["page_table"].shape
     null = null_page
@@ -157,6 +165,9 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     step = (jnp.where(active, tokens, 0), jnp.where(active, logprobs, 0.0), active, active & finished)
     if record_routing:
         step += (jnp.swapaxes(ids[:, :, 0], 0, 1),)
+    if top_logprobs:
+        top_lp, top_ids = sampling.top_logprobs(logits, arrays["temperature"], top_logprobs)
+        step += (jnp.where(active[:, None], top_lp, 0.0), jnp.where(active[:, None], top_ids, 0))
     return out, step
 
 

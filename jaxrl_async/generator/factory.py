@@ -54,6 +54,9 @@ class EngineConfig:
       device-to-host copy for all of them; ``engine_steps.decode_multi_fn``), taken while nothing waits on the
       decode thread (``orchestrator.Generator._dispatch_steps``); tokens and log-probs are those of single steps,
       bitwise. At most ``page_size``.
+    * ``max_top_logprobs``: K > 0: every prefill and decode step also returns the K most likely tokens of the
+      distribution each token was sampled from, with their log-probs (a request asks for up to K:
+      ``SamplingParams.top_logprobs``; the server's ``top_logprobs``). 0 (an RL run): nothing extra is compiled.
     """
 
     max_concurrent_decodes: int = 32
@@ -67,6 +70,7 @@ class EngineConfig:
     max_prefills_per_step: int | None = None
     compact_decode: bool = False
     decode_steps: int = 1
+    max_top_logprobs: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +122,8 @@ def build_engine(e: EngineConfig, model_cfg: "ModelConfig", mesh: "Mesh | None" 
                            page_size=e.page_size, num_pages=e.num_pages,
                            cache_memory_fraction=e.cache_memory_fraction, reserve_weight_push=reserve_weight_push,
                            record_routing=record_routing, compact_decode=e.compact_decode,
-                           check_fit=check_fit, **{"max_decode_steps": e.decode_steps, **engine_kw})
+                           check_fit=check_fit, max_top_logprobs=e.max_top_logprobs,
+                           **{"max_decode_steps": e.decode_steps, **engine_kw})
     except kv_cache.KVSizingError as err:
         raise EngineSizingError(sizing_message(err, e, fields)) from None
 

@@ -60,8 +60,9 @@ Threads and queues
      needs no locking.
 
   Per step the decode thread sends ONE message to the outbox: the list of
-  `(sample, token, logprob, version, finish_reason)` it produced (prefill first tokens and
-  aborts use the same message shape).
+  `(sample, token, logprob, version, finish_reason, top)` it produced (prefill first tokens and
+  aborts use the same message shape; `top`: the token's `SamplingParams.top_logprobs` alternatives as
+  (token id, log-prob) pairs, `()` when the request asks for none).
 
 * **Stream thread** (one). Blocks on `outbox.get(timeout=stream_poll_s)`. Appends tokens to
   each sample's output, checks stop strings on the detokenised tail (tokenizer work stays off
@@ -107,7 +108,7 @@ from jaxrl_async.generator.engine_api import Engine, OutOfPagesError, PrefillReq
 # the public request types live in generator/requests.py; re-exported here
 from jaxrl_async.generator.requests import (  # noqa: F401
     GeneratorClosedError, GeneratorError, GeneratorStats, RequestHandle, RequestOutput, SampleOutput, StreamChunk,
-    assemble_routing, continuation_sampling, finish_reason_for, stop_string_hit,
+    assemble_routing, continuation_sampling, finish_reason_for, stop_string_hit, top_pairs,
 )
 from jaxrl_async.generator.requests import (
     WAKE, AbortMsg, InFlight, ReleaseMsg, RequestState, RequestFailedMsg, SampleState, SubmitMsg, WorkItem,
@@ -261,6 +262,10 @@ class Generator:
         if len(prompt) >= max_seq:
             raise ValueError(f"request {rid!r}: prompt has {len(prompt)} tokens, no room for a new token "
                              f"(engine max_sequence_length {max_seq})")
+        max_top = int(getattr(self.engine, "max_top_logprobs", 0))
+        if sampling.top_logprobs > max_top:
+            raise ValueError(f"request {rid!r}: SamplingParams.top_logprobs={sampling.top_logprobs} exceeds the engine's "
+                             f"max_top_logprobs={max_top}")
         if sampling.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {rid!r}: stop_strings {sampling.stop_strings} need a tokenizer (Generator(tokenizer=...))")
         handle = RequestHandle(self, rid, stream, self.stream_poll_s)
@@ -436,7 +441,7 @@ class Generator:
         for s in req.samples:
             if not s.finished:
                 self._finish(s)
-                emits.append((s, None, 0.0, self._version, "abort"))
+                emits.append((s, None, 0.0, self._version, "abort", ()))
         if emits:
             self._outbox.put((time.perf_counter(), emits))
 
@@ -548,6 +553,8 @@ class Generator:
         rows = [s.index - prefix.sample_indices[0] for s in item.samples]
         toks = [int(prefix.first_tokens[r]) for r in rows]
         lps = [float(prefix.first_logprobs[r]) for r in rows]
+        k_top = item.request.sampling.top_logprobs
+        tops = [top_pairs(prefix.first_top_logprobs, prefix.first_top_ids, r, k_top) for r in rows]
         reasons = []
         for k, s in enumerate(item.samples):
             s.tokens.append(toks[k])  # tentatively, for the finish check; rolled back on failure
@@ -577,7 +584,7 @@ class Generator:
             if prefix.routing is not None:  # experts of item.tokens (prompt + tokens so far), from position 0
                 s.routing.append((0, prefix.routing))
             reason = self._append(s, toks[k], lps[k], version, False)
-            emits.append((s, toks[k], lps[k], version, reason))
+            emits.append((s, toks[k], lps[k], version, reason, tops[k]))
         for (_k, s), slot in zip(to_insert, inserted):
             s.slot = slot
             s.admit_seq = next(self._admit_seq)
@@ -618,7 +625,9 @@ class Generator:
             if host.routing is not None:  # the step fed the sample's last token (its position before the step)
                 owner.routing.append((len(owner.request.prompt) + len(owner.tokens) - 1, host.routing[slot][None]))
             reason = self._append(owner, tokens[slot], logprobs[slot], version, bool(done[slot]))
-            emits.append((owner, tokens[slot], logprobs[slot], version, reason))
+            k_top = owner.request.sampling.top_logprobs
+            top = top_pairs(host.top_logprobs, host.top_ids, slot, k_top) if k_top else ()
+            emits.append((owner, tokens[slot], logprobs[slot], version, reason, top))
             if reason is not None:
                 self._finish(owner)
 
@@ -686,7 +695,8 @@ class Generator:
                 self._slot_owner[slot] = s
                 self._live += 1
             reason = self._append(s, tok, lp, self._version, False)
-            emits.append((s, tok, lp, self._version, reason))
+            top = top_pairs(prefix.first_top_logprobs, prefix.first_top_ids, 0, req.sampling.top_logprobs)
+            emits.append((s, tok, lp, self._version, reason, top))
             if reason is not None:
                 self._finish(s)
         self._t_prefill_iter += time.perf_counter() - t0
@@ -749,7 +759,7 @@ class Generator:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _deliver(self, t: float, emits: list) -> None:
-        for s, token, logprob, version, reason in emits:
+        for s, token, logprob, version, reason, top in emits:
             v = s.view
             if v.finish_reason is not None:
                 continue  # finished here already (stop string); late tokens are dropped
@@ -758,6 +768,7 @@ class Generator:
                 v.tokens.append(token)
                 v.logprobs.append(logprob)
                 v.versions.append(version)
+                v.top_logprobs.append(top)
                 if v.first_token_time is None:
                     v.first_token_time = t
                 stops = req.sampling.stop_strings
@@ -768,7 +779,7 @@ class Generator:
             if req.handle._chunks is not None:
                 req.handle._push(StreamChunk(req.id, s.index, () if token is None else (token,),
                                              () if token is None else (logprob,), () if token is None else (version,),
-                                             reason))
+                                             reason, () if token is None else (top,)))
             if reason is not None:
                 v.finish_reason = reason
                 v.finish_time = t
@@ -786,7 +797,7 @@ class Generator:
                 versions=v.versions, finish_reason=v.finish_reason, text=text, submit_time=req.submit_time,
                 first_token_time=v.first_token_time, finish_time=v.finish_time,
                 num_preemptions=s.num_preemptions, num_recomputes=s.num_recomputes,
-                routing=assemble_routing(s.routing, len(req.prompt) + len(v.tokens))))
+                routing=assemble_routing(s.routing, len(req.prompt) + len(v.tokens)), top_logprobs=v.top_logprobs))
         with self._lock:
             self._handles.pop(req.id, None)
         req.handle._complete(RequestOutput(req.id, req.prompt, samples, req.metadata))

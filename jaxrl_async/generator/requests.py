@@ -38,6 +38,9 @@ class StreamChunk:
     logprobs: tuple[float, ...]
     versions: tuple[int, ...]
     finish_reason: str | None  # set on the last chunk of the sample
+    # per token: its request's `top_logprobs` most likely tokens as (token id, log-prob) pairs, descending (`()` each
+    # when the request asks for none)
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclasses.dataclass
@@ -61,6 +64,10 @@ class SampleOutput:
     # tokens after a stop string. A position routed again (a re-prefill: recompute_kv, a preempted continuation)
     # keeps its LAST routing: the one of the KV every later token attended to.
     routing: Any = None
+    # per completion token: the `SamplingParams.top_logprobs` most likely tokens of the distribution it was sampled
+    # from (log-softmax of the temperature-scaled logits, full vocabulary) as (token id, log-prob) pairs, descending;
+    # each `()` when the request asks for none
+    top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
 
     @property
     def ttft_s(self) -> float | None:
@@ -155,6 +162,14 @@ def continuation_sampling(sampling: SamplingParams, max_new_tokens: int, remaini
     """Sampling params of a continuation that has `remaining` of `max_new_tokens` left."""
     del max_new_tokens
     return dataclasses.replace(sampling, max_new_tokens=remaining, n=1)
+
+
+def top_pairs(top_logprobs: Any, top_ids: Any, row: int, k: int) -> tuple[tuple[int, float], ...]:
+    """The first `k` (token id, log-prob) pairs of row `row` of an engine's top log-probs and ids ([N, K] host
+    arrays, descending; None when the engine computes none), `()` for k = 0."""
+    if not k or top_logprobs is None:
+        return ()
+    return tuple(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist()))
 
 
 _END = object()
@@ -261,12 +276,13 @@ class SampleState:
 class SampleView:
     """Stream-thread view of a sample: what is delivered to the caller."""
 
-    __slots__ = ("tokens", "logprobs", "versions", "finish_reason", "first_token_time", "finish_time")
+    __slots__ = ("tokens", "logprobs", "versions", "top_logprobs", "finish_reason", "first_token_time", "finish_time")
 
     def __init__(self):
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.top_logprobs: list[tuple[tuple[int, float], ...]] = []
         self.finish_reason: str | None = None
         self.first_token_time: float | None = None
         self.finish_time = 0.0

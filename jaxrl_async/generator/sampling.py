@@ -133,6 +133,17 @@ def behaviour_logprobs(logits: jax.Array, temperature: jax.Array, tokens: jax.Ar
     return jnp.take_along_axis(z, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0] - lse
 
 
+def top_logprobs(logits: jax.Array, temperature: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k (static) largest entries of log_softmax(scale_logits(logits, T)) per row, the distribution whose entry
+    at the sampled token is its behaviour log-prob (`behaviour_logprobs`: the same z and logsumexp, so the top-1
+    entry of a greedy row is that log-prob bitwise): (log-probs [B, k] float32 descending, token ids [B, k] int32;
+    equal values in id order, as `first_argmax`). Over the full vocabulary, before top-k / top-p truncation."""
+    z = scale_logits(logits, temperature)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    vals, ids = jax.lax.top_k(z, k)
+    return vals - lse[:, None], ids.astype(jnp.int32)
+
+
 def truncation_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """theta [B]: the smallest scaled logit kept by top-k then top-p (see module doc).
 

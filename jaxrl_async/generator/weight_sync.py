@@ -193,6 +193,7 @@ class NewestWinsPusher:
         self.history: list[Any] = []
         self.skipped_versions: list[int] = []
         self.applied_version: int | None = initial_version
+        self._tasks: list[tuple[Callable[[], Any], Any]] = []  # ``run_on_push_thread``
         self._thread = threading.Thread(target=self._main, name=thread_name, daemon=True)
 
     def _start(self) -> None:
@@ -234,6 +235,28 @@ class NewestWinsPusher:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout)
+        self._fail_tasks()
+
+    def _fail_tasks(self) -> None:
+        with self._cond:
+            tasks, self._tasks = self._tasks, []
+        for _fn, fut in tasks:
+            if not fut.done():
+                fut.set_exception(WeightPushError(f"{type(self).__name__} closed or failed before the task ran"))
+
+    def run_on_push_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the push thread between two deliveries (before the next one); returns a
+        ``concurrent.futures.Future`` of its value. Its error is the future's, not the pusher's."""
+        import concurrent.futures as cf
+
+        fut: cf.Future = cf.Future()
+        with self._cond:
+            if self._closed or self.error is not None:
+                fut.set_exception(WeightPushError(f"{type(self).__name__} is closed or failed"))
+                return fut
+            self._tasks.append((fn, fut))
+            self._cond.notify_all()
+        return fut
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
@@ -244,12 +267,21 @@ class NewestWinsPusher:
         try:
             while True:
                 with self._cond:
-                    while self._mailbox is None and not self._closed:
+                    while self._mailbox is None and not self._tasks and not self._closed:
                         self._cond.wait(0.5)
-                    if self._mailbox is None:
+                    task = self._tasks.pop(0) if self._tasks else None
+                    if task is None and self._mailbox is None:
                         return
-                    payload, stats, t0 = self._mailbox
-                    self._mailbox = None
+                    if task is None:
+                        payload, stats, t0 = self._mailbox
+                        self._mailbox = None
+                if task is not None:
+                    fn, fut = task
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - the task's caller gets it
+                        fut.set_exception(e)
+                    continue
                 self._deliver(payload, stats, t0)
                 if self.on_applied is not None:
                     self.on_applied(stats.version)
@@ -261,6 +293,7 @@ class NewestWinsPusher:
             with self._cond:
                 self.error = e
                 self._cond.notify_all()
+            self._fail_tasks()
 
 
 class WeightPusher(NewestWinsPusher):

@@ -210,6 +210,9 @@ class TrainingSession:
         row.update(self._reward_failures(step))
         if hasattr(self.workflow, "step_metrics"):  # e.g. openai_agent: turns, stitched / fallen-back episodes
             row.update(self.workflow.step_metrics(out.groups))
+        replica_metrics = getattr(self.generator, "replica_metrics", None)  # several generator replicas (distributed)
+        if replica_metrics is not None:
+            row.update(replica_metrics())
         if step % c.logging.log_every == 0 or step == tr.total_steps:
             self.metrics.log(step, row)
         self.result.last_metrics = row

@@ -191,7 +191,8 @@ def build_workflow(spec: str, reward_fn: Any, tokenizer: Any, rollout: Any = Non
         ro = rollout
         return OpenAIAgentWorkflow(ro.agent, tokenizer, reward_fn, samples=ro.agent_samples,
                                    turn_discount=ro.agent_turn_discount, host=ro.agent_host, port=ro.agent_port,
-                                   api_key=ro.agent_api_key, eos_ids=eos_ids, say=say)
+                                   api_key=ro.agent_api_key, eos_ids=eos_ids, say=say,
+                                   default_max_tokens=ro.sampling.max_new_tokens)
     try:
         cls = workflow_class(spec)
     except ValueError as e:

@@ -1,4 +1,5 @@
-"""Models: the Qwen3 / Qwen2 / Llama decoder family, its HF mapping, import and export."""
+"""Models: the Qwen3 / Qwen2 / Llama decoder family, Qwen2.5-VL (`qwen2_5_vl.py`, `vision.py`), their HF mappings,
+import and export."""
 from jaxrl_async.models.config import PRESETS, ModelConfig, UnsupportedModelError, preset
 from jaxrl_async.models.hf_io import CheckpointMismatchError, load_hf, save_hf
 from jaxrl_async.models.transformer import (

@@ -17,6 +17,8 @@ Supported architectures (selected by `model_type`):
 |            |                     | `mlp_only_layers`/`decoder_sparse_step` say   |
 
 Qwen2.5 checkpoints use `model_type: qwen2`.
+Qwen2.5-VL (`model_type: qwen2_5_vl`) is `qwen2_5_vl.VLConfig`: a qwen2 `ModelConfig` with `mrope_section`
+(M-RoPE) and the vision tower's `vision.VisionConfig`.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class ModelConfig:
     # e.g. (("factor", 8.0), ("high_freq_factor", 4.0), ...) for llama3. Tuple => hashable.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     rope_type: str = "default"
+    # multimodal rotary positions (Qwen2.5-VL's M-RoPE, `models/qwen2_5_vl.py`): the rotary frequencies split into
+    # temporal / height / width sections of these sizes (summing to head_dim / 2), each rotated by its own row of
+    # [3, B, T] positions; () = ordinary 1D RoPE. 1D positions [B, T] mean the same position on all three rows.
+    mrope_section: tuple[int, ...] = ()
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 40960
@@ -93,6 +99,8 @@ class ModelConfig:
             from jaxrl_async.models.lora import LoraSpec
 
             object.__setattr__(self, "lora", LoraSpec(**self.lora))
+        if not isinstance(self.mrope_section, tuple):
+            object.__setattr__(self, "mrope_section", tuple(int(i) for i in self.mrope_section))
         if not isinstance(self.mlp_only_layers, tuple):  # hashable (a static argument of jitted functions)
             object.__setattr__(self, "mlp_only_layers", tuple(sorted(int(i) for i in self.mlp_only_layers)))
         self.validate()
@@ -154,6 +162,8 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"ModelConfig.rope_type: RoPE scaling {self.rope_type!r} is not supported (default, llama3)"
             )
+        if self.mrope_section and (len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2):
+            bad("mrope_section", f"{self.mrope_section} must be 3 sizes summing to head_dim / 2 = {self.head_dim // 2}")
         if self.lora is not None:
             from jaxrl_async.models.lora import LoraSpec
 

@@ -50,9 +50,37 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
-def _layer_ids(row: Row, cfg: ModelConfig) -> tuple[int, ...]:
+def _tables(cfg: Any) -> tuple[list[Row], Params, dict[str, tuple[int, ...]]]:
+    """(name table, parameter shapes, stack -> HF layer index of each slice) of a text `ModelConfig` or a
+    vision-language `qwen2_5_vl.VLConfig` (its table: `hf_mapping_vl.py`)."""
+    from jaxrl_async.models import qwen2_5_vl
+
+    if qwen2_5_vl.is_vl(cfg):
+        from jaxrl_async.models import hf_mapping_vl
+
+        return hf_mapping_vl.mapping(cfg), qwen2_5_vl.param_shapes(cfg), hf_mapping_vl.layer_stacks(cfg)
+    return mapping(cfg), param_shapes(cfg), cfg.layer_stacks()
+
+
+def config_from_hf(model_dir: str, **policy) -> Any:
+    """The config of a HF model directory: a `qwen2_5_vl.VLConfig` for ``model_type: qwen2_5_vl``, else a
+    `ModelConfig` (its errors for unsupported architectures)."""
+    from jaxrl_async.models import qwen2_5_vl
+
+    path = os.path.join(model_dir, "config.json") if os.path.isdir(model_dir) else model_dir
+    try:
+        with open(path) as fh:
+            mt = json.load(fh).get("model_type")
+    except (OSError, ValueError):
+        mt = None  # ModelConfig.from_hf names the problem
+    if mt == qwen2_5_vl.MODEL_TYPE:
+        return qwen2_5_vl.VLConfig.from_hf(model_dir, **policy)
+    return ModelConfig.from_hf(model_dir, **policy)
+
+
+def _layer_ids(row: Row, cfg: Any) -> tuple[int, ...]:
     """HF layer index of each slice of ``row``'s stacked array."""
-    return cfg.layer_stacks()[row.ours[0]]
+    return _tables(cfg)[2][row.ours[0]]
 
 
 def _hf_names(row: Row, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -73,9 +101,9 @@ def _expected_hf_shape(row: Row, cfg: ModelConfig, our_shape: tuple[int, ...]) -
 
 def check_checkpoint(reader: SafetensorsReader, cfg: ModelConfig, source: str) -> None:
     """Raise one CheckpointMismatchError listing every missing, unexpected or mis-shaped tensor."""
-    shapes = param_shapes(cfg)
+    rows, shapes, _ = _tables(cfg)
     expected: dict[str, tuple[int, ...]] = {}
-    for row in mapping(cfg):
+    for row in rows:
         our = tuple(_get(shapes, row.ours).shape)
         hf_shape = _expected_hf_shape(row, cfg, our)
         for n, _ in _hf_names(row, cfg):
@@ -108,18 +136,18 @@ def load_hf(model_dir: str, shardings: Any = None, cfg: ModelConfig | None = Non
     policy: ModelConfig overrides (dtype, param_dtype, remat, scan_layers).
     """
     if cfg is None:
-        cfg = ModelConfig.from_hf(model_dir, **policy)
+        cfg = config_from_hf(model_dir, **policy)
     elif policy:
         cfg = cfg.replace(**policy)
     reader = SafetensorsReader.from_dir(model_dir)
     check_checkpoint(reader, cfg, model_dir)
     if callable(shardings):
         shardings = shardings(cfg)
-    shapes = param_shapes(cfg)
+    rows, shapes, _ = _tables(cfg)
     dtype = np.dtype(jnp.dtype(cfg.param_dtype))
     default = SingleDeviceSharding(jax.devices()[0])
     params: Params = {}
-    for row in mapping(cfg):
+    for row in rows:
         sd = _get(shapes, row.ours)
         sharding: Sharding = _get(shardings, row.ours) if shardings is not None else default
         _set(params, row.ours, _load_leaf(reader, row, cfg, tuple(sd.shape), sharding, dtype))
@@ -159,7 +187,7 @@ def save_hf(params: Params, cfg: ModelConfig, out_dir: str, *, tokenizer_dir: st
     # Plan: (hf name, row, layer index or None, nbytes), grouped by row so one stacked tensor
     # kind at a time is gathered to host.
     plan = []
-    for row in mapping(cfg):
+    for row in _tables(cfg)[0]:
         shape = tuple(_get(params, row.ours).shape)
         per = shape[2:] if row.per_expert else shape[1:] if row.per_layer else shape
         nbytes = int(np.prod(per, dtype=np.int64)) * np_dtype.itemsize

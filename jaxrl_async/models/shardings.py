@@ -15,5 +15,10 @@ __all__ = ["model_shardings"]
 
 
 def model_shardings(cfg: Any, mesh: Mesh, rules: Rules | str) -> Any:
-    """NamedShardings of a model's parameters on ``mesh`` under ``rules`` (``"trainer"`` / ``"generator"``)."""
+    """NamedShardings of a model's parameters on ``mesh`` under ``rules`` (``"trainer"`` / ``"generator"``); a
+    vision-language config (`qwen2_5_vl.VLConfig`) adds its vision tower's."""
+    from jaxrl_async.models import qwen2_5_vl
+
+    if qwen2_5_vl.is_vl(cfg):
+        return tree_shardings(qwen2_5_vl.param_shapes(cfg), qwen2_5_vl.logical_axes(cfg), rules, mesh)
     return tree_shardings(param_shapes(cfg), logical_axes(cfg), rules, mesh)

@@ -180,10 +180,14 @@ def param_shapes(cfg: ModelConfig) -> Params:
 
 def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
     """Random parameters (normal(0, std) matrices, unit norms, zero biases) as a pure dict."""
-    table = param_table(cfg)
+    return init_from_table(param_table(cfg), key, cfg.param_dtype, std)
+
+
+def init_from_table(table: Params, key: jax.Array, param_dtype: str, std: float = 0.02) -> Params:
+    """The parameters of a tree of ParamSpec (`init_params`; the vision-language model's table too)."""
     leaves, treedef = jax.tree.flatten(table, is_leaf=_is_spec)
     keys = jax.random.split(key, len(leaves))
-    dt = jnp.dtype(cfg.param_dtype)
+    dt = jnp.dtype(param_dtype)
 
     def make(spec: ParamSpec, k):
         if spec.init == "ones":
@@ -239,9 +243,17 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of shape positions.shape + (E,), float32 (HF layout: frequencies repeated twice)."""
+    """cos, sin of shape positions.shape + (E,), float32 (HF layout: frequencies repeated twice).
+
+    With M-RoPE (``cfg.mrope_section``, Qwen2.5-VL) ``positions`` may be [3, B, T] (temporal, height, width rows):
+    frequency i of section s turns with row s (transformers' ``Qwen2_5_VLRotaryEmbedding``); cos, sin [B, T, E].
+    """
     inv = jnp.asarray(rope_inv_freq(cfg))
-    freqs = positions.astype(jnp.float32)[..., None] * inv
+    if cfg.mrope_section and positions.ndim == 3:
+        rows = np.repeat(np.arange(3), cfg.mrope_section)  # the position row of each frequency
+        freqs = jnp.moveaxis(positions, 0, -1).astype(jnp.float32)[..., rows] * inv
+    else:
+        freqs = positions.astype(jnp.float32)[..., None] * inv
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
@@ -333,10 +345,15 @@ def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: A
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            attend: AttendFn, state: Any = None) -> tuple[jax.Array, Any]:
-    """Embeddings -> L decoder layers -> final RMSNorm. Returns (hidden [B, T, D], state)."""
+            attend: AttendFn, state: Any = None, embeds: jax.Array | None = None) -> tuple[jax.Array, Any]:
+    """Embeddings -> L decoder layers -> final RMSNorm. Returns (hidden [B, T, D], state).
+
+    ``embeds`` [B, T, D]: the input embeddings in place of the token lookup (a vision-language model's, with the
+    image features scattered in: `models/qwen2_5_vl.py`); ``positions`` [3, B, T] under M-RoPE (`rope_cos_sin`).
+    """
     dt = jnp.dtype(cfg.dtype)
-    x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(dt), *RESIDUAL_AXES)
+    x = jnp.take(params["embed"], tokens, axis=0) if embeds is None else embeds
+    x = constrain(x.astype(dt), *RESIDUAL_AXES)
     cos, sin = rope_cos_sin(cfg, positions)
 
     axes = logical_axes(cfg)

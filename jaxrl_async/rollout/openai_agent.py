@@ -53,6 +53,7 @@ __all__ = ["OpenAIAgentWorkflow", "agent_function", "episode_samples", "AGENT_MO
 log = logging.getLogger(__name__)
 AGENT_MODEL_NAME = "policy"  # the model name the endpoint serves (any OpenAI ``model`` must name it)
 SAMPLE_MODES = ("per_turn", "stitched")
+RECORD_WAIT_S = 10.0  # at an episode's end, the longest wait for the records of its calls
 
 
 def agent_function(spec: str) -> Callable[..., Any]:
@@ -142,11 +143,13 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
       host, port, api_key: the endpoint's address (port 0: any free port) and key (default random; required
         for a non-loopback host).
       eos_ids: stop token ids of the run.
+      default_max_tokens: new tokens of a call that sets no ``max_tokens`` (the run: ``rollout.sampling.max_new_tokens``).
     """
 
     def __init__(self, agent: Callable[..., Any] | str, tokenizer: Any, reward_fn: Callable[..., float] | None = None,
                  *, samples: str = "per_turn", turn_discount: float = 1.0, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, eos_ids: Sequence[int] = (), say: Callable[[str], None] | None = None):
+                 api_key: str | None = None, eos_ids: Sequence[int] = (), say: Callable[[str], None] | None = None,
+                 default_max_tokens: int | None = None):
         if samples not in SAMPLE_MODES:
             raise ValueError(f"rollout.agent_samples must be one of {SAMPLE_MODES}, got {samples!r}")
         self.online = agent == "online"
@@ -154,6 +157,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         self.samples, self.turn_discount = samples, float(turn_discount)
         self.host, self.port, self.api_key, self.eos_ids = host, int(port), api_key, tuple(eos_ids)
+        self.default_max_tokens = default_max_tokens
         self.say = say or (lambda msg: log.warning("%s", msg))
         self.endpoint: Any = None
         self._lock = threading.Lock()
@@ -170,7 +174,8 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
 
                 self.endpoint = AgentEndpoint(generator, self.tokenizer, eos_ids=self.eos_ids, host=self.host,
                                               port=self.port, api_key=self.api_key,
-                                              model_name=AGENT_MODEL_NAME).start()
+                                              model_name=AGENT_MODEL_NAME,
+                                              default_max_tokens=self.default_max_tokens).start()
                 if self.online:
                     self.say(f"agent endpoint for online agents: {self.endpoint.url} (POST /v1/sessions to claim an "
                              "episode; rollout.agent_api_key is the key)")
@@ -216,6 +221,11 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 reward = self._wait_online(session, ctx)
             else:
                 reward = self._run_agent(session, row, ep, ctx)
+            # the records of calls whose (streamed) answer reached the agent first: moments away; a call still
+            # running after the bound (the agent did not wait for it) is not trained
+            if not session.wait(lambda s: s.pending == 0, RECORD_WAIT_S):
+                log.warning("session %s ended with %d call(s) unrecorded after %.0f s; not trained", session.id,
+                            session.pending, RECORD_WAIT_S)
             calls = session.ordered_calls()
         finally:
             ep.sessions.end(session)

@@ -94,9 +94,10 @@ def build_app(backend: ServeBackend, api_key: str | None = None, sessions: Sessi
         return await chat_call(request, None)
 
     async def chat_call(request: Request, session: Session | None):
-        req = parse_chat(await read_json(request), backend.model_name, backend.vocab_size)
+        req = parse_chat(await read_json(request), backend.model_name, backend.vocab_size, backend.max_top_logprobs)
         prompt = backend.render_chat(req)
-        sp = backend.sampling_params(req.sampling, backend.budget(len(prompt), req.sampling.max_tokens, "messages"))
+        sp = backend.sampling_params(req.sampling, backend.budget(len(prompt), req.sampling.max_tokens, "messages"),
+                                     req.top_logprobs)
         batch = backend.submit([prompt], sp, req.sampling.stream, "chat", metadata=call_meta(session))
         rid, created = new_id("chatcmpl"), now()
         head = {"id": rid, "created": created, "model": backend.model_name}
@@ -116,8 +117,9 @@ def build_app(backend: ServeBackend, api_key: str | None = None, sessions: Sessi
             if calls:
                 message["tool_calls"] = calls
             choices.append({"index": s.sample_index, "message": message, "finish_reason": reason,
-                            "logprobs": chat_logprobs(backend.token_strings(s.completion_ids), s.logprobs)
-                            if req.logprobs else None, **_record_fields(s)})
+                            "logprobs": chat_logprobs(backend.token_strings(s.completion_ids), s.logprobs,
+                                                      backend.top_strings(s.top_logprobs)) if req.logprobs else None,
+                            **_record_fields(s)})
         n_out = sum(len(s.completion_ids) for s in out.samples)
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage(len(prompt), n_out),
                 "system_fingerprint": None, "prompt_token_ids": prompt,
@@ -149,7 +151,8 @@ def build_app(backend: ServeBackend, api_key: str | None = None, sessions: Sessi
                     delta["content"] = text
                 yield sse({**head, "choices": [{
                     "index": i, "delta": delta, "finish_reason": reason,
-                    "logprobs": chat_logprobs(backend.token_strings(ids), list(ev.logprobs)) if req.logprobs else None,
+                    "logprobs": chat_logprobs(backend.token_strings(ids), list(ev.logprobs),
+                                              backend.top_strings(ev.top_logprobs)) if req.logprobs else None,
                     "token_ids": ids, "token_logprobs": list(ev.logprobs), "policy_versions": list(ev.versions)}]})
             if req.sampling.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(len(prompt), completion_tokens),
@@ -171,10 +174,11 @@ def build_app(backend: ServeBackend, api_key: str | None = None, sessions: Sessi
         return await completions_call(request, None)
 
     async def completions_call(request: Request, session: Session | None):
-        req = parse_completion(await read_json(request), backend.model_name, backend.vocab_size)
+        req = parse_completion(await read_json(request), backend.model_name, backend.vocab_size,
+                               backend.max_top_logprobs)
         prompts = [backend.encode_prompt(p) for p in req.prompts]
         budgets = [backend.budget(len(p), req.sampling.max_tokens, "prompt") for p in prompts]
-        sp = backend.sampling_params(req.sampling, min(budgets))
+        sp = backend.sampling_params(req.sampling, min(budgets), req.top_logprobs)
         batch = backend.submit(prompts, sp, req.sampling.stream, "cmpl", metadata=call_meta(session))
         head = {"id": new_id("cmpl"), "created": now(), "model": backend.model_name, "object": "text_completion"}
         prompt_texts = [p if isinstance(p, str) else backend.decode(p) for p in req.prompts]
@@ -194,7 +198,8 @@ def build_app(backend: ServeBackend, api_key: str | None = None, sessions: Sessi
                 lp = None
                 if req.logprobs:
                     toks = backend.token_strings(s.completion_ids)
-                    lp = completion_logprobs(toks, list(s.logprobs))
+                    lp = completion_logprobs(toks, list(s.logprobs), tops=backend.top_strings(s.top_logprobs)
+                                             if req.top_logprobs else None)
                 choices.append({"index": p * n + s.sample_index, "text": (prompt_texts[p] if req.echo else "") + text,
                                 "logprobs": lp, "finish_reason": reason, "prompt_token_ids": prompts[p],
                                 **_record_fields(s)})
@@ -224,7 +229,8 @@ def build_app(backend: ServeBackend, api_key: str | None = None, sessions: Sessi
                 if ev.finish_reason is not None:
                     rest, _, reason = st.finish(ev.finish_reason)
                     text += rest
-                lp = completion_logprobs(backend.token_strings(ids), list(ev.logprobs)) if req.logprobs else None
+                lp = completion_logprobs(backend.token_strings(ids), list(ev.logprobs), tops=backend.top_strings(
+                    ev.top_logprobs) if req.top_logprobs else None) if req.logprobs else None
                 yield sse({**head, "choices": [{"index": p * n + ev.sample_index, "text": text, "logprobs": lp,
                                                 "finish_reason": reason, "token_ids": ids,
                                                 "token_logprobs": list(ev.logprobs),

@@ -128,11 +128,15 @@ class ServeBackend:
       eos_ids: the ids generation stops at (``data.tokenizer.stop_token_ids``) unless ``ignore_eos``.
       max_queue: samples that may wait for a slot; beyond them a request is refused with 429.
       request_timeout_s: longest time a request may take (queue + generation) before it is aborted (504).
+      default_max_tokens: new tokens of a request that sets no ``max_tokens`` (None: the rest of the context; the
+        agent endpoint uses the run's ``rollout.sampling.max_new_tokens``).
     """
 
     def __init__(self, generator: Any, tokenizer: Any, *, model_name: str, vocab_size: int,
-                 eos_ids: Sequence[int] = (), max_queue: int = 256, request_timeout_s: float = 600.0):
+                 eos_ids: Sequence[int] = (), max_queue: int = 256, request_timeout_s: float = 600.0,
+                 default_max_tokens: int | None = None):
         self.generator = generator
+        self.default_max_tokens = default_max_tokens
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = int(vocab_size)
@@ -142,11 +146,13 @@ class ServeBackend:
         self.request_timeout_s = float(request_timeout_s)
         self.max_model_len = int(generator.engine.max_sequence_length)
         self.max_prompt_len = min(int(generator.engine.max_prefill_length), self.max_model_len - 1)
+        self.max_top_logprobs = int(getattr(generator.engine, "max_top_logprobs", 0))
         self.recorders: list[Callable[[ServeRecord], None]] = []
         self.created = int(time.time())
         self._lock = threading.Lock()
         self._in_flight = 0  # samples submitted and not finished
         self._ids = itertools.count()
+        self._token_strings: dict[int, str] = {}  # id -> its text alone (at most the vocabulary)
 
     # -- text ---------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:
@@ -155,7 +161,18 @@ class ServeBackend:
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         if self.tokenizer is None:
             return [f"token_id:{t}" for t in ids]
-        return [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        cache = self._token_strings
+        out = []
+        for t in ids:
+            s = cache.get(t)
+            if s is None:
+                s = cache[t] = self.tokenizer.decode([t], skip_special_tokens=False)
+            out.append(s)
+        return out
+
+    def top_strings(self, tops: Sequence[Sequence[tuple[int, float]]]) -> list[list[tuple[str, float]]]:
+        """Per token its (token id, log-prob) alternatives (``SampleOutput.top_logprobs``) as (string, log-prob)."""
+        return [list(zip(self.token_strings([i for i, _ in top]), [lp for _, lp in top])) for top in tops]
 
     def render_chat(self, req: ChatRequest) -> list[int]:
         """Token ids of the conversation as the chat template renders it (tools included), encoded without added
@@ -197,20 +214,20 @@ class ServeBackend:
                            param=param, code="context_length_exceeded")
         room = self.max_model_len - prompt_len
         if max_tokens is None:
-            return room
+            return room if self.default_max_tokens is None else min(room, self.default_max_tokens)
         if max_tokens > room:
             raise APIError(400, f"max_tokens: {max_tokens} new tokens after a prompt of {prompt_len} exceed the context "
                                 f"of {self.max_model_len} tokens (at most {room})", param="max_tokens",
                            code="context_length_exceeded")
         return max_tokens
 
-    def sampling_params(self, s: Sampling, max_new: int) -> SamplingParams:
+    def sampling_params(self, s: Sampling, max_new: int, top_logprobs: int = 0) -> SamplingParams:
         if s.stop and self.tokenizer is None:
             raise APIError(400, "stop: stop strings need a tokenizer; the model directory has none", param="stop")
         eos = () if s.ignore_eos else self.eos_ids
         return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=max_new,
                               stop_token_ids=tuple(sorted(set(eos) | set(s.stop_token_ids))), stop_strings=s.stop,
-                              seed=seed_of(s), n=s.n)
+                              seed=seed_of(s), n=s.n, top_logprobs=top_logprobs)
 
     def release(self, samples: int) -> None:
         with self._lock:

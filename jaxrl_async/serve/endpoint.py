@@ -43,11 +43,12 @@ class AgentEndpoint:
       api_key: the key every request must carry (default: a random one, see ``api_key``).
       model_name: the served model name.
       request_timeout_s: the longest a single call may take.
+      default_max_tokens: new tokens of a call that sets no ``max_tokens`` (the run's ``rollout.sampling``).
     """
 
     def __init__(self, generator: Any, tokenizer: Any, *, eos_ids: Sequence[int] = (), host: str = "127.0.0.1",
                  port: int = 0, api_key: str | None = None, model_name: str = "policy",
-                 request_timeout_s: float = 600.0, max_queue: int = 1024):
+                 request_timeout_s: float = 600.0, max_queue: int = 1024, default_max_tokens: int | None = None):
         if not is_loopback(host) and not api_key:
             raise ValueError(f"the agent endpoint binds to {host!r}, not a loopback address: give it an API key")
         engine = getattr(generator, "engine", None)
@@ -58,7 +59,8 @@ class AgentEndpoint:
         self.sessions = SessionStore()
         vocab = getattr(getattr(engine, "cfg", None), "vocab_size", None) or len(tokenizer)
         self.backend = ServeBackend(generator, tokenizer, model_name=model_name, vocab_size=vocab,
-                                    eos_ids=eos_ids, max_queue=max_queue, request_timeout_s=request_timeout_s)
+                                    eos_ids=eos_ids, max_queue=max_queue, request_timeout_s=request_timeout_s,
+                                    default_max_tokens=default_max_tokens)
         self.backend.recorders.append(self.sessions.record)
         self.host, self._port = host, int(port)
         self._server: Any = None

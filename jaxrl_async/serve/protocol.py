@@ -6,8 +6,9 @@ API does (``{"error": {"message", "type", "param", "code"}}``, ``param`` the fie
 imports nothing outside the standard library (the ``serve`` extra's packages are imported where the server starts).
 Unknown fields are ignored (as vLLM does), and so are known ones that change nothing about the output here
 (``store``, ``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``, ``prediction``, ``reasoning_effort``,
-``verbosity``); fields the engine cannot honour (``top_logprobs`` > 0, penalties, ``logit_bias``, forced tool choices,
-``response_format`` other than text, audio output, the deprecated ``functions``) are refused with a 400 naming them
+``verbosity``); fields the engine cannot honour (penalties, ``logit_bias``, forced tool choices, ``response_format`` other
+than text, audio output, the deprecated ``functions``, more ``top_logprobs`` / completions ``logprobs`` than the
+server's ``--max-top-logprobs``) are refused with a 400 naming them
 rather than silently ignored. ``parallel_tool_calls`` false keeps the first parsed call (as vLLM).
 """
 
@@ -22,6 +23,7 @@ import uuid
 from typing import Any
 
 MAX_N = 128
+MAX_TOP_LOGPROBS = 20  # OpenAI's largest top_logprobs (chat); the server's own limit is --max-top-logprobs
 MAX_STOP = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -177,6 +179,7 @@ class ChatRequest:
     messages: list[dict]
     sampling: Sampling
     logprobs: bool = False
+    top_logprobs: int = 0
     tools: list[dict] | None = None
     parse_tools: bool = False  # tools given and tool_choice "auto"
     parallel_tool_calls: bool = True  # False: only the first parsed call is returned (as vLLM)
@@ -275,19 +278,23 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool]:
     return (tools or None), bool(tools) and choice == "auto"
 
 
-def parse_chat(body: Any, served: str, vocab_size: int) -> ChatRequest:
+def _top_limit(name: str, k: int, max_top_logprobs: int) -> None:
+    if k > max_top_logprobs:
+        raise bad(name, f"at most {max_top_logprobs} on this server (serve's --max-top-logprobs; in an RL run "
+                        f"rollout.engine.max_top_logprobs), got {k}")
+
+
+def parse_chat(body: Any, served: str, vocab_size: int, max_top_logprobs: int = 0) -> ChatRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_model(body, served)
     messages = parse_messages(body.get("messages"))
     sampling = parse_sampling(body, vocab_size, None)
     logprobs = _bool(body, "logprobs")
-    top = _integer(body, "top_logprobs", None, 0, 20)
-    if top is not None and top > 0:
-        if not logprobs:
-            raise bad("top_logprobs", "needs logprobs to be true")
-        raise bad("top_logprobs", "this server returns the log-prob of the sampled token only (top_logprobs 0); "
-                                  "the engine does not compute top-k alternatives")
+    top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if top > 0 and not logprobs:
+        raise bad("top_logprobs", "needs logprobs to be true")
+    _top_limit("top_logprobs", top, max_top_logprobs)
     tools, parse = parse_tools(body)
     parallel = _bool(body, "parallel_tool_calls", True)  # (accepted without tools, as vLLM)
     modalities = _get(body, "modalities", ["text"])
@@ -308,7 +315,7 @@ def parse_chat(body: Any, served: str, vocab_size: int) -> ChatRequest:
     agp = _bool(body, "add_generation_prompt", not cont)
     if cont and (agp or messages[-1]["role"] != "assistant"):
         raise bad("continue_final_message", "needs a final assistant message and add_generation_prompt false")
-    return ChatRequest(messages, sampling, logprobs, tools, parse, parallel, kwargs, agp, cont)
+    return ChatRequest(messages, sampling, logprobs, top, tools, parse, parallel, kwargs, agp, cont)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,9 +327,10 @@ class CompletionRequest:
     sampling: Sampling
     logprobs: bool = False
     echo: bool = False
+    top_logprobs: int = 0  # the ``logprobs`` field: alternatives per token
 
 
-def parse_completion(body: Any, served: str, vocab_size: int) -> CompletionRequest:
+def parse_completion(body: Any, served: str, vocab_size: int, max_top_logprobs: int = 0) -> CompletionRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_model(body, served)
@@ -345,15 +353,14 @@ def parse_completion(body: Any, served: str, vocab_size: int) -> CompletionReque
     if _get(body, "best_of", 1) != 1:
         raise bad("best_of", "is not supported by this server (only 1)")
     sampling = parse_sampling(body, vocab_size, 16)  # OpenAI's default max_tokens of /v1/completions
-    lp = _integer(body, "logprobs", None, 0, 5)
-    if lp is not None and lp > 0:
-        raise bad("logprobs", "this server returns the log-prob of the sampled token only (logprobs 0); the engine "
-                              "does not compute top-k alternatives")
+    lp = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if lp is not None:
+        _top_limit("logprobs", lp, max_top_logprobs)
     echo = _bool(body, "echo")
     if echo and lp is not None:
         raise bad("echo", "echo with logprobs (prompt log-probs) is not supported; score prompts with "
                           "python -m jaxrl_async.score")
-    return CompletionRequest(prompts, sampling, lp is not None, echo)
+    return CompletionRequest(prompts, sampling, lp is not None, echo, lp or 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,14 +411,36 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs)]}
+def _token_entry(t: str, lp: float) -> dict:
+    return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], offset: int = 0) -> dict:
+def chat_logprobs(tokens: list[str], logprobs: list[float], tops: list[list[tuple[str, float]]] | None = None
+                  ) -> dict:
+    """``choices[i].logprobs`` of a chat completion: per token ``{token, logprob, bytes, top_logprobs}``, the
+    ``top_logprobs`` a list of ``{token, logprob, bytes}`` (``tops``: per token (string, log-prob) pairs, descending;
+    None: none)."""
+    tops = tops if tops is not None else [[] for _ in tokens]
+    return {"content": [{**_token_entry(t, lp), "top_logprobs": [_token_entry(a, b) for a, b in top]}
+                        for t, lp, top in zip(tokens, logprobs, tops)]}
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float], offset: int = 0,
+                        tops: list[list[tuple[str, float]]] | None = None) -> dict:
+    """``choices[i].logprobs`` of a (legacy) completion; ``top_logprobs`` (with ``tops``: per token its (string,
+    log-prob) pairs) is per token a dict string -> log-prob that, as OpenAI's, also holds the sampled token (up to
+    ``logprobs`` + 1 entries; tokens decoding to the same string share an entry, the likelier one's); None without."""
     offsets, at = [], offset
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+    top_dicts = None
+    if tops is not None:
+        top_dicts = []
+        for t, lp, top in zip(tokens, logprobs, tops):
+            d: dict[str, float] = {}
+            for a, b in top:
+                d.setdefault(a, b)
+            d.setdefault(t, lp)
+            top_dicts.append(d)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top_dicts, "text_offset": offsets}

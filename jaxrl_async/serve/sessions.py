@@ -58,16 +58,24 @@ class Session:
         self.ended = False
         self.cond = threading.Condition()
         self._seq = 0
+        self._recorded = 0
 
     def next_seq(self) -> int:
+        """The next call's submission number (the call is pending until its record arrives)."""
         with self.cond:
             self._seq += 1
             return self._seq - 1
+
+    @property
+    def pending(self) -> int:
+        """Calls submitted whose record has not arrived (a streamed answer can reach the agent just before it)."""
+        return self._seq - self._recorded
 
     def add(self, calls: list[Call], aborted: int) -> None:
         with self.cond:
             self.calls.extend(calls)
             self.aborted_calls += aborted
+            self._recorded += 1
             self.cond.notify_all()
 
     def ordered_calls(self) -> list[Call]:

@@ -20,6 +20,7 @@ def _cfg(tmp_path, *overrides):
       "model.max_position_embeddings=256"], "trainer.packing.row_len_buckets"),
     (["trainer.sft.steps=5"], "trainer.sft.warmup_steps"),
     (["trainer.sft.steps=20", "trainer.sft.lr=0.0"], "trainer.sft.lr"),
+    (["rollout.engine.max_top_logprobs=-1"], "rollout.engine.max_top_logprobs"),
 ])
 def test_refused_before_anything_is_built(tmp_path, overrides, field):
     with pytest.raises(ConfigError) as e:

@@ -36,7 +36,7 @@ def _start(run_dir, log_dir, steps, extra_gen=(), extra_cfg=()):
     ctrl_log, gen_log = open(log_dir / "controller.log", "wb"), open(log_dir / "generator.log", "wb")
     ctrl = subprocess.Popen([sys.executable, "-m", "jaxrl_async.distributed.controller", "--listen", addr,
                              "--listen-reuse-port", "--generator-devices", "1", "--cpu-devices", "2", "--accept-timeout", "120",
-                             "--heartbeat-timeout", "30", "--config", TINY, f"run_dir={run_dir}",
+                             "--heartbeat-timeout", "30", "--replica-timeout", "5", "--config", TINY, f"run_dir={run_dir}",
                              f"trainer.total_steps={steps}", f"rollout.max_head_offpolicyness={ETA}",
                              "checkpoint.every_steps=null", *extra_cfg],
                             env=env, stdout=ctrl_log, stderr=subprocess.STDOUT)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from jaxrl_async.models import load_hf, sequence_logprobs
+from jaxrl_async.models import apply, load_hf, sequence_logprobs
 from jaxrl_async.generator.engine import PagedEngine
 from jaxrl_async.generator.engine_api import OutOfPagesError, SamplingParams
 from jaxrl_async.sharding import make_mesh
@@ -51,13 +51,14 @@ def prompts(n=32, seed=0, lo=3, hi=21):
     return [rng.integers(3, 256, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
-def run(engine, params, requests, state=None, slot_order=None, stats=None, decode_steps=1):
+def run(engine, params, requests, state=None, slot_order=None, stats=None, decode_steps=1, tops=None):
     """Continuous-batching driver: prefill -> insert into a free slot -> generate -> release on done.
 
     When a step raises OutOfPagesError the most recently admitted request among `err.slots` is
     preempted: released and re-queued first as a continuation (prompt + tokens so far, remaining
     max_new_tokens); its absolute positions, hence its random stream, are unchanged.
     requests: list of (prompt, SamplingParams). Returns per request (tokens, logprobs, first slot).
+    tops (a list): filled with, per request, one (top log-probs [K], top ids [K]) per token (max_top_logprobs = K).
     """
     state = state if state is not None else engine.init_decode_state()
     queue = collections.deque((i, list(p), sp) for i, (p, sp) in enumerate(requests))
@@ -67,6 +68,8 @@ def run(engine, params, requests, state=None, slot_order=None, stats=None, decod
     toks = [[] for _ in requests]
     lps = [[] for _ in requests]
     slots_used = [None] * len(requests)
+    if tops is not None:
+        tops[:] = [[] for _ in requests]
     stats = stats if stats is not None else {}
     stats.setdefault("preemptions", 0)
     for _ in range(10_000):
@@ -81,6 +84,8 @@ def run(engine, params, requests, state=None, slot_order=None, stats=None, decod
             slot = free.pop(0)
             toks[i].append(int(pre.first_tokens[0]))
             lps[i].append(float(pre.first_logprobs[0]))
+            if tops is not None:
+                tops[i].append((pre.first_top_logprobs[0], pre.first_top_ids[0]))
             slots_used[i] = slots_used[i] if slots_used[i] is not None else slot
             if pre.first_done[0]:
                 state = engine.release(state, slot)
@@ -109,6 +114,8 @@ def run(engine, params, requests, state=None, slot_order=None, stats=None, decod
                 if row.valid[slot]:
                     toks[i].append(int(row.tokens[slot]))
                     lps[i].append(float(row.logprobs[slot]))
+                    if tops is not None:
+                        tops[i].append((row.top_logprobs[slot], row.top_ids[slot]))
                 if row.done[slot]:
                     state = engine.release(state, slot)
                     del owner[slot]
@@ -645,3 +652,111 @@ def test_multi_step_decode_equals_single_steps_bitwise(fam):
         multi.generate(params, multi.init_decode_state(), PAGE + 1)
     with pytest.raises(ValueError, match="max_decode_steps"):
         make_engine(cfg, max_decode_steps=PAGE + 1)
+
+
+_apply = jax.jit(apply, static_argnums=1)
+
+
+def reference_distributions(cfg, params, prompt, gen, temperature):
+    """log_softmax(logits / T) of the trainer's forward at every position that predicted a token of `gen`, [len(gen),
+    V] (padded to MAX_SEQ: one compilation)."""
+    n = len(prompt) + len(gen)
+    seq = np.zeros((1, MAX_SEQ), np.int32)
+    seq[0, :n] = prompt + gen
+    seg = (np.arange(MAX_SEQ) < n).astype(np.int32)[None]
+    logits = _apply(params, cfg, jnp.asarray(seq), None, jnp.asarray(seg))[0, len(prompt) - 1:n - 1]
+    return np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
+
+
+def test_top_logprobs_are_the_sampled_distribution_and_change_nothing(fam):
+    """max_top_logprobs = K: every token (prefill's first, single and multi-step decode) comes with the K largest
+    log-probs of the distribution it was sampled from, descending, equal to the trainer forward's
+    log_softmax(logits / T) within 1e-5 (raw logits when greedy); the top-1 entry of a greedy token is its behaviour
+    log-prob bitwise; the tokens and behaviour log-probs are bitwise those of the engine without top log-probs
+    (paging and preemption included), and no further program compiles."""
+    family, cfg, params, engine, hf = fam
+    K = 5
+    top = make_engine(cfg, max_top_logprobs=K)
+    ps = prompts(8, seed=3)
+    reqs = [(p, SamplingParams(temperature=t, top_k=k, top_p=tp, max_new_tokens=MAX_NEW, seed=i, top_logprobs=K))
+            for i, (p, (t, k, tp)) in enumerate(zip(ps, [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 20, 1.0),
+                                                        (1.3, 0, 0.9)] * 2))]
+    base = run(engine, params, [(p, dataclasses.replace(sp, top_logprobs=0)) for p, sp in reqs])
+    tops, stats = [], {}
+    got = run(top, params, reqs, tops=tops, stats=stats)
+    assert got[0] == base[0] and got[1] == base[1]  # bitwise
+    assert stats["preemptions"] > 0  # re-prefilled continuations: their first tokens come from prefill
+    for (p, sp), t, lp, tp in zip(reqs, got[0], got[1], tops):
+        vals, ids = np.stack([v for v, _ in tp]), np.stack([i for _, i in tp])
+        assert vals.shape == ids.shape == (len(t), K) and vals.dtype == np.float32 and ids.dtype == np.int32
+        assert np.all(np.diff(vals, axis=1) <= 0)  # descending
+        ref = reference_distributions(cfg, params, p, t, sp.temperature or 1.0)
+        np.testing.assert_allclose(vals, np.take_along_axis(ref, ids, axis=1), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(vals, -np.sort(-ref, axis=1)[:, :K], rtol=0, atol=1e-5)  # the K largest
+        assert len(set(map(tuple, ids.tolist()))) > 1
+        for j, tok in enumerate(t):  # the sampled token's entry (where it is among the K) is its log-prob
+            if tok in ids[j]:
+                assert vals[j, ids[j].tolist().index(tok)] == np.float32(lp[j])
+        if sp.temperature == 0:
+            assert ids[:, 0].tolist() == t and vals[:, 0].tolist() == lp
+    # multi-step decode: the same tokens and top log-probs (to rounding, as its behaviour log-probs)
+    multi = make_engine(cfg, max_top_logprobs=K, max_decode_steps=PAGE)
+    mtops = []
+    mgot = run(multi, params, reqs, tops=mtops, decode_steps=PAGE)
+    assert mgot[0] == got[0]
+    for a, b in zip(tops, mtops):
+        assert [i.tolist() for _, i in a] == [i.tolist() for _, i in b]
+        np.testing.assert_allclose(np.stack([v for v, _ in a]), np.stack([v for v, _ in b]), rtol=0, atol=1e-5)
+    # requests asking for fewer (or none) run on the same programs; K = 0 compiles no top-k at all
+    counts = top.compile_counts()
+    run(top, params, [(p, dataclasses.replace(sp, top_logprobs=0)) for p, sp in reqs[:3]])
+    assert top.compile_counts() == counts
+    # K = 0: the lean decode step has no top-k op and the step's 4 outputs (the programs of before)
+    lowered = {e: e._steps[False].lower(params, e.init_decode_state().arrays, np.full(SLOTS, -1, np.int32))
+               for e in (engine, top)}
+    assert "chlo.top_k" not in lowered[engine].as_text() and "chlo.top_k" in lowered[top].as_text()
+    assert len(lowered[engine].out_info[1]) == 4 and len(lowered[top].out_info[1]) == 6
+
+
+def test_top_logprobs_limits(fam):
+    family, cfg, params, engine, hf = fam
+    with pytest.raises(ValueError, match="top_logprobs=1 exceeds this engine's max_top_logprobs=0"):
+        engine.prefill(params, [1, 2, 3], SamplingParams(top_logprobs=1))
+    with pytest.raises(ValueError, match="SamplingParams.top_logprobs must be >= 0"):
+        engine.prefill(params, [1, 2, 3], SamplingParams(top_logprobs=-1))
+    with pytest.raises(ValueError, match="max_top_logprobs must be in"):
+        make_engine(cfg, max_top_logprobs=cfg.vocab_size + 1)
+
+
+def test_generator_delivers_top_logprobs(fam):
+    """The generator hands each token's first `SamplingParams.top_logprobs` (id, log-prob) pairs to the sample's
+    output and its stream chunks (`()` per token for a request asking for none), and refuses more than the engine's
+    max_top_logprobs naming the field."""
+    from jaxrl_async.generator.orchestrator import Generator
+
+    family, cfg, params, engine, hf = fam
+    if family != TINY_FAMILIES[0]:
+        pytest.skip("the generator's plumbing does not depend on the model family")
+    top = make_engine(cfg, max_top_logprobs=4)
+    p = prompts(1, seed=11)[0]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=5, top_logprobs=3)
+    tops = []
+    toks, lps, _ = run(top, params, [(p, sp)], tops=tops)
+    with Generator(top, params) as gen:
+        h = gen.submit(p, sp, stream=True)
+        chunks = list(h)
+        out = h.result(60).samples[0]
+        none = gen.submit(p, dataclasses.replace(sp, top_logprobs=0)).result(60).samples[0]
+        with pytest.raises(ValueError, match="top_logprobs=5 exceeds the engine's max_top_logprobs=4"):
+            gen.submit(p, dataclasses.replace(sp, top_logprobs=5))
+    assert out.completion_ids == toks[0] and out.logprobs == lps[0]
+    assert out.top_logprobs == [tuple(zip(i[:3].tolist(), v[:3].tolist())) for v, i in tops[0]]
+    assert all(len(t) == 3 for t in out.top_logprobs)
+    assert [t for c in chunks for t in c.top_logprobs] == out.top_logprobs
+    assert none.completion_ids == out.completion_ids and none.top_logprobs == [()] * len(out.completion_ids)
+    # the compacted decode step (one live slot: 2 rows) returns them too
+    comp = make_engine(cfg, max_top_logprobs=4, compact_decode=True, compact_min_rows=1, compact_levels=1)
+    ctops = []
+    assert run(comp, params, [(p, sp)], tops=ctops)[0] == toks and comp.compact_steps > 0
+    assert [i.tolist() for _, i in ctops[0]] == [i.tolist() for _, i in tops[0]]
+    np.testing.assert_allclose([v for v, _ in ctops[0]], [v for v, _ in tops[0]], rtol=0, atol=1e-5)

@@ -14,6 +14,15 @@ def has_digit(prompt: str, completion: str, answer: str, **metadata) -> float:
     return float(any(ch.isdigit() for ch in completion))
 
 
+def has_digit_slow(prompt: str, completion: str, answer: str, **metadata) -> float:
+    """has_digit after 50 ms (a run that paces itself without burning CPU: the replica-restart test needs its
+    steps to outlast a generator process's restart)."""
+    import time
+
+    time.sleep(0.05)
+    return has_digit(prompt, completion, answer)
+
+
 def has_digit_given_row(prompt: str, completion: str, answer: str, **metadata) -> float:
     """has_digit, but only when the row's metadata reached the reward (its ``source``: file and row), as the
     rollout and the evaluate CLI pass it; 0 without it."""

@@ -395,3 +395,42 @@ def test_the_agents_sdk_calculator_example_runs_as_a_workflow(tok, monkeypatch):
     assert scored == ["\\boxed{60}"] and calculator_agent.evaluate("2*(3-5)") == -4
     assert sorted(t.metadata["turn"] for t in group.trajectories) == [0, 1]
     assert all(t.reward == 1.0 for t in group.trajectories)
+
+
+def test_a_streamed_call_is_recorded_before_the_episode_ends(tok):
+    """An agent that streams: its episode's sample is the streamed tokens (the record may arrive just after the
+    last chunk; the episode waits for it, bounded)."""
+    script = lambda p, k, sp: ids(tok, "streamed words") + [2]  # noqa: E731
+    got = []
+
+    async def agent(client, row):
+        stream = await client.chat.completions.create(model="policy", messages=row["messages"], stream=True)
+        async for chunk in stream:
+            if chunk.choices:
+                got.extend(chunk.choices[0].model_extra.get("token_ids") or [])
+        return 1.0
+
+    wf = OpenAIAgentWorkflow(agent, tok, eos_ids=(2,))
+    with generator_of(tok, script) as gen:
+        try:
+            (t,) = run_group(wf, gen, Item("r8", "q")).trajectories
+        finally:
+            wf.close()
+    assert list(t.completion_ids) == got == ids(tok, "streamed words") + [2]
+
+
+def test_a_call_without_max_tokens_gets_the_runs_budget(tok):
+    script = lambda p, k, sp: ids(tok, "a long answer") + [2]  # noqa: E731
+
+    async def agent(client, row):
+        r = await client.chat.completions.create(model="policy", messages=row["messages"])  # no max_tokens
+        assert r.choices[0].finish_reason == "length"
+        return 1.0
+
+    wf = OpenAIAgentWorkflow(agent, tok, eos_ids=(2,), default_max_tokens=3)
+    with generator_of(tok, script) as gen:
+        try:
+            (t,) = run_group(wf, gen, Item("r9", "q")).trajectories
+        finally:
+            wf.close()
+    assert list(t.completion_ids) == ids(tok, "a l")

@@ -96,3 +96,10 @@ def test_the_command_serves_the_openai_client(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def test_max_top_logprobs_flag(capsys):
+    assert serve.build_parser().parse_args(["--model", "m"]).max_top_logprobs == 20
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--model", "nowhere", "--max-top-logprobs", "21"])
+    assert e.value.code == 2 and "--max-top-logprobs must be in [0, 20], got 21" in capsys.readouterr().err

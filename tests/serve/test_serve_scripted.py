@@ -91,8 +91,12 @@ def test_logprobs_and_top_logprobs(tok):
         assert [e["logprob"] for e in content] == c["token_logprobs"]
         assert content[0]["bytes"] == [97] and content[0]["top_logprobs"] == []
         assert chat(url, logprobs=True, top_logprobs=0).status_code == 200
-        error_of(chat(url, logprobs=True, top_logprobs=2), 400, "top_logprobs")
-        error_of(chat(url, top_logprobs=2), 400, "top_logprobs")
+        # this engine computes no alternatives (max_top_logprobs 0): the limit is named
+        msg = error_of(chat(url, logprobs=True, top_logprobs=2), 400, "top_logprobs")
+        assert "at most 0 on this server (serve's --max-top-logprobs; in an RL run rollout.engine.max_top_logprobs), " \
+               "got 2" in msg
+        assert "needs logprobs" in error_of(chat(url, top_logprobs=2), 400, "top_logprobs")
+        assert "must be in [0, 20]" in error_of(chat(url, logprobs=True, top_logprobs=21), 400, "top_logprobs")
 
 
 def test_stop_strings(tok):
@@ -250,7 +254,7 @@ def test_completions_text_ids_echo_logprobs(tok):
                                                                      "stream_options": {"include_usage": True}}))
         assert "".join(e["choices"][0]["text"] for e in events[:-2]) == tok.decode([5]) + "xyz"
         assert events[-2]["usage"]["prompt_tokens"] == 1
-        error_of(post(prompt="ab", logprobs=2), 400, "logprobs")
+        assert "at most 0 on this server" in error_of(post(prompt="ab", logprobs=2), 400, "logprobs")
         error_of(post(prompt="ab", echo=True, logprobs=0), 400, "echo")
         error_of(post(prompt=[]), 400, "prompt")
         error_of(post(prompt=[1000]), 400, "prompt")
