@@ -51,8 +51,8 @@ def request_key(seed: jax.Array, sample_index: jax.Array, position: jax.Array) -
 
 # The Gumbel noise of a batch, [B, V]: the numbers jax.random draws (`request_key`, then `jax.random.gumbel(key, (V,))`),
 # computed as plain uint32 arithmetic. jax lowers its threefry hash on CPU as a 5-trip while loop (every trip a
-# dozen thunks and copies of its [B, V] carries): three such loops per decode step, ~250 thunks, most of the step's
-# fixed cost on a small model. The unrolled hash below is the same function (jax's own non-CPU lowering,
+# dozen thunks and copies of its [B, V] carries): three such loops per decode step, ~550 of the ~850 thunks a step of
+# a one-layer model ran (issue 28). The unrolled hash below is the same function (jax's own non-CPU lowering,
 # `_threefry2x32_lowering(use_rolled_loops=False)`), so the stream is unchanged, bit for bit
 # (tests/generator/test_sampling.py); where jax's settings pick another stream it falls back to jax.random.
 _THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
