@@ -112,7 +112,7 @@ def test_request_key_formula():
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 1001, 1024])
-def test_gumbel_noise_is_jax_random_bitwise(vocab):
+def test_gumbel_noise_is_jax_random_bitwise(vocab, monkeypatch):
     """The unrolled threefry noise of the sampler = jax.random's (request_key, then gumbel), bit for bit, over
     seeds up to 2**32 - 1, negative and large sample indices and positions; and so does the fallback path."""
     rng = np.random.default_rng(vocab)
@@ -123,8 +123,10 @@ def test_gumbel_noise_is_jax_random_bitwise(vocab):
     ref = jax.jit(lambda s, i, p: jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(
         jax.vmap(sampling.request_key)(s, i, p)))(seed, idx, pos)
     assert sampling._lean_stream()
-    got = jax.jit(lambda s, i, p: sampling.gumbel_noise(s, i, p, vocab))(seed, idx, pos)
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(ref).view(np.uint32))
+    for lean in (True, False):
+        monkeypatch.setattr(sampling, "_lean_stream", lambda lean=lean: lean)
+        got = jax.jit(lambda s, i, p: sampling.gumbel_noise(s, i, p, vocab))(seed, idx, pos)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(ref).view(np.uint32))
 
 
 def test_row_result_independent_of_batch_composition():
