@@ -1,10 +1,10 @@
 """A Ray cluster of several node processes on this machine for the Ray launcher's tests, and its scoped stop.
 
 ``RayCluster(nodes)``: a head (``ray start --head``) and one more ``ray start --address=HEAD`` per extra entry of
-``nodes`` ((CPUs, custom resources) each), every node on 127.0.0.2 (a loopback address: Ray replaces 127.0.0.1 by the machine's outward
-address, and the tests talk to loopback addresses only) with every port chosen free (no fixed port
-that another user's Ray on the machine could hold: client server, dashboard, agents, metrics...), a tiny object
-store, no dashboard UI, and its own temporary directory. ``stop()`` ends only this cluster's processes: those whose
+``nodes`` ((CPUs, custom resources) each), every node on 127.0.0.2 (a loopback address: Ray replaces 127.0.0.1
+by the machine's outward address, and the tests talk to loopback addresses only) with every port chosen free (no
+fixed port that another user's Ray on the machine could hold: client server, dashboard, agents, metrics...), a tiny
+object store, no dashboard UI, and its own temporary directory. ``stop()`` ends only this cluster's processes: those whose
 command line names the cluster's temporary directory (GCS, raylets, monitors) and their descendants (agents,
 workers, actors), SIGTERM then SIGKILL; never ``ray stop``, which ends every Ray on the machine.
 """
