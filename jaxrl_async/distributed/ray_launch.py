@@ -51,6 +51,25 @@ POLL_S = 0.3
 CALL_TIMEOUT_S = 60.0
 
 
+class Interrupted(Exception):
+    """Ctrl-C / SIGTERM to the launcher before the roles started."""
+
+
+def _wait_all(ray, refs: list, timeout: float, stops: list[int]) -> bool:
+    """Wait for every ref within ``timeout`` (False: some did not finish), in slices of 1 s so that a Ctrl-C
+    during the placement or the actors' start stops the launcher at once (``Interrupted``)."""
+    deadline = time.monotonic() + timeout
+    pending = list(refs)
+    while pending:
+        if stops[0]:
+            raise Interrupted
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, left))
+    return True
+
+
 def import_ray():
     try:
         import ray
@@ -187,13 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     pgs, roles = [], []
     try:
         return _run(ray, args, rest, cfg, cwd, run_dir, secret, trainer_custom, generator_custom, pgs, roles, stops)
+    except Interrupted:
+        say("interrupted before the roles started")
+        return 130
     finally:
         _teardown(ray, pgs, roles)
         for s, h in old.items():
             signal.signal(s, h)
 
 
-def _place(ray, args, trainer_custom, generator_custom, pgs) -> tuple[list, list]:
+def _place(ray, args, trainer_custom, generator_custom, pgs, stops) -> tuple[list, list]:
     """Reserve the placement groups; returns (trainer roles, generator roles), their hosts not yet created."""
     from ray.util.placement_group import placement_group
 
@@ -221,8 +243,7 @@ def _place(ray, args, trainer_custom, generator_custom, pgs) -> tuple[list, list
         pg = placement_group([g_spec], strategy="PACK", name=f"jaxrl-{tag}-generator-{k}")
         pgs.append(pg)
         gens.append(Role(f"generator-{k}", pg, 0, g_spec, "generator"))
-    ready, waiting = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=args.placement_timeout)
-    if waiting:
+    if not _wait_all(ray, [pg.ready() for pg in pgs], args.placement_timeout, stops):
         want = [specs[0]] * len(specs) + [g_spec] * args.generators
         raise UserError(f"the Ray cluster could not place the run within --placement-timeout {args.placement_timeout:g} "
                         f"s: bundles {want} (trainer placement {args.trainer_placement}); the cluster has "
@@ -231,14 +252,15 @@ def _place(ray, args, trainer_custom, generator_custom, pgs) -> tuple[list, list
 
 
 def _run(ray, args, rest, cfg, cwd, run_dir, secret, trainer_custom, generator_custom, pgs, roles, stops) -> int:
-    trainers, gens = _place(ray, args, trainer_custom, generator_custom, pgs)
+    trainers, gens = _place(ray, args, trainer_custom, generator_custom, pgs, stops)
     roles += trainers + gens
     for r in roles:
         r.create_host(ray)
+    refs = [r.host.info.remote() for r in roles]
+    if not _wait_all(ray, refs, args.placement_timeout, stops):
+        raise UserError(f"the role actors did not start within --placement-timeout {args.placement_timeout:g} s")
     try:
-        infos = ray.get([r.host.info.remote() for r in roles], timeout=args.placement_timeout)
-    except ray.exceptions.GetTimeoutError:
-        raise UserError(f"the role actors did not start within {args.placement_timeout:g} s") from None
+        infos = ray.get(refs, timeout=CALL_TIMEOUT_S)
     except ray.exceptions.RayActorError as e:
         raise UserError("a role actor could not start (is jaxrl_async installed, or on PYTHONPATH, on every "
                         f"node?): {' '.join(str(e).split())[:300]}") from None
@@ -340,9 +362,13 @@ def _supervise(ray, args, trainers: list[Role], gens: list[Role], start, stops) 
                 if now >= due[r.name] and interrupted_at is None:
                     del due[r.name]
                     try:
-                        if r.info.get("lost"):
+                        if r.info.get("lost"):  # a new actor on the same bundle (the old one's is released)
+                            try:
+                                ray.kill(r.host)
+                            except Exception:  # already gone
+                                pass
                             r.create_host(ray)
-                            r.info = ray.get(r.host.info.remote(), timeout=args.placement_timeout)
+                            r.info = ray.get(r.host.info.remote(), timeout=CALL_TIMEOUT_S)
                         start(r)
                         say(f"{r.name} restarted (pid {r.pid}; restart {restarts[r.name]} of {args.max_restarts})")
                     except Exception as e:  # the node is gone and its bundle not placed again yet: try later

@@ -11,8 +11,9 @@ with 2 CPUs and ``jx_gen``), started once per module and stopped in its finalize
   the launcher after the first step: exit 130, every role process and actor gone; the same command again
   resumes from the checkpoint the interrupted run saved and trains to the end.
 * ``test_killed_replica_is_restarted_under_ray`` (slow): ``test_replicas_launch``'s audit under Ray: generator-1's
-  process SIGKILLed after the first step is restarted on its bundle, rejoins, serves again; every prompt trained
-  exactly once, lag <= eta.
+  process SIGKILLed after the first step is restarted on its bundle, rejoins, serves again; then generator-0's
+  ACTOR (its Ray worker) is SIGKILLed: its process dies with it, a new actor on the same bundle restarts it, it
+  rejoins; every prompt trained exactly once, lag <= eta.
 """
 from __future__ import annotations
 
@@ -190,7 +191,7 @@ def test_ctrl_c_tears_down_and_the_same_command_resumes(tmp_path, cluster):
 @pytest.mark.slow
 def test_killed_replica_is_restarted_under_ray(tmp_path, cluster):
     run, log_path = tmp_path / "run", tmp_path / "launch.log"
-    steps = 60
+    steps = 100
     cmd = _cmd(cluster, 1, 2, "--restart-backoff", "0.5", "--heartbeat-timeout", "30", "--replica-timeout", "120",
                f"run_dir={run}", f"trainer.total_steps={steps}", f"rollout.max_head_offpolicyness={ETA}",
                "checkpoint.every_steps=null", "rollout.reward=loop_targets:has_digit_slow")
@@ -207,6 +208,13 @@ def test_killed_replica_is_restarted_under_ray(tmp_path, cluster):
             time.sleep(0.3)
         os.kill(pid, signal.SIGKILL)
         t_kill = time.monotonic()
+        # then generator-0's actor (its Ray worker): its role process dies with it, the launcher places a new actor
+        # on the same bundle and restarts the process there
+        while not re.search(r"generator-1 \(pid \d+ on [^)]*\) back in service", log_path.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline + 120, log_path.read_text()[-4000:]
+            time.sleep(0.3)
+        first0 = _placed(log_path.read_text())["generator-0"]
+        os.kill(first0["actor"], signal.SIGKILL)
         rc = proc.wait(400)
     finally:
         if proc.poll() is None:
@@ -219,6 +227,11 @@ def test_killed_replica_is_restarted_under_ray(tmp_path, cluster):
     assert re.search(rf"\[launch\] generator-1 \(pid {pid}\) exited with status -9; restarting it", log), log[-4000:]
     assert "[launch] generator-1 restarted (pid" in log, log[-4000:]
     assert re.search(r"generator replica .*generator-1 \(pid \d+ on [^)]*\) back in service", log), log[-4000:]
+    # the actor kill: the role process went with it (PDEATHSIG), a new actor and process, back in service
+    assert re.search(r"\[launch\] generator-0: its actor on .* is lost", log), log[-4000:]
+    assert "[launch] generator-0 restarted (pid" in log, log[-4000:]
+    assert _placed(log)["generator-0"]["actor"] != first0["actor"] and not _gone([first0["pid"]], 10)
+    assert re.search(r"generator replica .*generator-0 \(pid \d+ on [^)]*\) back in service", log), log[-4000:]
 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stopped_by"] == "completed" and summary["steps"] == steps, summary
@@ -233,6 +246,8 @@ def test_killed_replica_is_restarted_under_ray(tmp_path, cluster):
     assert max(r["staleness/max"] for r in rows) <= ETA
     last = rows[-1]
     assert last["generator/1/rejoins"] >= 1 and last["generator/1/requests_since_join"] > 0, last
+    assert last["generator/0/rejoins"] >= 1 and last["generator/0/requests_since_join"] > 0, last
+    assert last["generator/replica_failures"] == 2, last
     assert last["generator/replicas_live"] == 2 and 0 < last["generator/recovery_s"] < 120, last
     print({k: v for k, v in last.items() if k.startswith("generator/") and not k[10].isdigit()})
     assert not _gone(_all_pids(log), 30)
