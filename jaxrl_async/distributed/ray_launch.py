@@ -46,7 +46,7 @@ RAY_MISSING = "the Ray launcher needs Ray: pip install 'jaxrl_async[ray]' (or: p
 # the launcher's environment variables the roles get (besides --trainer-env / --generator-env): the run's and
 # JAX's settings; never the device variables (Ray sets CUDA_VISIBLE_DEVICES / TPU_VISIBLE_CHIPS per bundle)
 FORWARD_PREFIXES = ("JAX_", "XLA_", "JAXRL_", "HF_", "NCCL_", "TF_CPP_")
-FORWARD_KEYS = ("PYTHONPATH", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_OFFLINE")
+FORWARD_KEYS = ("PYTHONPATH", "PYTHONFAULTHANDLER", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_OFFLINE")
 POLL_S = 0.3
 CALL_TIMEOUT_S = 60.0
 
@@ -145,6 +145,7 @@ def actor_options(ray, pg, index: int, spec: dict[str, float]) -> dict:
 def forwarded_env(extra: list[str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_PREFIXES) or k in FORWARD_KEYS}
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a role that dies of a signal (abort, segfault) shows its threads' stacks
     for kv in extra:
         k, _, v = kv.partition("=")
         env[k] = v
@@ -184,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError("--tpu-topology and --tpu-version go together")
     ray = import_ray()
     cfg = check_run_args(rest)
-    if args.generator_devices is None:
-        args.generator_devices = args.generator_cpu_devices or 1
+    if args.generator_devices is None:  # a replica's devices: its bundle's GPUs / TPU chips, else simulated CPUs
+        args.generator_devices = int(args.generator_gpus) or int(args.generator_tpus) or args.generator_cpu_devices or 1
     cwd = os.getcwd()
     run_dir = os.path.abspath(cfg.resolved_run_dir)
     os.environ.setdefault("JAXRL_RPC_AUTHKEY", secrets.token_hex(32))
@@ -225,7 +226,10 @@ def _place(ray, args, trainer_custom, generator_custom, pgs, stops) -> tuple[lis
 
         sp = slice_placement_group(args.tpu_topology, args.tpu_version, strategy="SPREAD",
                                    name=f"jaxrl-{tag}-trainer-slice")
+        pgs.append(sp)  # removed with its head reservations (SlicePlacementGroup.shutdown)
         t_pg = sp.placement_group
+        if t_pg is None:
+            raise UserError(f"no TPU slice {args.tpu_version} {args.tpu_topology} could be reserved on this cluster")
         specs = [dict(b) for b in t_pg.bundle_specs]
         if len(specs) != args.trainer_processes:
             say(f"TPU slice {args.tpu_version}-{args.tpu_topology}: {len(specs)} TPU VMs, one trainer process each")
@@ -234,7 +238,7 @@ def _place(ray, args, trainer_custom, generator_custom, pgs, stops) -> tuple[lis
         spec = bundle(args.trainer_cpus, args.trainer_gpus, 0, trainer_custom)
         specs = [spec] * args.trainer_processes
         t_pg = placement_group(specs, strategy=args.trainer_placement, name=f"jaxrl-{tag}-trainer")
-    pgs.append(t_pg)
+        pgs.append(t_pg)
     trainers = [Role("controller" if i == 0 else f"trainer-{i}", t_pg, i, specs[i], "trainer")
                 for i in range(len(specs))]
     g_spec = bundle(args.generator_cpus, args.generator_gpus, args.generator_tpus, generator_custom)
@@ -243,7 +247,7 @@ def _place(ray, args, trainer_custom, generator_custom, pgs, stops) -> tuple[lis
         pg = placement_group([g_spec], strategy="PACK", name=f"jaxrl-{tag}-generator-{k}")
         pgs.append(pg)
         gens.append(Role(f"generator-{k}", pg, 0, g_spec, "generator"))
-    if not _wait_all(ray, [pg.ready() for pg in pgs], args.placement_timeout, stops):
+    if not _wait_all(ray, [pg.ready() for pg in [t_pg] + [r.pg for r in gens]], args.placement_timeout, stops):
         want = [specs[0]] * len(specs) + [g_spec] * args.generators
         raise UserError(f"the Ray cluster could not place the run within --placement-timeout {args.placement_timeout:g} "
                         f"s: bundles {want} (trainer placement {args.trainer_placement}); the cluster has "
@@ -440,7 +444,10 @@ def _teardown(ray, pgs: list, roles: list[Role]) -> None:
                 pass
     for pg in pgs:
         try:
-            remove_placement_group(pg)
+            if hasattr(pg, "shutdown"):  # a TPU SlicePlacementGroup
+                pg.shutdown()
+            else:
+                remove_placement_group(pg)
         except Exception:  # already removed (the cluster went away)
             pass
     ray.shutdown()

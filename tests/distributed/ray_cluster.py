@@ -102,7 +102,7 @@ class RayCluster:
                 stack += kids.get(p, [])
         return out
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             pids = self.pids()
             for p in pids:

@@ -3,6 +3,7 @@ on this machine (``ray_cluster.RayCluster``: a head with 2 CPUs and the custom r
 with 2 CPUs and ``jx_gen``), started once per module and stopped in its finalizer (only its own processes).
 
 * ``test_without_ray_the_launcher_says_how_to_get_it``: Ray not importable -> one line, exit 2.
+* ``test_a_run_the_cluster_cannot_place_is_one_line``: resources no node has -> one line, exit 2.
 * ``test_tiny_run_under_ray_places_roles_and_leaves_nothing`` (default, ~1 min with the cluster): the tiny run,
   one trainer process and 2 generator replicas, to completion: the trainer's bundle on the head, the replicas'
   on the other node (by their custom resources, checked by the node ids the launcher prints), the roles import
@@ -120,6 +121,17 @@ def _check_placement(log: str, trainer_processes: int, generators: int) -> None:
     assert {p["ip"] for p in placed.values()} == {IP}, placed  # the nodes' registered address
     m = re.search(rf"^\[launch\] controller at {re.escape(IP)}:\d+.*; jaxrl_async from (\S+)$", log, re.M)
     assert m and os.path.samefile(m.group(1), os.path.join(ROOT, "jaxrl_async")), log[:3000]  # this checkout
+
+
+def test_a_run_the_cluster_cannot_place_is_one_line(tmp_path, cluster):
+    cmd = _cmd(cluster, 1, 1, "--generator-resources", "jx_nowhere=1", "--placement-timeout", "3",
+               f"run_dir={tmp_path / 'run'}")
+    out = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("launch.ray: error: the Ray cluster could not place the run "
+                                                     "within --placement-timeout 3 s"), out.stderr[-3000:]
+    assert "jx_nowhere" in errors[0] and "[launch] controller" not in out.stderr
 
 
 def test_tiny_run_under_ray_places_roles_and_leaves_nothing(tmp_path, cluster):
