@@ -319,9 +319,10 @@ def _run(ray, args, rest, cfg, cwd, run_dir, secret, trainer_custom, generator_c
     return _supervise(ray, args, trainers, gens, start, stops)
 
 
-def _poll(ray, roles: list[Role]) -> list[Role]:
-    """Print the roles' new lines and update their status; returns the roles whose actor died."""
-    live = [r for r in roles if r.started and r.rc is None]
+def _poll(ray, roles: list[Role], final: bool = False) -> list[Role]:
+    """Print the roles' new lines and update their status; returns the roles whose actor died. ``final``: also
+    the roles already seen to exit (their last lines, after ``_stop``)."""
+    live = [r for r in roles if r.started and (r.rc is None or (final and not r.info.get("lost")))]
     refs = [r.host.poll.remote() for r in live]
     dead = []
     for r, ref in zip(live, refs):
@@ -329,13 +330,14 @@ def _poll(ray, roles: list[Role]) -> list[Role]:
             lines, rc, _ = ray.get(ref, timeout=CALL_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             say(f"{r.name}: its actor on {r.info.get('host')} is lost ({type(e).__name__}); its process dies with it")
-            r.rc = -9
+            r.rc = -9 if r.rc is None else r.rc
+            r.info["lost"] = True
             dead.append(r)
             continue
         for line in lines:
             sys.stderr.write(f"[{r.name}] {line}\n")
         sys.stderr.flush()
-        r.rc = rc
+        r.rc = rc if rc is not None else r.rc
     return dead
 
 
@@ -400,7 +402,7 @@ def _supervise(ray, args, trainers: list[Role], gens: list[Role], start, stops) 
         time.sleep(POLL_S)
     rc = ctrl.rc
     others = [r for r in roles if r is not ctrl]
-    if rc is not None and interrupted_at is None:
+    if rc is not None and stops[0] < 2:  # the others end when the controller closes their connections
         if rc == 2:  # a configuration error: nothing ran, the others would only wait for a connection
             _stop(ray, [r for r in others if r.started and r.rc is None], 5.0)
         deadline = time.monotonic() + args.grace
@@ -408,7 +410,7 @@ def _supervise(ray, args, trainers: list[Role], gens: list[Role], start, stops) 
             _poll(ray, others)
             time.sleep(POLL_S)
     _stop(ray, [r for r in roles if r.started and r.rc is None], 5.0)
-    _poll(ray, roles)  # the last lines
+    _poll(ray, roles, final=True)  # the last lines
     if rc is None:
         rc = ctrl.rc if ctrl.rc is not None else 1
     say(f"controller exited with status {ctrl.rc}; other trainer processes: {[r.rc for r in trainers[1:]]}; "
@@ -427,6 +429,7 @@ def _stop(ray, roles: list[Role], grace: float) -> None:
             r.rc = rc if rc is not None else r.rc
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             r.rc = -9 if r.rc is None else r.rc
+            r.info["lost"] = True
 
 
 def _teardown(ray, pgs: list, roles: list[Role]) -> None:
