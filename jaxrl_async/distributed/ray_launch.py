@@ -34,7 +34,9 @@ import argparse
 import os
 import secrets
 import signal
+import socket
 import sys
+import threading
 import time
 
 from jaxrl_async.cli.common import UserError, cli_main
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "4x4): one bundle and one trainer process per TPU VM; needs --tpu-version")
     g.add_argument("--tpu-version", default=None, help="TPU generation of --tpu-topology (v4, v5p, v6e, ...)")
     g.add_argument("--generator-tpus", type=float, default=0.0, help="TPU chips of each generator replica's bundle")
+    g.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to connect to the Ray cluster")
     g.add_argument("--placement-timeout", type=float, default=300.0,
                    help="seconds to wait for the placement groups (the cluster's free resources) before giving up")
     return ap
@@ -192,12 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAXRL_RPC_AUTHKEY", secrets.token_hex(32))
     secret = os.environ["JAXRL_RPC_AUTHKEY"]
 
-    runtime_env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}} if os.environ.get("PYTHONPATH") else None
-    try:
-        ray.init(address=args.address, log_to_driver=False, runtime_env=runtime_env, configure_logging=False)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise UserError(f"no Ray cluster at --address {args.address}: {' '.join(str(e).split())[:300]} (start one "
-                        "with `ray start --head`, or give its HOST:PORT)") from None
+    _connect(ray, args.address, args.connect_timeout)
     stops = [0]
 
     def on_signal(signum, frame):
@@ -214,6 +212,36 @@ def main(argv: list[str] | None = None) -> int:
         _teardown(ray, pgs, roles)
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _connect(ray, address: str, timeout: float) -> None:
+    """``ray.init`` on the cluster at ``address``, within ``timeout`` seconds (Ray itself retries a silent GCS
+    forever): an explicit HOST:PORT is probed first (a refused port is one line at once); a connection that does
+    not complete in time ends the launcher with one line, exit 2 (nothing was started yet)."""
+    no_cluster = f"no Ray cluster at --address {address}"
+    hint = "(start one with `ray start --head`, or give its HOST:PORT)"
+    if "://" not in address and address != "auto":
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout, 10.0)).close()
+        except (OSError, ValueError) as e:
+            raise UserError(f"{no_cluster}: {e} {hint}") from None
+    connected = threading.Event()
+
+    def watchdog() -> None:
+        if not connected.wait(timeout):
+            print(f"launch.ray: error: {no_cluster}: not connected within --connect-timeout {timeout:g} s {hint}",
+                  file=sys.stderr, flush=True)
+            os._exit(2)
+
+    threading.Thread(target=watchdog, name="ray-connect-watchdog", daemon=True).start()
+    runtime_env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}} if os.environ.get("PYTHONPATH") else None
+    try:
+        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise UserError(f"{no_cluster}: {' '.join(str(e).split())[:300]} {hint}") from None
+    finally:
+        connected.set()
 
 
 def _place(ray, args, trainer_custom, generator_custom, pgs, stops) -> tuple[list, list]:

@@ -25,7 +25,7 @@ IP = "127.0.0.2"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind((IP, 0))
         return s.getsockname()[1]
@@ -36,7 +36,7 @@ def _ports(head: bool) -> list[str]:
              "--runtime-env-agent-port", "--node-manager-port", "--object-manager-port"]
     if head:
         names += ["--ray-client-server-port", "--dashboard-port"]
-    return [f"{n}={_free_port()}" for n in names]
+    return [f"{n}={free_port()}" for n in names]
 
 
 def _children() -> dict[int, list[int]]:
@@ -75,7 +75,7 @@ class RayCluster:
         self.env = dict(env or os.environ)
         self.env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [self.env.get("PYTHONPATH")] if p])
         self.env["RAY_USAGE_STATS_ENABLED"] = "0"
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"{IP}:{self.port}"
         common = [f"--node-ip-address={IP}", "--object-store-memory=100000000", "--disable-usage-stats"]
         try:

@@ -3,6 +3,7 @@ on this machine (``ray_cluster.RayCluster``: a head with 2 CPUs and the custom r
 with 2 CPUs and ``jx_gen``), started once per module and stopped in its finalizer (only its own processes).
 
 * ``test_without_ray_the_launcher_says_how_to_get_it``: Ray not importable -> one line, exit 2.
+* ``test_no_cluster_at_the_address_is_one_line``: nothing listening at ``--address`` -> one line, exit 2.
 * ``test_a_run_the_cluster_cannot_place_is_one_line``: resources no node has -> one line, exit 2.
 * ``test_tiny_run_under_ray_places_roles_and_leaves_nothing`` (default, ~1 min with the cluster): the tiny run,
   one trainer process and 2 generator replicas, to completion: the trainer's bundle on the head, the replicas'
@@ -46,6 +47,17 @@ def test_without_ray_the_launcher_says_how_to_get_it(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'jaxrl_async[ray]'" in lines[0], out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_no_cluster_at_the_address_is_one_line(tmp_path):
+    pytest.importorskip("ray")
+    from ray_cluster import free_port  # tests/distributed
+
+    out = subprocess.run([sys.executable, "-m", "jaxrl_async.launch.ray", "--address", f"{IP}:{free_port()}",
+                          "--config", TINY, f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"launch.ray: error: no Ray cluster at --address {IP}:"), out.stderr
 
 
 @pytest.fixture(scope="module")
