@@ -320,6 +320,17 @@ def _run(ray, args, rest, cfg, cwd, run_dir, secret, trainer_custom, generator_c
             raise UserError(f"the working directory {cwd} does not exist on {where}: start the launcher from a "
                             "directory every node sees (the config file and relative paths are read there)")
 
+    # what the role processes import, by node (a process started as they are: this node's Python, env, cwd)
+    probe_env = forwarded_env([])
+    found = ray.get([r.host.probe.remote(probe_env, cwd) for r in by_node.values()], timeout=2 * CALL_TIMEOUT_S)
+    for r, where in zip(by_node.values(), found):
+        if where.startswith("error:"):
+            raise UserError(f"jaxrl_async does not import on node {r.info['ip']} ({r.info['host']}): {where[7:]} "
+                            "(install it on every node, or put it on a shared filesystem and PYTHONPATH)")
+    if len(set(found)) > 1:
+        say("warning: the nodes import jaxrl_async from different places: " + ", ".join(
+            f"{r.info['ip']} ({r.info['node_id'][:8]}): {w}" for r, w in zip(by_node.values(), found)))
+
     # the controller and the jax.distributed coordinator on the node of the first trainer bundle
     head = trainers[0]
     host_ip = head.info["ip"]
@@ -333,7 +344,7 @@ def _run(ray, args, rest, cfg, cwd, run_dir, secret, trainer_custom, generator_c
     for r, cmd in zip(gens, g_cmds):
         r.cmd, r.env = [r.info["python"]] + cmd[1:], {**base, **forwarded_env(args.generator_env)}
     say(f"controller at {host_ip}:{port}" + (f", jax.distributed coordinator at {host_ip}:{coord}" if coord else "")
-        + f"; run_dir {run_dir}; jaxrl_async from {head.info['jaxrl_async']}")
+        + f"; run_dir {run_dir}; jaxrl_async from {found[list(by_node).index(head.info['node_id'])]}")
 
     def start(r: Role) -> None:
         r.pid = ray.get(r.host.start.remote(r.cmd, r.env, cwd), timeout=CALL_TIMEOUT_S)

@@ -57,19 +57,15 @@ class RoleHost:
         self._pump: threading.Thread | None = None
 
     def info(self) -> dict:
-        """Where this actor runs: node address, host name, Ray node id, its pid, its Python and jaxrl_async."""
-        import importlib.util
-
+        """Where this actor runs: node address, host name, Ray node id, its pid, its Python, device variables."""
         import ray  # present: this runs inside a Ray worker
 
-        spec = importlib.util.find_spec("jaxrl_async")
         node_id = ray.get_runtime_context().get_node_id()
         # the address the node registered with (``ray start --node-ip-address``), which may differ from the
         # address of the default route that ray.util.get_node_ip_address() gives
         ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n.get("NodeID") == node_id), None)
         return {"ip": ip or ray.util.get_node_ip_address(), "host": socket.gethostname(), "node_id": node_id,
                 "pid": os.getpid(), "python": sys.executable,
-                "jaxrl_async": os.path.dirname(spec.origin) if spec and spec.origin else None,
                 "env": {k: v for k, v in os.environ.items()
                         if k in ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_NAME", "TPU_WORKER_ID")}}
 
@@ -83,6 +79,21 @@ class RoleHost:
 
     def path_exists(self, path: str) -> bool:
         return os.path.isdir(path)
+
+    def probe(self, env: dict[str, str], cwd: str | None, timeout: float = 60.0) -> str:
+        """Where a role process started here with ``env`` in ``cwd`` imports jaxrl_async from (a process like
+        the roles: this node's Python, the worker's environment updated by ``env``), or ``error: ...``."""
+        full = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        full.update(env)
+        code = "import os, jaxrl_async; print(os.path.dirname(os.path.abspath(jaxrl_async.__file__)))"
+        try:
+            out = subprocess.run([sys.executable, "-c", code], env=full, cwd=cwd, capture_output=True, text=True,
+                                 timeout=timeout, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"error: {e}"
+        if out.returncode != 0:
+            return "error: " + (out.stderr.strip().splitlines() or ["exit status %d" % out.returncode])[-1]
+        return out.stdout.strip()
 
     def reserve_port(self, host: str) -> int:
         """A free port on ``host`` that this actor keeps bound (``SO_REUSEPORT``, not listening) while it lives,
