@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     generator_custom = _resources("--generator-resources", args.generator_resources)
     if bool(args.tpu_topology) != bool(args.tpu_version):
         raise UserError("--tpu-topology and --tpu-version go together")
-    ray = import_ray()
     cfg = check_run_args(rest)
+    ray = import_ray()
     if args.generator_devices is None:  # a replica's devices: its bundle's GPUs / TPU chips, else simulated CPUs
         args.generator_devices = int(args.generator_gpus) or int(args.generator_tpus) or args.generator_cpu_devices or 1
     cwd = os.getcwd()
