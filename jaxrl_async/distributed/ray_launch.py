@@ -1,7 +1,9 @@
 """Start the roles of a multi-process run on an existing Ray cluster and supervise them.
 
 ``python -m jaxrl_async.launch.ray --config FILE [key=value ...] [--address auto|HOST:PORT] [--generators N]
-[--trainer-processes K] [--trainer-gpus G] [--generator-gpus G] [--trainer-resources KEY=N] ...``
+[--trainer-processes K] [--trainer-gpus G] [--generator-gpus G] [--trainer-resources KEY=N] ...``, or sized as
+AReaL's Ray launcher is: ``cluster.n_nodes=4 cluster.n_gpus_per_node=8 [cluster.trainer_nodes=2]`` (the trainer
+on the first T nodes, one process per node; one generator replica per other node).
 
 The same roles and command lines as ``distributed.launch`` (the local launcher), placed by Ray: one placement
 group for the trainer (one bundle per trainer process, ``--trainer-placement`` PACK by default: as few nodes as
@@ -112,6 +114,47 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+CLUSTER_KEYS = ("cluster.n_nodes", "cluster.n_gpus_per_node", "cluster.trainer_nodes")
+
+
+def apply_cluster_settings(args: argparse.Namespace, rest: list[str]) -> list[str]:
+    """AReaL's way of sizing a Ray run, ``cluster.n_nodes=N cluster.n_gpus_per_node=G [cluster.trainer_nodes=T]``
+    (T default: N // 2, at least 1): the trainer on T nodes (one trainer process per node with its G GPUs, one
+    SPMD group), one generator replica on each of the other N - T nodes (its G GPUs). Sets the launcher's flags
+    accordingly and returns ``rest`` without the ``cluster.*`` settings (they are not run settings)."""
+    kept, got = [], {}
+    for a in rest:
+        if not a.startswith("cluster."):
+            kept.append(a)
+            continue
+        k, sep, v = a.partition("=")
+        if k not in CLUSTER_KEYS or not sep:
+            raise UserError(f"{a}: unknown cluster setting (known: {', '.join(k + '=...' for k in CLUSTER_KEYS)})")
+        try:
+            got[k] = int(v)
+        except ValueError:
+            raise UserError(f"{k}: expected an integer, got {v!r}") from None
+    if not got:
+        return kept
+    n = got.get("cluster.n_nodes")
+    if n is None or n < 2:
+        raise UserError("cluster.n_nodes: at least 2 nodes (the trainer and the generators on nodes of their own); "
+                        "on one node give --trainer-gpus / --generator-gpus / --generators instead")
+    t = got.get("cluster.trainer_nodes", max(1, n // 2))
+    g = got.get("cluster.n_gpus_per_node", 0)
+    if not 1 <= t < n:
+        raise UserError(f"cluster.trainer_nodes: must be in [1, cluster.n_nodes={n}), got {t}")
+    if g < 0:
+        raise UserError(f"cluster.n_gpus_per_node: must be >= 0, got {g}")
+    args.trainer_processes, args.generators = t, n - t
+    if g:
+        args.trainer_gpus = args.generator_gpus = float(g)
+        args.generator_devices = g
+    say(f"cluster.n_nodes={n}: the trainer on {t} node(s) ({t} process(es)" + (f" x {g} GPUs" if g else "")
+        + f"), {n - t} generator replica(s)" + (f" x {g} GPUs" if g else ""))
+    return kept
+
+
 def _resources(flag: str, kvs: list[str]) -> dict[str, float]:
     out = {}
     for kv in kvs:
@@ -182,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args, rest = ap.parse_known_args(argv)
     check_args(ap, args)
+    rest = apply_cluster_settings(args, rest)
     trainer_custom = _resources("--trainer-resources", args.trainer_resources)
     generator_custom = _resources("--generator-resources", args.generator_resources)
     if bool(args.tpu_topology) != bool(args.tpu_version):

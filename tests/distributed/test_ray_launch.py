@@ -3,6 +3,7 @@ on this machine (``ray_cluster.RayCluster``: a head with 2 CPUs and the custom r
 with 2 CPUs and ``jx_gen``), started once per module and stopped in its finalizer (only its own processes).
 
 * ``test_without_ray_the_launcher_says_how_to_get_it``: Ray not importable -> one line, exit 2.
+* ``test_areal_style_cluster_settings_size_the_run``: ``cluster.n_nodes=4 cluster.n_gpus_per_node=8`` -> flags.
 * ``test_no_cluster_at_the_address_is_one_line``: nothing listening at ``--address`` -> one line, exit 2.
 * ``test_a_run_the_cluster_cannot_place_is_one_line``: resources no node has -> one line, exit 2.
 * ``test_tiny_run_under_ray_places_roles_and_leaves_nothing`` (default, ~1 min with the cluster): the tiny run,
@@ -47,6 +48,31 @@ def test_without_ray_the_launcher_says_how_to_get_it(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'jaxrl_async[ray]'" in lines[0], out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_areal_style_cluster_settings_size_the_run():
+    from jaxrl_async.cli.common import UserError
+    from jaxrl_async.distributed.ray_launch import apply_cluster_settings, build_parser
+
+    ap = build_parser()
+    args, rest = ap.parse_known_args(["--config", "c.py", "cluster.n_nodes=4", "cluster.n_gpus_per_node=8", "x.y=1"])
+    assert apply_cluster_settings(args, rest) == ["--config", "c.py", "x.y=1"]
+    assert (args.trainer_processes, args.generators, args.trainer_gpus, args.generator_gpus, args.generator_devices) \
+        == (2, 2, 8.0, 8.0, 8)
+    args, rest = ap.parse_known_args(["cluster.n_nodes=3", "cluster.n_gpus_per_node=8"])
+    apply_cluster_settings(args, rest)
+    assert (args.trainer_processes, args.generators) == (1, 2)  # docs/launch.md's SLURM layout
+    args, rest = ap.parse_known_args(["cluster.n_nodes=4", "cluster.trainer_nodes=3"])
+    apply_cluster_settings(args, rest)
+    assert (args.trainer_processes, args.generators, args.trainer_gpus) == (3, 1, 0.0)
+    for bad, msg in [("cluster.n_nodes=1", "at least 2 nodes"), ("cluster.n_gpus=8", "unknown cluster setting"),
+                     ("cluster.n_nodes=two", "expected an integer")]:
+        args, rest = ap.parse_known_args([bad])
+        with pytest.raises(UserError, match=msg):
+            apply_cluster_settings(args, rest)
+    args, rest = ap.parse_known_args(["cluster.n_nodes=2", "cluster.trainer_nodes=2"])
+    with pytest.raises(UserError, match=r"must be in \[1, cluster.n_nodes=2\)"):
+        apply_cluster_settings(args, rest)
 
 
 def test_no_cluster_at_the_address_is_one_line(tmp_path):
