@@ -41,6 +41,7 @@ import time
 from jaxrl_async.cli.common import UserError, cli_main, make_parser
 from jaxrl_async.distributed.role_host import console_line
 
+
 def free_port() -> int:
     """A port that was free a moment ago (racy: anything may bind it before the caller does); the
     launcher and the tests use ``reserve_port``."""
@@ -80,10 +81,10 @@ def _pump(proc: subprocess.Popen, prefix: str) -> threading.Thread:
 
 
 def role_commands(args: argparse.Namespace, rest: list[str], port: int, coordinator_port: int | None = None,
-                  host: str = "127.0.0.1", python: str | None = None) -> tuple[list[list[str]], list[list[str]]]:
+                  host: str = "127.0.0.1") -> tuple[list[list[str]], list[list[str]]]:
     """(trainer process commands, generator commands); the first trainer command is the controller, listening on
     ``host:port`` (the jax.distributed coordinator of K > 1 trainer processes on ``host:coordinator_port``)."""
-    py = python or sys.executable
+    py = sys.executable
     addr = f"{host}:{port}"
     ctrl = [py, "-m", "jaxrl_async.distributed.controller", "--listen", addr, "--generators", str(args.generators),
             "--generator-devices", str(args.generator_devices)]
