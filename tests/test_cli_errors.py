@@ -101,6 +101,12 @@ CASES = [
     ("launch-bad-key", "jaxrl_async.distributed.launch", "rollout.n_sample=3", "rollout.n_sample: unknown field"),
     ("launch-bad-flag", "jaxrl_async.distributed.launch", "--generators 0", "--generators must be >= 1"),
     ("launch-unknown-option", "jaxrl_async.distributed.launch", "--bogus", "unknown option '--bogus'"),
+    # launch.ray (checked before connecting to a cluster)
+    ("ray-missing-config", "jaxrl_async.launch.ray", "--config {t}/nope.py",
+     "--config: file '{t}/nope.py' does not exist"),
+    ("ray-bad-flag", "jaxrl_async.launch.ray", "--generators 0", "--generators must be >= 1"),
+    ("ray-bad-resource", "jaxrl_async.launch.ray", "--trainer-resources gpu_node",
+     "--trainer-resources 'gpu_node': expected KEY=NUMBER"),
     # main (the RL run)
     ("main-missing-config", "jaxrl_async.main", "--config {t}/nope.py", "--config: file '{t}/nope.py' does not exist"),
     ("main-bad-key", "jaxrl_async.main", "rollout.n_sample=3", "rollout.n_sample: unknown field"),
@@ -225,7 +231,7 @@ def test_user_mistake_is_one_line_exit_2_no_traceback(results, case, module, arg
     if "must be >= 1" in culprit or "invalid choice" in culprit:  # argparse: the usage, then one error line
         assert lines[0].startswith("usage: ") and error_lines == [lines[-1]], err
     else:
-        tool = module.rsplit(".", 1)[1]
+        tool = {"jaxrl_async.launch.ray": "launch.ray"}.get(module, module.rsplit(".", 1)[1])
         assert error_lines == [lines[-1]] and lines[-1].startswith(f"{tool}: "), err
 
 
@@ -252,6 +258,7 @@ def test_cli_main_keeps_tracebacks_of_internal_errors(capsys):
     ("jaxrl_async.cli.export", "build_parser", ["(default: 2.0)"]),
     ("jaxrl_async.cli.plan", "_parser", ["(default: cpu)", "(default: 0.1)"]),
     ("jaxrl_async.distributed.launch", "build_parser", ["(default: 1)", "(default: 60.0)"]),
+    ("jaxrl_async.distributed.ray_launch", "build_parser", ["(default: auto)", "(default: PACK)", "(default: 300.0)"]),
 ])
 def test_help_shows_defaults(module, parser, expected):
     import importlib

@@ -23,7 +23,8 @@ PKG = os.path.join(ROOT, "jaxrl_async")
 # modules only the test helpers import (jaxrl_async/testing.py compares against torch transformers)
 TEST_ONLY_FILES = {os.path.join(PKG, "testing.py")}
 # optional features: module -> the extra that declares it (imported inside functions only)
-OPTIONAL_MODULES = {"wandb": "wandb", "fastapi": "serve", "starlette": "serve", "uvicorn": "serve", "openai": "agent"}
+OPTIONAL_MODULES = {"wandb": "wandb", "fastapi": "serve", "starlette": "serve", "uvicorn": "serve", "openai": "agent",
+                    "ray": "ray"}
 
 
 def _declared(section: list[str]) -> set[str]:

@@ -11,5 +11,6 @@
   secret, messages in msgpack (no pickle);
 * ``transfer``: weights device-to-device across processes with ``jax.experimental.transfer``
   (per-shard wire plan, checksums, disk fallback);
-* ``launch``: starts and supervises the roles on one host. Multi-host launch: ``docs/launch.md``.
+* ``launch``: starts and supervises the roles on one host; ``ray_launch`` (+ ``role_host``, the actor that runs a
+  role process on a node): the same on a Ray cluster (the ``ray`` extra). SLURM and TPU pods: ``docs/launch.md``.
 """

@@ -39,6 +39,8 @@ import threading
 import time
 
 from jaxrl_async.cli.common import UserError, cli_main, make_parser
+from jaxrl_async.distributed.role_host import console_line
+
 
 def free_port() -> int:
     """A port that was free a moment ago (racy: anything may bind it before the caller does); the
@@ -63,18 +65,6 @@ def reserve_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
-def console_line(raw: bytes) -> str | None:
-    """One line of a role's output as the launcher shows it (without the prefix and the newline), or None
-    for nothing to show. A line holding carriage returns is a progress bar's redraws (a role that still
-    draws one, e.g. started with a terminal's settings): its last non-empty state stands for them."""
-    text = raw.decode(errors="replace").rstrip("\r\n")
-    if "\r" in text:
-        text = next((seg for seg in reversed(text.split("\r")) if seg.strip()), "")
-        if not text:
-            return None
-    return text
-
-
 def _pump(proc: subprocess.Popen, prefix: str) -> threading.Thread:
     """Copy ``proc``'s output to this process's stderr line by line, each line behind ``prefix`` (whole
     lines: the roles' lines do not interleave mid-line)."""
@@ -90,11 +80,12 @@ def _pump(proc: subprocess.Popen, prefix: str) -> threading.Thread:
     return t
 
 
-def role_commands(args: argparse.Namespace, rest: list[str], port: int,
-                  coordinator_port: int | None = None) -> tuple[list[list[str]], list[list[str]]]:
-    """(trainer process commands, generator commands); the first trainer command is the controller."""
+def role_commands(args: argparse.Namespace, rest: list[str], port: int, coordinator_port: int | None = None,
+                  host: str = "127.0.0.1") -> tuple[list[list[str]], list[list[str]]]:
+    """(trainer process commands, generator commands); the first trainer command is the controller, listening on
+    ``host:port`` (the jax.distributed coordinator of K > 1 trainer processes on ``host:coordinator_port``)."""
     py = sys.executable
-    addr = f"127.0.0.1:{port}"
+    addr = f"{host}:{port}"
     ctrl = [py, "-m", "jaxrl_async.distributed.controller", "--listen", addr, "--generators", str(args.generators),
             "--generator-devices", str(args.generator_devices)]
     if getattr(args, "port", None) is None:  # reserve_port holds it
@@ -103,7 +94,7 @@ def role_commands(args: argparse.Namespace, rest: list[str], port: int,
         ctrl += ["--cpu-devices", str(args.trainer_cpu_devices)]
     K = int(getattr(args, "trainer_processes", 1) or 1)
     if K > 1:
-        coord = f"127.0.0.1:{coordinator_port or reserve_port()}"
+        coord = f"{host}:{coordinator_port or reserve_port()}"
         trainers = [ctrl + ["--coordinator", coord, "--num-processes", str(K), "--process-id", str(i)] + rest
                     for i in range(K)]
     else:
@@ -157,10 +148,11 @@ def build_parser():
 _RUN_OPTIONS = ("--config", "--print-config", "--dry-run")
 
 
-def check_run_args(rest: list[str]) -> None:
+def check_run_args(rest: list[str]):
     """The arguments passed on to the controller: its own options, ``--config FILE`` and ``key=value``
     overrides. Loads the config and applies the overrides (no validation: that needs the role's devices)
-    so that a missing config file or a wrong key stops here with one line, before any process starts."""
+    so that a missing config file or a wrong key stops here with one line, before any process starts. Returns
+    the (unvalidated) config."""
     from jaxrl_async.distributed.controller import split_argv
     from jaxrl_async.config import peek_config
 
@@ -168,13 +160,11 @@ def check_run_args(rest: list[str]) -> None:
     for a in leftover:
         if a.startswith("-") and a.split("=", 1)[0] not in _RUN_OPTIONS:
             raise UserError(f"unknown option {a!r} (see --help; the run's options: {', '.join(_RUN_OPTIONS)})")
-    peek_config(leftover)
+    return peek_config(leftover)
 
 
-@cli_main("launch")
-def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    args, rest = ap.parse_known_args(argv)
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The launcher's own flags (``ap.error``: usage and one line, exit 2); shared with the Ray launcher."""
     for name in ("generators", "trainer_processes"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -191,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         for kv in kvs:
             if "=" not in kv or not kv.split("=", 1)[0]:
                 ap.error(f"{flag} {kv!r}: expected KEY=VALUE")
+
+
+@cli_main("launch")
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args, rest = ap.parse_known_args(argv)
+    check_args(ap, args)
     check_run_args(rest)
     if args.generator_devices is None:
         args.generator_devices = args.generator_cpu_devices or 1
