@@ -91,7 +91,7 @@ class TrainingSession:
 
             should_accept = lambda g: group_has_signal(g.rewards)  # noqa: E731
         workflow = build_workflow(ro.workflow, self.reward_fn, self.setup.tokenizer, ro, self.setup.eos_ids,
-                                  say=self.control.say)
+                                  say=self.control.say, system_prompt=c.data.system_prompt)
         self.workflow = workflow
         return RolloutDispatcher(
             workflow, self.generator, self.staleness, ledger, n_samples=ro.n_samples,

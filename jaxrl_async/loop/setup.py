@@ -177,7 +177,7 @@ def sft_examples(setup: RunSetup) -> list[Any]:
 
 
 def build_workflow(spec: str, reward_fn: Any, tokenizer: Any, rollout: Any = None, eos_ids: Any = (),
-                   say: Any = None) -> Any:
+                   say: Any = None, system_prompt: str | None = None) -> Any:
     """``rollout.workflow``: ``rlvr``, ``openai_agent`` (``rollout.agent*`` from ``rollout``, the config section) or
     ``module:Class`` (a ``RolloutWorkflow`` subclass, given the tokenizer and the reward function when its
     constructor takes them)."""
@@ -192,7 +192,7 @@ def build_workflow(spec: str, reward_fn: Any, tokenizer: Any, rollout: Any = Non
         return OpenAIAgentWorkflow(ro.agent, tokenizer, reward_fn, samples=ro.agent_samples,
                                    turn_discount=ro.agent_turn_discount, host=ro.agent_host, port=ro.agent_port,
                                    api_key=ro.agent_api_key, eos_ids=eos_ids, say=say,
-                                   default_max_tokens=ro.sampling.max_new_tokens)
+                                   default_max_tokens=ro.sampling.max_new_tokens, system_prompt=system_prompt)
     try:
         cls = workflow_class(spec)
     except ValueError as e:

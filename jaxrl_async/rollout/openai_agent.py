@@ -119,13 +119,12 @@ def episode_samples(calls: Sequence[Any], reward: float, *, mode: str = "per_tur
     return out, {"stitched": False, "fallback": fallback, "turns": T}
 
 
-def _row(item: Any) -> dict[str, Any]:
-    """What the agent gets: the dataset row as plain JSON-able values."""
+def _row(item: Any, system: str | None = None) -> dict[str, Any]:
+    """What the agent gets: the dataset row as plain JSON-able values (``system``: the data's system prompt)."""
     meta = dict(item_field(item, "metadata") or {})
     question = meta.pop("raw_prompt", None)
     if question is None:
         question = item_field(item, "prompt", "")
-    system = meta.pop("system_prompt", None)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
     return {"id": item_field(item, "id"), "question": question, "messages": messages,
             "answer": item_field(item, "answer"), "metadata": meta}
@@ -144,12 +143,13 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         for a non-loopback host).
       eos_ids: stop token ids of the run.
       default_max_tokens: new tokens of a call that sets no ``max_tokens`` (the run: ``rollout.sampling.max_new_tokens``).
+      system_prompt: the data's system prompt (``data.system_prompt``): the first message of ``row["messages"]``.
     """
 
     def __init__(self, agent: Callable[..., Any] | str, tokenizer: Any, reward_fn: Callable[..., float] | None = None,
                  *, samples: str = "per_turn", turn_discount: float = 1.0, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, eos_ids: Sequence[int] = (), say: Callable[[str], None] | None = None,
-                 default_max_tokens: int | None = None):
+                 default_max_tokens: int | None = None, system_prompt: str | None = None):
         if samples not in SAMPLE_MODES:
             raise ValueError(f"rollout.agent_samples must be one of {SAMPLE_MODES}, got {samples!r}")
         self.online = agent == "online"
@@ -157,7 +157,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         self.samples, self.turn_discount = samples, float(turn_discount)
         self.host, self.port, self.api_key, self.eos_ids = host, int(port), api_key, tuple(eos_ids)
-        self.default_max_tokens = default_max_tokens
+        self.default_max_tokens, self.system_prompt = default_max_tokens, system_prompt
         self.say = say or (lambda msg: log.warning("%s", msg))
         self.endpoint: Any = None
         self._lock = threading.Lock()
@@ -213,7 +213,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     # -- an episode ---------------------------------------------------------------------------------
     def run_episode(self, item: Any, ctx: EpisodeContext) -> list[Trajectory] | None:
         ep = self.ensure_endpoint(ctx.generator)
-        row = _row(item)
+        row = _row(item, self.system_prompt)
         session = ep.sessions.open(row=row, online=self.online)
         t0 = time.monotonic()
         try:

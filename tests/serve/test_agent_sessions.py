@@ -434,3 +434,27 @@ def test_a_call_without_max_tokens_gets_the_runs_budget(tok):
         finally:
             wf.close()
     assert list(t.completion_ids) == ids(tok, "a l")
+
+
+@pytest.mark.parametrize("system", [None, "be brief"])
+def test_the_agents_first_prompt_is_the_data_recipes_prompt(tok, system):
+    """``row["messages"]`` rendered by the endpoint gives the prompt ids the data recipe builds for the row (so the
+    warm start and the held-out evaluation see what the agent's first call sends), with or without a system prompt."""
+    from jaxrl_async.data.datasets import encode_prompts, render_prompt
+
+    script = lambda p, k, sp: ids(tok, "x") + [2]  # noqa: E731
+
+    async def agent(client, row):
+        r = await client.chat.completions.create(model="policy", messages=row["messages"])
+        agent.prompt = r.prompt_token_ids
+        return 1.0
+
+    question = "what is 2+2"
+    want = encode_prompts([render_prompt(question, tok, system_prompt=system)], tok, templated=True)[0]
+    wf = OpenAIAgentWorkflow(agent, tok, eos_ids=(2,), system_prompt=system)
+    with generator_of(tok, script) as gen:
+        try:
+            run_group(wf, gen, Item("r10", question))
+        finally:
+            wf.close()
+    assert agent.prompt == want
