@@ -113,7 +113,7 @@ def vllm_worker(argv) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     t_gen = time.perf_counter() - t0
     useful = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"useful_tokens": useful, "generate_s": t_gen, "init_s": t_init}))
+    print("RESULT " + json.dumps({"useful_tokens": useful, "generate_s": t_gen, "init_s": t_init}), flush=True)
 
 
 def run_vllm(model_dir, prompts_path, args) -> dict:
@@ -124,7 +124,8 @@ def run_vllm(model_dir, prompts_path, args) -> dict:
     wall = time.perf_counter() - t0
     if p.returncode:
         raise RuntimeError(p.stderr[-3000:])
-    r = json.loads(p.stdout.strip().splitlines()[-1])
+    # (vLLM's own shutdown messages may follow the result line on stdout)
+    r = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
     return {"wall_s": wall, "tok_s": r["useful_tokens"] / wall, "decode_tok_s": r["useful_tokens"] / r["generate_s"],
             **r}
 
