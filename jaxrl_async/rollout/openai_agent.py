@@ -76,7 +76,7 @@ def _stitch(calls: Sequence[Any]) -> tuple[list[Any] | None, str]:
     """The turns of ``Trajectory.from_turns`` if the calls form one conversation whose every prompt extends the
     previous prompt + completion token for token; else (None, why)."""
     if any(c.sample_index != 0 for c in calls) or len({c.seq for c in calls}) != len(calls):
-        return None, "a call asked for n > 1 samples"
+        return None, "a call asked for several samples (n > 1) or prompts"
     turns: list[Any] = [calls[0]]
     tokens = list(calls[0].prompt_ids) + list(calls[0].completion_ids)
     for c in calls[1:]:

@@ -98,7 +98,7 @@ def build_app(backend: ServeBackend, api_key: str | None = None, sessions: Sessi
         prompt = backend.render_chat(req)
         sp = backend.sampling_params(req.sampling, backend.budget(len(prompt), req.sampling.max_tokens, "messages"),
                                      req.top_logprobs)
-        batch = backend.submit([prompt], sp, req.sampling.stream, "chat", metadata=call_meta(session))
+        batch = backend.submit([prompt], sp, req.sampling.stream, "chat", metadata=call_meta(session, 1))
         rid, created = new_id("chatcmpl"), now()
         head = {"id": rid, "created": created, "model": backend.model_name}
         if req.sampling.stream:
@@ -179,7 +179,7 @@ def build_app(backend: ServeBackend, api_key: str | None = None, sessions: Sessi
         prompts = [backend.encode_prompt(p) for p in req.prompts]
         budgets = [backend.budget(len(p), req.sampling.max_tokens, "prompt") for p in prompts]
         sp = backend.sampling_params(req.sampling, min(budgets), req.top_logprobs)
-        batch = backend.submit(prompts, sp, req.sampling.stream, "cmpl", metadata=call_meta(session))
+        batch = backend.submit(prompts, sp, req.sampling.stream, "cmpl", metadata=call_meta(session, len(prompts)))
         head = {"id": new_id("cmpl"), "created": now(), "model": backend.model_name, "object": "text_completion"}
         prompt_texts = [p if isinstance(p, str) else backend.decode(p) for p in req.prompts]
         n = req.sampling.n
@@ -253,9 +253,10 @@ def build_app(backend: ServeBackend, api_key: str | None = None, sessions: Sessi
     return app
 
 
-def call_meta(session: Session | None) -> dict | None:
-    """The generator request's metadata that files a call under its session (in submission order)."""
-    return None if session is None else {"session": session.id, "seq": session.next_seq()}
+def call_meta(session: Session | None, requests: int) -> dict | None:
+    """The generator requests' metadata that files a call (``requests`` prompts) under its session, in submission
+    order."""
+    return None if session is None else {"session": session.id, "seq": session.next_seq(requests)}
 
 
 def add_session_routes(app: Any, sessions: SessionStore, check_key: Any, read_json: Any, chat_call: Any,

@@ -44,6 +44,7 @@ class ServeRecord:
     prompt_ids: list[int]
     samples: list[Any]
     metadata: Any = None
+    lost: bool = False  # the request failed or was never submitted: no samples (every request gets one record)
 
 
 class Batch:
@@ -51,8 +52,9 @@ class Batch:
     ``StreamChunk``), ("done", prompt index, ``RequestOutput``), ("error", prompt index, exception)."""
 
     def __init__(self, backend: "ServeBackend", handles: list[Any], samples_each: int, stream: bool,
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, endpoint: str = "", metadata: Any = None):
         self.backend, self.handles, self.stream = backend, handles, stream
+        self.endpoint, self.metadata = endpoint, metadata
         self.queue: asyncio.Queue = asyncio.Queue()
         self.outputs: list[RequestOutput | None] = [None] * len(handles)
         self.finished = False
@@ -78,6 +80,7 @@ class Batch:
             self.backend.record(out)
             put(("done", i, out))
         except BaseException as e:  # noqa: BLE001 - handed to the request
+            self.backend.record_lost(handle.request_id, self.endpoint, self.metadata)
             put(("error", i, e))
         finally:
             self.backend.release(samples)
@@ -243,10 +246,14 @@ class ServeBackend:
         """Submit one request per prompt (429 when the samples would exceed the slots plus ``max_queue``)."""
         total = sampling.n * len(prompts)
         with self._lock:
-            if self._in_flight + total > self.slots + self.max_queue:
-                raise APIError(429, f"the server is busy: {self._in_flight} samples in flight, {self.slots} slots and "
+            busy = self._in_flight + total > self.slots + self.max_queue
+            if not busy:
+                self._in_flight += total
+        if busy:
+            for _ in prompts:
+                self.record_lost("", endpoint, metadata)
+            raise APIError(429, f"the server is busy: {self._in_flight} samples in flight, {self.slots} slots and "
                                     f"a queue of {self.max_queue} (--max-queue); retry later", code="queue_full")
-            self._in_flight += total
         loop = asyncio.get_running_loop()
         handles = []
         try:
@@ -258,23 +265,34 @@ class ServeBackend:
             for h in handles:
                 h.abort()
             self.release(total)  # (the aborted ones end at the next decode step)
+            for _ in prompts:  # none of them is pumped: each gets its (empty) record here
+                self.record_lost("", endpoint, metadata)
             if isinstance(e, ValueError):
                 raise APIError(400, str(e)) from None
             if isinstance(e, GeneratorError):
                 raise APIError(503, f"the generator is not running: {e}", code="generator_stopped") from None
             raise
-        return Batch(self, handles, sampling.n, stream, loop)
+        return Batch(self, handles, sampling.n, stream, loop, endpoint, metadata)
 
     def record(self, out: RequestOutput) -> None:
+        """Hands a finished request to the recorders (each request gets exactly one record: this or
+        ``record_lost``)."""
         if not self.recorders:
             return
         endpoint, meta = out.metadata if isinstance(out.metadata, tuple) else (None, out.metadata)
-        rec = ServeRecord(out.request_id, endpoint, list(out.prompt_ids), list(out.samples), meta)
+        self._to_recorders(ServeRecord(out.request_id, endpoint, list(out.prompt_ids), list(out.samples), meta))
+
+    def record_lost(self, request_id: str, endpoint: str, metadata: Any) -> None:
+        """A request that failed or was never submitted: an empty record (``lost``)."""
+        if self.recorders:
+            self._to_recorders(ServeRecord(request_id, endpoint, [], [], metadata, lost=True))
+
+    def _to_recorders(self, rec: ServeRecord) -> None:
         for r in self.recorders:
             try:
                 r(rec)
             except Exception:  # noqa: BLE001 - a recorder must not fail the request
-                logger.exception("serve: recorder %r failed on request %s", r, out.request_id)
+                logger.exception("serve: recorder %r failed on request %s", r, rec.request_id)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,18 +58,21 @@ class Session:
         self.ended = False
         self.cond = threading.Condition()
         self._seq = 0
+        self._expected = 0
         self._recorded = 0
 
-    def next_seq(self) -> int:
-        """The next call's submission number (the call is pending until its record arrives)."""
+    def next_seq(self, requests: int = 1) -> int:
+        """The next call's submission number; the call's ``requests`` (one per prompt) are pending until their
+        records arrive (the server gives every request one record: finished, or lost)."""
         with self.cond:
             self._seq += 1
+            self._expected += requests
             return self._seq - 1
 
     @property
     def pending(self) -> int:
-        """Calls submitted whose record has not arrived (a streamed answer can reach the agent just before it)."""
-        return self._seq - self._recorded
+        """Requests submitted whose record has not arrived (a streamed answer can reach the agent just before it)."""
+        return self._expected - self._recorded
 
     def add(self, calls: list[Call], aborted: int) -> None:
         with self.cond:
@@ -179,7 +182,7 @@ class SessionStore:
             s = self._sessions.get(sid)
         if s is None:  # ended while the call ran (e.g. the episode timed out): nothing to keep
             return
-        calls, aborted = [], 0
+        calls, aborted = [], int(getattr(rec, "lost", False))
         for smp in rec.samples:
             if smp.finish_reason not in ("stop", "length"):  # aborted / failed: the agent never saw it
                 aborted += 1

@@ -102,7 +102,8 @@ def test_episode_samples_per_turn_stitched_and_fallback():
     # n > 1 in a call: per-turn samples, both samples of turn 0 get turn 0's reward
     out, info = episode_samples([call(0, [1], [2], 0), call(0, [1], [3], 1), call(1, [1, 2, 7], [4])], 2.0,
                                 mode="stitched", turn_discount=0.5)
-    assert [t.reward for t in out] == [1.0, 1.0, 2.0] and info["fallback"] == "a call asked for n > 1 samples"
+    assert [t.reward for t in out] == [1.0, 1.0, 2.0]
+    assert info["fallback"] == "a call asked for several samples (n > 1) or prompts"
     with pytest.raises(ValueError, match="agent_samples"):
         episode_samples(calls, 1.0, mode="concat")
 
@@ -458,3 +459,34 @@ def test_the_agents_first_prompt_is_the_data_recipes_prompt(tok, system):
         finally:
             wf.close()
     assert agent.prompt == want
+
+
+def test_every_request_of_a_session_gets_one_record_multi_prompt_and_refused_calls(tok):
+    """A completions call with two prompts is one call of two requests (both recorded, nothing left pending); a call
+    the server refuses (429: the queue is full) leaves nothing pending either (no 10 s wait at the episode's end)."""
+    import time
+
+    script = lambda p, k, sp: ids(tok, "ok") + [2]  # noqa: E731
+
+    async def agent(client, row):
+        r = await client.completions.create(model="policy", prompt=["one", "two"], max_tokens=4)
+        assert len(r.choices) == 2
+        ep = agent.wf.endpoint
+        ep.backend.max_queue = -ep.backend.slots  # refuse everything from now on
+        try:
+            await client.chat.completions.create(model="policy", messages=row["messages"])
+        except Exception as e:  # noqa: BLE001 - openai.RateLimitError
+            agent.refused = type(e).__name__
+        return 1.0
+
+    wf = agent.wf = OpenAIAgentWorkflow(agent, tok, eos_ids=(2,))
+    with generator_of(tok, script) as gen:
+        try:
+            t0 = time.monotonic()
+            group = run_group(wf, gen, Item("r11", "q"))
+            took = time.monotonic() - t0
+        finally:
+            wf.close()
+    assert agent.refused == "RateLimitError" and took < 5.0, took
+    assert len(group.trajectories) == 2 and {t.metadata["call_sample"] for t in group.trajectories} == {0}
+    assert group.trajectories[0].metadata["aborted_calls"] == 1  # the refused call, counted
