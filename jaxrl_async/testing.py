@@ -110,6 +110,38 @@ def make_tiny_vl_model(out_dir: str, seed: int = 0, std: float = 0.15, **overrid
     return out_dir
 
 
+def make_tiny_vl_tokenizer(out_dir: str, vocab_size: int = 256) -> str:
+    """Save a character-level tokenizer with Qwen2.5-VL's special tokens and chat template into out_dir (nothing
+    downloaded): ids 0..2 ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos), 3 ``<unk>``, 4 newline,
+    printable ASCII, fillers, and ``<|image_pad|>``, ``<|video_pad|>``, ``<|vision_start|>``, ``<|vision_end|>`` at
+    `TINY_VL_TOKENS`' ids (250..253), so the ids fit `make_tiny_vl_model`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxrl_async.data.tokenizer import QWEN2_5_VL_CHAT_TEMPLATE
+
+    vl = {"<|image_pad|>": TINY_VL_TOKENS["image_token_id"], "<|video_pad|>": TINY_VL_TOKENS["video_token_id"],
+          "<|vision_start|>": TINY_VL_TOKENS["vision_start_token_id"],
+          "<|vision_end|>": TINY_VL_TOKENS["vision_end_token_id"]}
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<unk>": 3, "\n": 4}
+    for c in range(32, 127):
+        vocab[chr(c)] = len(vocab)
+    while len(vocab) < vocab_size:
+        i = len(vocab)
+        vocab[next((t for t, j in vl.items() if j == i), f"<|filler_{i}|>")] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *vl]])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+    fast.chat_template = QWEN2_5_VL_CHAT_TEMPLATE
+    os.makedirs(out_dir, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
 def make_tiny_tokenizer(out_dir: str, vocab_size: int = 256) -> str:
     """Save a character-level Hugging Face tokenizer (ids < vocab_size) into out_dir.
 

@@ -226,11 +226,11 @@ def read_prompt_records(cfg: DatasetConfig, tokenizer) -> tuple[list[PromptRecor
         row_id = p.id if p.id is not None else f"{os.path.basename(path)}:{lineno}"
         records.append(PromptRecord(id=row_id, prompt=text, prompt_ids=ids, answer=p.answer, metadata=meta))
     stats.kept = len(records)
-    _log_stats(cfg, stats)
+    log_load_stats(cfg, stats)
     return records, stats
 
 
-def _log_stats(cfg: DatasetConfig, stats: DataStats) -> None:
+def log_load_stats(cfg: DatasetConfig, stats: DataStats) -> None:
     logger.info("loaded %s (%s): %d rows read, %d kept, %d bad rows skipped, %d over max_prompt_len=%s",
                 ",".join(cfg.paths), cfg.format, stats.rows_read, stats.kept, stats.bad_rows, stats.too_long,
                 cfg.max_prompt_len)
