@@ -86,6 +86,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params
 from jaxrl_async.generator import kv_cache
+from jaxrl_async.generator.compaction import CompactSteps
+from jaxrl_async.generator.host_slots import HostSlots, advance, allocate_pages, need_ahead, need_now
 from jaxrl_async.kernels import paged_attention
 from jaxrl_async.generator import sampling
 from jaxrl_async.generator.engine_api import Engine, Prefix, PrefillRequest, SamplingParams, StepResult
@@ -124,36 +126,9 @@ class PagedPrefix(Prefix):
 
 
 @dataclasses.dataclass
-class HostSlots:
-    """Host mirror of the slots (what page allocation needs) and the page allocator."""
-
-    alloc: kv_cache.ReplicaAllocators  # one page allocator per decode replica
-    live: np.ndarray  # [S] bool: inserted, not released
-    done: np.ndarray  # [S] bool: known finished (max_new / length on host, stop ids after a refresh)
-    pos: np.ndarray  # [S] int: position of the last sampled token
-    num_generated: np.ndarray  # [S] int
-    max_new: np.ndarray  # [S] int
-    num_pages: np.ndarray  # [S] int: pages held
-    trunc: np.ndarray  # [S] bool: the slot samples with top-k / top-p (the decode step needs the full sampler)
-
-    @classmethod
-    def empty(cls, num_pages: int, num_slots: int, replicas: int = 1) -> "HostSlots":
-        z = lambda dt: np.zeros(num_slots, dt)  # noqa: E731
-        return cls(kv_cache.ReplicaAllocators(num_pages, num_slots, replicas), z(bool), z(bool), z(np.int64),
-                   z(np.int64), z(np.int64), z(np.int64), z(bool))
-
-
-@dataclasses.dataclass
 class DecodeState:
     arrays: dict[str, jax.Array]
     host: HostSlots
-
-
-def _params_signature(params) -> tuple:
-    """What a compiled program is specific to in its weights: tree structure, shapes, dtypes, shardings (a LoRA
-    generator's params, a resharded weight set compile their own compacted steps)."""
-    leaves, treedef = jax.tree.flatten(params)
-    return treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves)
 
 
 def _truncates(sp: SamplingParams) -> bool:
@@ -306,10 +281,10 @@ class PagedEngine(Engine):
                                    if compact_decode and per >> i >= max(compact_min_rows, 1))
         self.compact_in_background = bool(compact_in_background)
         self.compact_steps = 0  # decode steps that ran compacted (for tests and stats)
-        self._compact: dict = {}  # (params signature, truncation, rows per replica) -> Future / Compiled / None
-        self._compact_pool = None
         self._build_shardings()
         self._build_functions()
+        self._compacts = CompactSteps(self._rows_steps, self.compact_sizes, self.kv_replicas, self._S, self.replicated,
+                                      self.compact_in_background)
 
     # -- shardings and compiled functions -------------------------------------------------
     def _named(self, axes, shape) -> NamedSharding:
@@ -384,7 +359,7 @@ class PagedEngine(Engine):
                "insert": self._insert, "generate": self._steps[True], "generate_plain": self._steps[False],
                "release": self._release}
         counts = {k: f._cache_size() for k, f in fns.items()}
-        counts["generate_compact"] = sum(1 for c in self._compact.values() if c is not None)  # compiled or compiling
+        counts["generate_compact"] = self._compacts.count()  # compiled or compiling
         counts["generate_multi"] = sum(f._cache_size() for f in self._multi_steps.values())
         return counts
 
@@ -644,107 +619,20 @@ class PagedEngine(Engine):
     # -- generate -------------------------------------------------------------------------
     def _grow(self, state: DecodeState) -> jax.Array:
         """Map a new page for every active slot whose next write starts one (from its replica's pages); raise
-        before changing anything if a replica is short."""
-        h = state.host
-        need = h.live & ~h.done & (h.pos // self.page_size >= h.num_pages)
+        before changing anything if a replica is short (``host_slots``)."""
+        need = need_now(state.host, self.page_size)
         if not need.any():
             if self._no_new_pages is None:
                 self._no_new_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
             return self._no_new_pages
-        new_pages, _ = self._allocate_pages(state, need)
+        new_pages, _ = allocate_pages(state.host, need, lambda: state.arrays["done"])
         return jax.device_put(new_pages, self.slot_sharding)
 
-    def _allocate_pages(self, state: DecodeState, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One page from its replica's pages for every slot in `need` (a replica short of pages first drops the
-        slots the device already stopped, then raises `OutOfPagesError` before changing anything): (new_pages,
-        new_index) [S], the page and the page-table index it goes to (-1 / 0 for the other slots)."""
-        h = state.host
-        per = self._S // self.kv_replicas
-        counts = need.reshape(self.kv_replicas, per).sum(axis=1)
-        if any(c > a.num_free for c, a in zip(counts, h.alloc.allocs)):
-            h.done |= np.asarray(state.arrays["done"]) & h.live  # stop ids are only known on the device
-            need = need & ~h.done
-        slots = np.flatnonzero(need)
-        for r, a in enumerate(h.alloc.allocs):
-            rs = slots[slots // per == r].tolist()
-            if len(rs) > a.num_free:
-                a.allocate(len(rs), rs)  # raises OutOfPagesError (.slots: that replica's), nothing changed
-        new_pages = np.full(self._S, -1, np.int32)
-        new_index = np.zeros(self._S, np.int32)
-        for s in slots:
-            (p,) = h.alloc.of(s).allocate(1, [int(s)])
-            h.alloc.of(s).slot_pages[s].append(p)
-            new_pages[s], new_index[s] = p, h.num_pages[s]
-        h.num_pages[slots] += 1
-        return new_pages, new_index
-
-    # -- compacted decode (module doc) -----------------------------------------------------------
-    def _compacted(self, params: Params, arrays, new_pages, trunc: bool, live: np.ndarray):
-        """(program, rows) of the compacted step to run, or None (the full step runs): the smallest size that holds
-        every replica's live slots (with `compact_in_background`: the smallest such one compiled by now). Starts that
-        size's compile if nothing did yet."""
-        D = self.kv_replicas
-        per = self._S // D
-        by_replica = live.reshape(D, per)
-        n = int(by_replica.sum(axis=1).max())
-        fits = [b for b in self.compact_sizes if b >= n]  # descending
-        if not fits:
-            return None
-        sig = _params_signature(params)
-        if (sig, trunc, fits[-1]) not in self._compact:
-            self._start_compact_compile(params, arrays, new_pages, (sig, trunc, fits[-1]))
-        # synchronous (the default): always the smallest size that fits, waiting for its compile if it runs (the
-        # choice depends on the live slots only); in the background: the smallest one compiled by now
-        for b in reversed(fits):
-            prog = self._compact.get((sig, trunc, b))
-            if prog is not None and not isinstance(prog, jax.stages.Compiled):
-                prog = self._finish_compact_compile((sig, trunc, b), wait=not self.compact_in_background)
-            if prog is not None:
-                rows = []
-                for r in range(D):
-                    mine = np.flatnonzero(by_replica[r])
-                    free = np.flatnonzero(~by_replica[r])  # non-empty: n <= b < per
-                    rows.append(r * per + np.concatenate([mine, np.full(b - len(mine), free[0])]))
-                return prog, jax.device_put(np.concatenate(rows).astype(np.int32), self.replicated)
-        return None
-
-    def _start_compact_compile(self, params, arrays, new_pages, key) -> None:
-        import concurrent.futures
-
-        _, trunc, b = key
-        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        args = jax.tree.map(abstract, (params, arrays, new_pages))
-        rows = jax.ShapeDtypeStruct((b * self.kv_replicas,), jnp.int32, sharding=self.replicated)
-        fn = self._rows_steps[trunc]
-        if self._compact_pool is None:
-            self._compact_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-compact")
-        logger.info("PagedEngine: compiling the compacted decode step (%d rows per replica, %s sampler)%s", b,
-                    "full" if trunc else "lean", " in the background" if self.compact_in_background else "")
-        self._compact[key] = self._compact_pool.submit(lambda: fn.lower(*args, rows).compile())
-
-    def _finish_compact_compile(self, key, wait: bool):
-        """The compiled program once its compile is done (`wait`: block for it, up to an hour); None while it runs
-        (not waiting), or if it failed (logged; the full step keeps serving that size)."""
-        fut = self._compact[key]
-        if fut is None or (not wait and not fut.done()):
-            return None
-        try:
-            prog = fut.result(timeout=3600)
-        except Exception:  # noqa: BLE001 - a compile error must not stop generation: the full step still runs
-            logger.exception("PagedEngine: the compacted decode step (%d rows per replica) failed to compile; the "
-                             "full step serves that size", key[2])
-            prog = None
-        self._compact[key] = prog
-        return prog
-
     def _grow_ahead(self, state: DecodeState, k: int) -> tuple[jax.Array, jax.Array]:
-        """`_grow` for a K-step dispatch: (new_pages, new_index) [S] of every active slot whose next k writes (fewer
-        where max_new_tokens or the sequence limit ends it sooner) start a page (k <= page_size: at most one)."""
-        h = state.host
-        steps = np.minimum(k, np.minimum(h.max_new - h.num_generated, self._max_seq - 1 - h.pos))
-        need = (h.live & ~h.done & (steps >= 1)
-                & ((h.pos + np.maximum(steps, 1) - 1) // self.page_size >= h.num_pages))
-        new_pages, new_index = self._allocate_pages(state, need)
+        """`_grow` for a K-step dispatch: (new_pages, new_index) [S] of every active slot whose next k writes start a
+        page (``host_slots.need_ahead``)."""
+        need = need_ahead(state.host, k, self.page_size, self._max_seq)
+        new_pages, new_index = allocate_pages(state.host, need, lambda: state.arrays["done"])
         return jax.device_put(new_pages, self.slot_sharding), jax.device_put(new_index, self.slot_sharding)
 
     def _multi_step_fn(self, trunc: bool, k: int):
@@ -765,17 +653,15 @@ class PagedEngine(Engine):
         new_pages = self._grow(state)
         h = state.host
         trunc = bool((h.trunc & h.live & ~h.done).any())  # the lean program unless a running slot needs top-k/p
-        compact = (self._compacted(params, state.arrays, new_pages, trunc, h.live) if self.compact_sizes else None)
+        compact = (self._compacts.choose(params, state.arrays, new_pages, trunc, h.live) if self.compact_sizes
+                   else None)
         if compact is not None:
             prog, rows = compact
             arrays, outs = prog(params, state.arrays, new_pages, rows)
             self.compact_steps += 1
         else:
             arrays, outs = self._steps[trunc](params, state.arrays, new_pages)
-        act = h.live & ~h.done
-        h.pos[act] += 1
-        h.num_generated[act] += 1
-        h.done |= act & ((h.num_generated >= h.max_new) | (h.pos + 1 >= self._max_seq))
+        advance(h, 1, self._max_seq)
         return DecodeState(arrays, h), self._step_result(outs)
 
     def _step_result(self, outs) -> StepResult:
@@ -792,11 +678,7 @@ class PagedEngine(Engine):
         trunc = bool((h.trunc & h.live & ~h.done).any())
         arrays, outs = self._multi_step_fn(trunc, k)(
             params, state.arrays, new_pages, new_index)
-        for _ in range(k):  # the host's view of positions and length limits (stop tokens: read from the results)
-            act = h.live & ~h.done
-            h.pos[act] += 1
-            h.num_generated[act] += 1
-            h.done |= act & ((h.num_generated >= h.max_new) | (h.pos + 1 >= self._max_seq))
+        advance(h, k, self._max_seq)  # the host's view of positions and length limits (stop tokens: from the results)
         return DecodeState(arrays, h), self._step_result(outs)
 
     # -- release --------------------------------------------------------------------------
@@ -848,21 +730,12 @@ class PagedEngine(Engine):
             for nb in sample_rows:  # one sample_first program per padded row count
                 self.prefill(params, [1], sp, num_samples=nb)
         # the compacted steps compile while generation starts (already started by `_compile_ahead` when parallel)
-        self._start_compact_compiles(params, state.arrays, no_pages, variants)
+        self._compacts.start_all(params, state.arrays, no_pages, variants)
 
     def _sample_rows(self, n: int) -> int:
         """Rows of the `sample_first` call for n samples of one prefill row: a power of two >= n, at least
         `max_prefill_pack` (one compilation for up to a pack's worth)."""
         return max(1 << (n - 1).bit_length(), self.max_prefill_pack)
-
-    def _start_compact_compiles(self, params: Params, arrays, new_pages, variants: tuple[bool, ...]) -> None:
-        """Start the compacted steps' compiles (every size, each sampler in `variants`) not started yet, on their own
-        thread: the first step that needs one waits for it (compacting never depends on compile timing)."""
-        sig = _params_signature(params)
-        for t in variants:
-            for b in self.compact_sizes:
-                if (sig, t, b) not in self._compact:
-                    self._start_compact_compile(params, arrays, new_pages, (sig, t, b))
 
     def _compile_ahead(self, params: Params, variants: tuple[bool, ...], sample_rows: list[int]) -> None:
         """Compile the programs `warmup` runs from abstract arguments, all at once on a pool of threads (the
@@ -906,4 +779,4 @@ class PagedEngine(Engine):
             for f in futures:
                 f.result(timeout=3600)  # re-raises a compile error
         # then the compacted steps, on their own thread, beside the rest of warmup and generation
-        self._start_compact_compiles(params, arrays_a, new_pages_a, variants)
+        self._compacts.start_all(params, arrays_a, new_pages_a, variants)

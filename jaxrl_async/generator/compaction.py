@@ -1,0 +1,116 @@
+"""Compacted decode's programs (split out of ``engine.py``; the technique is in the engine's module docstring):
+which compiled program a step runs, and their compiles.
+
+A compacted step runs the decode step on ``b`` rows per decode replica (``b`` in ``sizes``, descending: S/2,
+S/4, ... per replica) gathered from the live slots; one program per (weights' signature, sampler, b), compiled on
+one background thread. Synchronously (the default) a step always takes the smallest size that holds every
+replica's live slots, waiting for its compile (so the choice depends on the live slots only, never on compile
+timing); ``in_background``: the smallest one compiled by now, else the full step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["CompactSteps", "params_signature"]
+
+logger = logging.getLogger(__name__)
+
+
+def params_signature(params: Any) -> tuple:
+    """What a compiled program is specific to in its weights: tree structure, shapes, dtypes, shardings (a LoRA
+    generator's params, a resharded weight set compile their own compacted steps)."""
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves)
+
+
+class CompactSteps:
+    """The compacted steps of one engine.
+
+    Args:
+      rows_steps: ``{truncation: jitted step(params, arrays, new_pages, rows)}``.
+      sizes: rows per replica, descending (empty: compaction off).
+      replicas: decode replicas (KV pools); ``num_slots`` slots in all.
+      rows_sharding: the sharding of the rows argument.
+      in_background: see the module docstring.
+    """
+
+    def __init__(self, rows_steps: dict[bool, Callable], sizes: tuple[int, ...], replicas: int, num_slots: int,
+                 rows_sharding: Any, in_background: bool):
+        self.rows_steps, self.sizes, self.replicas, self.num_slots = rows_steps, tuple(sizes), replicas, num_slots
+        self.rows_sharding, self.in_background = rows_sharding, bool(in_background)
+        self._programs: dict = {}  # (params signature, truncation, rows per replica) -> Future / Compiled / None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def count(self) -> int:
+        """Programs compiled or compiling."""
+        return sum(1 for c in self._programs.values() if c is not None)
+
+    def choose(self, params: Any, arrays: Any, new_pages: Any, trunc: bool, live: np.ndarray):
+        """(program, rows) of the compacted step to run, or None (the full step runs). Starts the compile of the
+        size that fits if nothing did yet."""
+        D = self.replicas
+        per = self.num_slots // D
+        by_replica = live.reshape(D, per)
+        n = int(by_replica.sum(axis=1).max())
+        fits = [b for b in self.sizes if b >= n]  # descending
+        if not fits:
+            return None
+        sig = params_signature(params)
+        if (sig, trunc, fits[-1]) not in self._programs:
+            self.start(params, arrays, new_pages, (sig, trunc, fits[-1]))
+        for b in reversed(fits):
+            prog = self._programs.get((sig, trunc, b))
+            if prog is not None and not isinstance(prog, jax.stages.Compiled):
+                prog = self.finish((sig, trunc, b), wait=not self.in_background)
+            if prog is not None:
+                rows = []
+                for r in range(D):
+                    mine = np.flatnonzero(by_replica[r])
+                    free = np.flatnonzero(~by_replica[r])  # non-empty: n <= b < per
+                    rows.append(r * per + np.concatenate([mine, np.full(b - len(mine), free[0])]))
+                return prog, jax.device_put(np.concatenate(rows).astype(np.int32), self.rows_sharding)
+        return None
+
+    def start(self, params: Any, arrays: Any, new_pages: Any, key: tuple) -> None:
+        """Start compiling the program of ``key`` (from abstract arguments) on the compile thread."""
+        _, trunc, b = key
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        args = jax.tree.map(abstract, (params, arrays, new_pages))
+        rows = jax.ShapeDtypeStruct((b * self.replicas,), jnp.int32, sharding=self.rows_sharding)
+        fn = self.rows_steps[trunc]
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-compact")
+        logger.info("PagedEngine: compiling the compacted decode step (%d rows per replica, %s sampler)%s", b,
+                    "full" if trunc else "lean", " in the background" if self.in_background else "")
+        self._programs[key] = self._pool.submit(lambda: fn.lower(*args, rows).compile())
+
+    def start_all(self, params: Any, arrays: Any, new_pages: Any, variants: tuple[bool, ...]) -> None:
+        """Start every size's compile (each sampler in ``variants``) not started yet: the first step that needs
+        one waits for it (compacting never depends on compile timing)."""
+        sig = params_signature(params)
+        for t in variants:
+            for b in self.sizes:
+                if (sig, t, b) not in self._programs:
+                    self.start(params, arrays, new_pages, (sig, t, b))
+
+    def finish(self, key: tuple, wait: bool):
+        """The compiled program once its compile is done (``wait``: block for it, up to an hour); None while it runs
+        (not waiting), or if it failed (logged; the full step keeps serving that size)."""
+        fut = self._programs[key]
+        if fut is None or (not wait and not fut.done()):
+            return None
+        try:
+            prog = fut.result(timeout=3600)
+        except Exception:  # noqa: BLE001 - a compile error must not stop generation: the full step still runs
+            logger.exception("PagedEngine: the compacted decode step (%d rows per replica) failed to compile; the "
+                             "full step serves that size", key[2])
+            prog = None
+        self._programs[key] = prog
+        return prog
