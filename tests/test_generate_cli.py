@@ -255,7 +255,13 @@ def test_compile_cache_serves_a_second_process(model_dir, tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         outs.append(out.read_text())
         entries.append(sorted(p.name for p in cache.iterdir()))
-    assert len(entries[0]) >= 3 and entries[1] == entries[0]  # the second run wrote nothing new: all hits
+    # the second run wrote nothing new for any program the first run cached: all hits (a program whose compile took
+    # under compile_cache.MIN_COMPILE_TIME_S in the first run has no entry to hit; on a loaded machine its second
+    # compile may take longer and be written then: that is not a miss)
+    program = lambda name: name.rsplit("-", 2)[0]  # noqa: E731  (jit_<name>-<hash>-cache)
+    first = {program(n) for n in entries[0]}
+    assert len(entries[0]) >= 3 and set(entries[0]) <= set(entries[1])
+    assert [n for n in entries[1] if program(n) in first] == entries[0]
     assert outs[0] == outs[1]
     import jax
 
