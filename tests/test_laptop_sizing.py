@@ -121,9 +121,17 @@ def test_the_published_h100_config_fits_a_cpu_with_one_line_per_change(big_model
     machine's estimate says it fits."""
     from jaxrl_async.testing import subprocess_xla_flags
 
+    import time
+
     env = dict(os.environ, XLA_FLAGS=subprocess_xla_flags())
-    res = subprocess.run(_published("qwen3_0_6b.py", big_model_with_tokenizer, tmp_path, "--dry-run"),
-                         capture_output=True, text=True, timeout=300, env=env)
+    # the estimate is against the RAM available *now*; the test beside this one in the other pytest worker may hold
+    # gigabytes for a while (a generator sizes its KV pool from the RAM left): measured again, up to 3 times
+    for attempt in range(3):
+        res = subprocess.run(_published("qwen3_0_6b.py", big_model_with_tokenizer, tmp_path, "--dry-run"),
+                             capture_output=True, text=True, timeout=300, env=env)
+        if "DOES NOT FIT" not in res.stdout or attempt == 2:
+            break
+        time.sleep(30)
     assert res.returncode == 0, res.stderr[-3000:]
     fitted = [ln for ln in res.stderr.splitlines() if ln.startswith("[jaxrl_async] ")]
     assert len(fitted) == 4, fitted

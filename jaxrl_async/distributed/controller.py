@@ -432,12 +432,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_after_orderly_end() -> None:
-    """The controller's exit after a completed run (everything is committed and closed by then): jax.distributed's
-    shutdown (the trainer followers' exit barrier), logging and stdio flushed, then ``os._exit(0)``. Interpreter
-    finalization would stop the daemon threads (RPC, transfer server, monitors) wherever they are, and one stopped
-    inside C++ code aborted the finished controller ("FATAL: exception not rethrown", status -6) in 2 of ~30 runs
-    under Ray on a loaded machine."""
+def exit_after_orderly_end(rc: int = 0) -> None:
+    """The controller's exit once ``main`` returned (a completed run, or a failure already reported in one line
+    with its emergency checkpoint committed and closed): jax.distributed's shutdown (the trainer followers' exit
+    barrier), logging and stdio flushed, then ``os._exit(rc)``. Interpreter finalization would stop the daemon
+    threads (RPC, transfer server, monitors) wherever they are, and one stopped inside C++ code aborted the
+    controller ("FATAL: exception not rethrown", status -6): after `done` in 2 of ~30 runs under Ray on a loaded
+    machine, and after a lost generator's "run failed" line once in a clean-clone CI run."""
     import logging
 
     import jax
@@ -446,11 +447,8 @@ def exit_after_orderly_end() -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(rc)
 
 
 if __name__ == "__main__":
-    rc = main()
-    if rc == 0:
-        exit_after_orderly_end()
-    sys.exit(rc)
+    exit_after_orderly_end(main())
