@@ -9,7 +9,8 @@ vLLM's CPU build, the strongest CPU serving engine a user would pick, runs in it
 token-id prompts (continuous batching), whole process and its generate call alone (its steady state once its
 engine has compiled). Shapes: the defaults, and e.g. `--hidden 384 --layers 8 --vocab 4096 --eos-scale 1` (a
 smaller vocabulary, deeper, most sequences running to the budget) so that a gain on one shape is not taken for a
-general one.
+general one. (An interrupted run can leave vLLM's engine processes behind, `VLLM::EngineCore` / `VLLM::Worker`,
+holding gigabytes of RAM: kill them.)
 
 Model: a random Qwen3-shaped checkpoint written with `save_pretrained` (default hidden 512, 6 layers, 8 q /
 4 kv heads of 64, MLP 1536, vocab 16384, tied: 27.3M parameters), fp32. The EOS row of the (tied) embedding
