@@ -16,22 +16,9 @@ import asyncio
 import re
 
 import pytest
-from serve_helpers import CHAT_TEMPLATE, make_model_dir, running_server, script_backend
+from serve_helpers import make_model_dir, running_server, script_backend
 
 QUESTION = re.compile(r"What is (\d+)\+(\d+)\?")
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from jaxrl_async.testing import make_tiny_tokenizer
-
-    d = str(tmp_path_factory.mktemp("tok"))
-    make_tiny_tokenizer(d, vocab_size=128)
-    t = AutoTokenizer.from_pretrained(d)
-    t.chat_template = CHAT_TEMPLATE
-    return t
 
 
 def calculator_script(tok):

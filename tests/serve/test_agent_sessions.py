@@ -30,19 +30,6 @@ THINK_DROPPING_TEMPLATE = (
     "{%- endfor -%}{%- if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from jaxrl_async.testing import make_tiny_tokenizer
-
-    d = str(tmp_path_factory.mktemp("tok"))
-    make_tiny_tokenizer(d, vocab_size=128)
-    t = AutoTokenizer.from_pretrained(d)
-    t.chat_template = CHAT_TEMPLATE
-    return t
-
-
 def ids(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
 

@@ -6,22 +6,9 @@ import json
 
 import httpx
 import pytest
-from serve_helpers import CHAT_TEMPLATE, running_server, script_backend, wait_until
+from serve_helpers import running_server, script_backend, wait_until
 
 TOOL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from jaxrl_async.testing import make_tiny_tokenizer
-
-    d = str(tmp_path_factory.mktemp("tok"))
-    make_tiny_tokenizer(d, vocab_size=128)
-    t = AutoTokenizer.from_pretrained(d)
-    t.chat_template = CHAT_TEMPLATE
-    return t
 
 
 def text_script(tok, texts):
