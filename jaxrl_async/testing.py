@@ -54,17 +54,25 @@ def make_tiny_hf_model(out_dir: str, family: str = "qwen3", seed: int = 0, std: 
     cfg = tiny_hf_config(family, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomise(model, std, ("norm.weight",))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def _randomise(model, std: float, norm_suffixes: tuple[str, ...]) -> None:
+    """Random weights in place (torch's global generator): norm scales 1 + 0.2 N(0, 1), biases 0.2 N(0, 1), the
+    rest std N(0, 1), in parameter order."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(norm_suffixes):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
             else:
                 p.copy_(std * torch.randn_like(p))
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 # special tokens of the tiny Qwen2.5-VL (`make_tiny_vl_model`): inside the 256-token vocabulary
@@ -97,14 +105,7 @@ def make_tiny_vl_model(out_dir: str, seed: int = 0, std: float = 0.15, **overrid
 
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(tiny_vl_config(**overrides)).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight")):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.copy_(std * torch.randn_like(p))
+    _randomise(model, std, ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight"))
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     return out_dir
