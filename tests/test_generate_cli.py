@@ -260,7 +260,9 @@ def test_compile_cache_serves_a_second_process(model_dir, tmp_path):
     # compile may take longer and be written then: that is not a miss)
     program = lambda name: name.rsplit("-", 2)[0]  # noqa: E731  (jit_<name>-<hash>-cache)
     first = {program(n) for n in entries[0]}
-    assert len(entries[0]) >= 3 and set(entries[0]) <= set(entries[1])
+    # the expensive programs are always cached (the insert / sample_first ones compile near the 0.2 s threshold:
+    # cached or not depending on the machine's speed at the moment, so not counted)
+    assert {"jit_decode_step_fn", "jit_prefill_fn"} <= first and set(entries[0]) <= set(entries[1])
     assert [n for n in entries[1] if program(n) in first] == entries[0]
     assert outs[0] == outs[1]
     import jax
