@@ -64,7 +64,7 @@ from jaxrl_async.data.datasets import (
 )
 from jaxrl_async.data.formats import RowError, parse_row
 
-__all__ = ["IMAGE_MARKER", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "ImageError", "ImageProcessorConfig",
+__all__ = ["IMAGE_MARKER", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "ImageError", "ImageInputs", "ImageProcessorConfig",
            "VLPromptRecord", "VLTokens", "batch_vision_inputs", "decode_image", "load_vl_prompt_dataset",
            "process_image", "read_vl_prompt_records", "smart_resize", "to_rgb", "user_content"]
 
@@ -291,6 +291,79 @@ def user_content(text: str, n_images: int) -> list[dict[str, Any]]:
     return parts
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageInputs:
+    """The images of one prompt as they travel through a run (generator request -> trajectory -> trainer batch):
+    the *encoded* files, their grids and the processor settings, not pixels. ``pixel_values()`` decodes and
+    processes them on first use and keeps the result on this object (bit-identical every time: same bytes, same
+    processor), so the generator's prefill and the trainer's log-prob recompute of the samples of one prompt share
+    one decode when they share the object; a copy across processes ships the encoded bytes (~27x smaller than the
+    float32 patches). ``digest`` identifies the content (equal bytes + grids + processor)."""
+
+    images: tuple[bytes, ...]
+    grid_thw: np.ndarray  # [n, 3] int64
+    processor: ImageProcessorConfig
+
+    def __post_init__(self):
+        g = np.asarray(self.grid_thw, np.int64).reshape(-1, 3)
+        if g.shape[0] != len(self.images):
+            raise ValueError(f"ImageInputs: {len(self.images)} images but {g.shape[0]} grid rows")
+        object.__setattr__(self, "grid_thw", g)
+        object.__setattr__(self, "_pixels", None)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def num_patches(self) -> int:
+        return int(np.prod(self.grid_thw, axis=1).sum())
+
+    @property
+    def num_tokens(self) -> int:
+        """Placeholder tokens of all the images (``t*h*w / merge**2`` each)."""
+        return sum(self.processor.num_tokens(g) for g in self.grid_thw)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this object carries between processes (the encoded files + grids)."""
+        return sum(len(b) for b in self.images) + self.grid_thw.nbytes
+
+    @property
+    def digest(self) -> str:
+        import hashlib
+
+        h = hashlib.blake2b(digest_size=16)
+        for b in self.images:
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+        h.update(self.grid_thw.tobytes())
+        h.update(repr(self.processor).encode())
+        return h.hexdigest()
+
+    def pixel_values(self) -> np.ndarray:
+        """[num_patches, 3*Tp*P*P] float32, the processor's patches, images in order (cached on this object)."""
+        px = self._pixels
+        if px is None:
+            cfg = self.processor
+            out = [process_image(decode_image(b, cfg.max_image_pixels), cfg)[0] for b in self.images]
+            px = np.concatenate(out) if out else np.zeros((0, cfg.patch_dim), np.float32)
+            px.setflags(write=False)
+            object.__setattr__(self, "_pixels", px)
+        return px
+
+    def drop_pixels(self) -> None:
+        """Forget the cached pixels (they are recomputed on the next ``pixel_values()``)."""
+        object.__setattr__(self, "_pixels", None)
+
+    def __getstate__(self):  # pickles (process boundaries) carry the encoded bytes, never the pixels
+        return {"images": self.images, "grid_thw": self.grid_thw, "processor": self.processor}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "_pixels", None)
+
+
 @dataclasses.dataclass(frozen=True)
 class VLTokens:
     """The special tokens of the Qwen2.5-VL chat format (the tokenizer's strings)."""
@@ -314,6 +387,17 @@ class VLPromptRecord(PromptRecord):
         cfg = self.image_processor
         out = [process_image(decode_image(b, cfg.max_image_pixels), cfg)[0] for b in self.images]
         return np.concatenate(out) if out else np.zeros((0, cfg.patch_dim), np.float32)
+
+    def image_inputs(self) -> "ImageInputs | None":
+        """The record's images as they travel with requests and trajectories (None for a text-only row). One
+        object per record (cached), so every sample of the prompt shares its decoded pixels."""
+        if not self.images:
+            return None
+        got = self.__dict__.get("_image_inputs")
+        if got is None:
+            got = ImageInputs(tuple(self.images), self.image_grid_thw, self.image_processor)
+            object.__setattr__(self, "_image_inputs", got)
+        return got
 
     @property
     def num_image_tokens(self) -> int:
