@@ -65,7 +65,8 @@ from jaxrl_async.data.datasets import (
 from jaxrl_async.data.formats import RowError, parse_row
 
 __all__ = ["IMAGE_MARKER", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "ImageError", "ImageInputs", "ImageProcessorConfig",
-           "VLPromptRecord", "VLTokens", "batch_vision_inputs", "decode_image", "load_vl_prompt_dataset",
+           "VLPromptRecord", "VLTokens", "batch_vision_inputs", "vl_token_ids", "vl_tokens_of", "decode_image",
+           "load_vl_prompt_dataset",
            "process_image", "read_vl_prompt_records", "smart_resize", "to_rgb", "user_content"]
 
 IMAGE_MARKER = "<image>"
@@ -371,6 +372,25 @@ class VLTokens:
     image_pad: str = "<|image_pad|>"
     vision_start: str = "<|vision_start|>"
     vision_end: str = "<|vision_end|>"
+
+
+def vl_tokens_of(tokenizer) -> VLTokens:
+    """The tokenizer's vision special tokens (Qwen2.5-VL's strings; a ValueError naming the missing one)."""
+    t = VLTokens()
+    vocab = tokenizer.get_vocab()
+    for s in (t.image_pad, t.vision_start, t.vision_end):
+        if s not in vocab:
+            raise ValueError(f"the tokenizer has no {s} token: a vision-language policy needs Qwen2.5-VL's special "
+                             "tokens (data.tokenizer_kind=arithmetic_vl builds a local tokenizer with them)")
+    return t
+
+
+def vl_token_ids(tokenizer) -> dict[str, int]:
+    """``VLConfig``'s special token ids from the tokenizer (``<|video_pad|>`` optional: -1 when absent)."""
+    t = vl_tokens_of(tokenizer)
+    vocab = tokenizer.get_vocab()
+    return {"image_token_id": vocab[t.image_pad], "vision_start_token_id": vocab[t.vision_start],
+            "vision_end_token_id": vocab[t.vision_end], "video_token_id": vocab.get("<|video_pad|>", -1)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
