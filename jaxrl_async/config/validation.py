@@ -258,12 +258,35 @@ def _model_rules(cfg: RunConfig) -> None:
         except ValueError as e:  # ModelConfig.<field>: ...
             msg = str(e).replace("ModelConfig.", "", 1)
             raise component_error("model", cfg.model, msg) from None
+    if cfg.model.model_type == "qwen2_5_vl" or cfg.model.path is not None:
+        _vl_rules(cfg)
     if ro.record_routing or tr.routing_replay:
         field = "rollout.record_routing" if ro.record_routing else "trainer.routing_replay"
         _require(_is_moe(cfg), field, "needs a mixture-of-experts model (qwen3_moe, num_experts > 0)")
     if cfg.model.tokenizer_path is not None:
         _require(os.path.isdir(cfg.model.tokenizer_path), "model.tokenizer_path",
                  f"{cfg.model.tokenizer_path!r} is not a directory")
+
+
+def _vl_rules(cfg: RunConfig) -> None:
+    """What a vision-language policy (Qwen2.5-VL) cannot do yet: refused at validation, not after the warm start."""
+    if cfg.model.path is None:
+        vl = True
+    else:
+        try:
+            import json
+
+            with open(os.path.join(cfg.model.path, "config.json")) as f:
+                vl = json.load(f).get("model_type") == "qwen2_5_vl"
+        except (OSError, ValueError):
+            return  # model.path's own rule names the problem
+    if not vl:
+        return
+    what = "a vision-language policy (Qwen2.5-VL)"
+    _require(cfg.model.lora.rank == 0, "model.lora.rank", f"LoRA is not wired for {what} yet; use full fine-tuning")
+    _require(cfg.rollout.workflow != "openai_agent", "rollout.workflow",
+             f"openai_agent does not carry images through the agent endpoint yet: {what} needs rlvr or a workflow that "
+             "submits the prompt's images")
 
 
 def _data_rules(cfg: RunConfig) -> None:

@@ -142,6 +142,17 @@ class ImageProcessorConfig:
         kw.update(overrides)
         return cls(**kw)
 
+    def to_hf(self) -> dict[str, Any]:
+        """The ``preprocessor_config.json`` of these settings (transformers' ``Qwen2VLImageProcessor``; `from_hf`
+        reads it back equal)."""
+        return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+                "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                "do_convert_rgb": True, "resample": 3, "size": {"shortest_edge": self.min_pixels,
+                                                                "longest_edge": self.max_pixels},
+                "min_pixels": self.min_pixels, "max_pixels": self.max_pixels, "patch_size": self.patch_size,
+                "temporal_patch_size": self.temporal_patch_size, "merge_size": self.merge_size,
+                "image_mean": list(self.image_mean), "image_std": list(self.image_std)}
+
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
         """(grid_t, grid_h, grid_w) of an image of ``height`` x ``width`` pixels."""
         h, w = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)

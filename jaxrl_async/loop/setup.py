@@ -121,6 +121,12 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
     recipe = run_recipe(c).prompt
     common = dict(apply_chat_template=templated, skip_bad_rows=c.data.skip_bad_rows)
     processor = image_processor(c)
+    if processor is not None and tok_dir == os.path.join(run_dir, "tokenizer_src"):
+        # the run's own tokenizer: its image processor settings travel with it (checkpoints, exports)
+        import json
+
+        with open(os.path.join(tok_dir, "preprocessor_config.json"), "w") as f:
+            json.dump(processor.to_hf(), f, indent=2)
     if processor is not None:  # a vision-language policy: rows may carry images (data/images.py)
         from jaxrl_async.data.images import load_vl_prompt_dataset, vl_tokens_of
 

@@ -88,6 +88,9 @@ def test_rows_load_as_image_prompts_with_the_run_settings(tmp_path):
     (["model.model_type=qwen2_5_vl"], "data.tokenizer_kind"),
     (["model.model_type=qwen2_5_vl", "data.tokenizer_kind=arithmetic_vl", "data.image_min_pixels=0"],
      "data.image_min_pixels"),
+    (["model.model_type=qwen2_5_vl", "data.tokenizer_kind=arithmetic_vl", "model.lora.rank=4"], "model.lora.rank"),
+    (["model.model_type=qwen2_5_vl", "data.tokenizer_kind=arithmetic_vl", "rollout.workflow=openai_agent",
+      "rollout.agent=online"], "rollout.workflow"),
 ])
 def test_settings_of_a_vl_run_are_checked(overrides, field):
     from jaxrl_async.config import ConfigError, apply_overrides, validate
