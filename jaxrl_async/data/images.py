@@ -64,10 +64,11 @@ from jaxrl_async.data.datasets import (
 )
 from jaxrl_async.data.formats import RowError, parse_row
 
-__all__ = ["IMAGE_MARKER", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "ImageError", "ImageInputs", "ImageProcessorConfig",
-           "VLPromptRecord", "VLTokens", "batch_vision_inputs", "vl_token_ids", "vl_tokens_of", "decode_image",
-           "load_vl_prompt_dataset",
-           "process_image", "read_vl_prompt_records", "smart_resize", "to_rgb", "user_content"]
+__all__ = [
+    "IMAGE_MARKER", "ImageError", "ImageInputs", "ImageProcessorConfig", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD",
+    "VLPromptRecord", "VLTokens", "batch_vision_inputs", "decode_image", "image_processor_for", "load_vl_prompt_dataset",
+    "process_image", "read_vl_prompt_records", "smart_resize", "to_rgb", "user_content", "vl_token_ids", "vl_tokens_of",
+]
 
 IMAGE_MARKER = "<image>"
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -162,6 +163,19 @@ class ImageProcessorConfig:
         """The image's placeholder tokens: ``t * h * w / merge**2``."""
         t, h, w = (int(x) for x in grid_thw)
         return t * h * w // self.merge_size ** 2
+
+
+def image_processor_for(vision: Any, model_dir: str | None = None, **overrides: Any) -> ImageProcessorConfig:
+    """A model's image processor: ``model_dir``'s ``preprocessor_config.json`` when it has one, else Qwen2.5-VL's
+    defaults scaled to the tower's patch (``vision``: a ``VisionConfig``; min 4 and max 1280 merge units, i.e.
+    56x56 and 28x28x1280 pixels at patch 14); ``overrides`` (min_pixels / max_pixels ...) win."""
+    pre = None if model_dir is None else os.path.join(model_dir, "preprocessor_config.json")
+    if pre is not None and os.path.isfile(pre):
+        return ImageProcessorConfig.from_hf(pre, **overrides)
+    f = vision.patch_size * vision.spatial_merge_size
+    kw = {"min_pixels": 4 * f * f, "max_pixels": 1280 * f * f, **overrides}
+    return ImageProcessorConfig(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                                merge_size=vision.spatial_merge_size, **kw)
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,

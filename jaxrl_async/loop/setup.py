@@ -171,26 +171,18 @@ def image_processor(cfg: RunConfig) -> Any:
     Qwen2.5-VL's defaults scaled to the tower's patch), or None when the policy is text-only."""
     if not is_vl_run(cfg):
         return None
-    from jaxrl_async.data.images import ImageProcessorConfig
+    from jaxrl_async.data.images import image_processor_for
 
     d, kw = cfg.data, {}
     if d.image_min_pixels is not None:
         kw["min_pixels"] = d.image_min_pixels
     if d.image_max_pixels is not None:
         kw["max_pixels"] = d.image_max_pixels
-    pre = None if cfg.model.path is None else os.path.join(cfg.model.path, "preprocessor_config.json")
-    if pre is not None and os.path.isfile(pre):
-        return ImageProcessorConfig.from_hf(pre, **kw)
     if cfg.model.path is not None:
         from jaxrl_async.models.hf_io import config_from_hf
 
-        v = config_from_hf(cfg.model.path).vision
-    else:
-        v = cfg.model.vision
-    f = v.patch_size * v.spatial_merge_size
-    kw = {"min_pixels": 4 * f * f, "max_pixels": 1280 * f * f, **kw}
-    return ImageProcessorConfig(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-                                merge_size=v.spatial_merge_size, **kw)
+        return image_processor_for(config_from_hf(cfg.model.path).vision, cfg.model.path, **kw)
+    return image_processor_for(cfg.model.vision, **kw)
 
 
 def load_model(cfg: RunConfig, tokenizer: Any, trainer_mesh: Any) -> tuple[Any, Any, dict | None, list[int]]:
