@@ -85,7 +85,7 @@ class GeneratorLike(Protocol):
     """
 
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
-               request_id: str | None = None, metadata: Any = None) -> _Handle: ...
+               request_id: str | None = None, metadata: Any = None, *, images: Any = None) -> _Handle: ...
 
 
 class EpisodeTimeout(TimeoutError):
