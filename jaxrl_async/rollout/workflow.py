@@ -412,7 +412,7 @@ class RLVRWorkflow(RolloutWorkflow):
         for s, text, r in zip(samples, texts, rewards):
             out.append(Trajectory.from_completion(
                 s.prompt_ids, s.completion_ids, s.logprobs, s.versions, r, s.finish_reason,
-                routing=getattr(s, "routing", None),
+                routing=getattr(s, "routing", None), images=images,
                 sample_index=s.sample_index, item_id=item_field(item, "id"), completion_text=text,
                 latency_s=getattr(s, "latency_s", None), num_preemptions=getattr(s, "num_preemptions", 0),
                 reward_s=reward_s))
