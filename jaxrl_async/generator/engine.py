@@ -7,7 +7,8 @@ decode attention over the paged pool (`paged_attention.decode_attend`: the porta
 loop `blocked`, the reference `gather`, the TPU/GPU Pallas kernels; `attention="auto"` picks by
 platform, and the choice fixes the pool's layout, `self.layout`).
 
-The pure device functions it jits are in `engine_steps.py`.
+The pure device functions it jits are in `engine_steps.py`. A vision-language model (`qwen2_5_vl.VLConfig`):
+prefill runs the vision tower and M-RoPE positions (`vision_prefill.py`), decode adds each slot's rope_delta.
 
 Compiled functions (params are arguments, so a weight swap never retraces; after `warmup`
 nothing recompiles, whatever the prompts, slots or sampling parameters):
