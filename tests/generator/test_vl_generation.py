@@ -282,3 +282,20 @@ def test_errors(vl, tmp_path):
     two = ImageInputs(im.images * 2, np.concatenate([im.grid_thw] * 2), TINY)
     with pytest.raises(ValueError, match="'r4'.*placeholder"):
         gen.submit(ids, request_id="r4", images=two)
+
+
+def test_factory_builds_vl_engines(vl):
+    """`generator_model_config` keeps a VLConfig (weights in the compute dtype), `for_prompts` reads the text
+    model's position limit, and an auto-sized pool counts the vision tower's weights too (`kv_cache`)."""
+    from jaxrl_async.generator.factory import for_prompts, generator_model_config
+
+    cfg = vl[0]
+    gen_cfg = generator_model_config(cfg.replace(param_dtype="bfloat16"))
+    assert qwen2_5_vl.is_vl(gen_cfg) and gen_cfg.text.param_dtype == gen_cfg.text.dtype
+    e = for_prompts([40, 50], 600, cfg, max_concurrent=2)
+    assert e.max_sequence_length == cfg.text.max_position_embeddings
+    eng = build_engine(EngineConfig(max_concurrent_decodes=2, max_sequence_length=64, page_size=8), cfg)
+    n_bytes = sum(x.size * 4 for x in jax.tree.leaves(qwen2_5_vl.param_shapes(cfg)))
+    n_vision = sum(x.size * 4 for x in jax.tree.leaves(qwen2_5_vl.param_shapes(cfg)["vision"]))
+    assert eng.sizing.param_bytes == n_bytes and n_vision > 0 and eng.num_pages >= eng.max_pages_per_seq
+    assert eng.vl_cfg == cfg and eng.text_cfg == cfg.text and eng.cfg == cfg
