@@ -173,6 +173,14 @@ class VisionPrefill:
         return {"vision_tower": sum(f._cache_size() for f in self._towers.values()),
                 "prefill_vl": self._prefill._cache_size(), "prefill_chunk_vl": self._chunk._cache_size()}
 
+    def prefill_job(self, params_a, tokens_a, lengths_a, bucket: int) -> tuple:
+        """(program, abstract arguments) of the packed-row prefill of ``bucket`` tokens (`PagedEngine.warmup`'s
+        ahead-of-time compiles; the features arrive on the replicated sharding, the host arrays uncommitted)."""
+        sds = jax.ShapeDtypeStruct
+        feats = sds((bucket, self.cfg.text.hidden_size), jnp.dtype(self.cfg.text.dtype), sharding=self._rep)
+        return self._prefill, (params_a, tokens_a, lengths_a, sds((3, 1, bucket), np.int32), feats,
+                               sds((1, bucket), np.int32))
+
     def features(self, params, seqs: list[VLSequence], rows: int) -> tuple[jax.Array, np.ndarray]:
         """(features [rows, D] of the images of ``seqs``, in order; each sequence's first feature row)."""
         offs = np.cumsum([0] + [s.num_features for s in seqs])[:-1]
