@@ -429,7 +429,12 @@ def check_image_tokens(traj: Any, i: int, vl_cfg: Any, what: str = "trajectory")
     """PackingError naming trajectory `i` when its image placeholders do not match its images' grids, or when its
     images were processed for another vision tower. `traj`: anything with ``images`` and ``tokens`` (or
     ``prompt_ids``: an SFT example, named `what`)."""
-    tokens = traj.tokens if hasattr(traj, "tokens") else traj.prompt_ids
+    if hasattr(traj, "tokens"):  # the prompt part: the tokens before the first trained one (the generated tokens
+        # after it may hold the placeholder id: text there, as in the generator, `qwen2_5_vl.sequence_layout`)
+        trained = np.flatnonzero(np.asarray(traj.loss_mask) > 0)
+        tokens = np.asarray(traj.tokens)[: trained[0] if trained.size else None]
+    else:
+        tokens = traj.prompt_ids
     n_tokens = int((np.asarray(tokens) == vl_cfg.image_token_id).sum())
     images = traj.images
     if images is None:
@@ -456,7 +461,7 @@ def pack_images(trajectories: Sequence[Any], placement: Sequence[tuple[int, int,
     """The `PackedBatch` fields of a minibatch with images (``mrope_positions``, ``image_index``, ``vision``; see
     `vl_batch`'s module doc) and its image statistics (`PackedMinibatch.image_stats`). `placement[j]` = (micro, row,
     start, length) of trajectory j, `shape` = (n_micro, rows, row_len)."""
-    from jaxrl_async.models.qwen2_5_vl import sequence_rope_index
+    from jaxrl_async.models.qwen2_5_vl import sequence_layout
     from jaxrl_async.models.vision import vision_layout
 
     first = next(indices[j] for j, t in enumerate(trajectories) if t.images is not None)
@@ -482,7 +487,7 @@ def pack_images(trajectories: Sequence[Any], placement: Sequence[tuple[int, int,
         tokens = np.asarray(t.tokens)
         grids = [] if t.images is None else [tuple(int(x) for x in g) for g in np.asarray(t.images.grid_thw)]
         try:
-            pos, _ = sequence_rope_index(model_cfg, tokens, iter(grids))
+            pos, _, feat = sequence_layout(model_cfg, tokens, grids or None)
         except ValueError as e:
             raise PackingError(f"trajectory {indices[j]}: field images: {e}") from None
         mrope[m, r, s:s + n] = pos.T
@@ -496,8 +501,8 @@ def pack_images(trajectories: Sequence[Any], placement: Sequence[tuple[int, int,
             sets[m][key] = (obj, units[m])
             units[m] += obj.num_patches // mu
         offset = sets[m][key][1]
-        where = np.flatnonzero(tokens == model_cfg.image_token_id)
-        index[m, r, s + where] = offset + np.arange(where.size, dtype=np.int32)
+        where = np.flatnonzero(feat >= 0)
+        index[m, r, s + where] = offset + feat[where]
     need = max(units) * mu
     P = cfg.patches_for(need)
     if P % mu:

@@ -5,7 +5,7 @@ settings; the n samples of a prompt share one object). When a sequence of a mini
 the `PackedBatch` (`packing.pack_images`):
 
 * ``mrope_positions`` [n_micro, rows, row_len, 3]: every placed sequence's M-RoPE positions
-  (`qwen2_5_vl.sequence_rope_index`, restarting at each sequence like the 1-D ones; text-only sequences count up
+  (`qwen2_5_vl.sequence_layout`, restarting at each sequence like the 1-D ones; text-only sequences count up
   on all three rows, padding 0);
 * ``image_index`` [n_micro, rows, row_len]: the row of its micro-batch's image features that each image
   placeholder takes (-1 on every other token);

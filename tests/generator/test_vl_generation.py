@@ -299,3 +299,34 @@ def test_factory_builds_vl_engines(vl):
     n_vision = sum(x.size * 4 for x in jax.tree.leaves(qwen2_5_vl.param_shapes(cfg)["vision"]))
     assert eng.sizing.param_bytes == n_bytes and n_vision > 0 and eng.num_pages >= eng.max_pages_per_seq
     assert eng.vl_cfg == cfg and eng.text_cfg == cfg.text and eng.cfg == cfg
+
+
+def test_trainer_treats_a_generated_placeholder_as_text_like_the_generator(vl):
+    """A sampled completion may hold the image placeholder id (a random or young policy samples it): the generator
+    decodes it as a text token at index + rope_delta (`qwen2_5_vl.sequence_layout`); the trainer's packed log-probs
+    of prompt + such a completion must be the same function (features only at the prompt's placeholders, the
+    completion's M-RoPE positions at index + delta), or generator and trainer log-probs part. Checked against the
+    reference forward the generator tests use, in a minibatch with a plain image sequence beside it."""
+    from jaxrl_async.trainer import PackingConfig, Trainer, TrainStepConfig, TrainSequence, unpack
+
+    cfg, _, placed, _ = vl
+    host = jax.device_get(placed[0])
+    rng = np.random.default_rng(5)
+    seqs, refs = [], []
+    for sizes, completion in (([(20, 28)], [7, IMG, 9, IMG, VS, 11, VE, 12]), ([(24, 24), (12, 40)], [5, 6, 7])):
+        ids, images = _request(rng, sizes)
+        tokens = np.asarray(ids + completion, np.int32)
+        mask = (np.arange(len(tokens)) >= len(ids)).astype(np.int32)
+        seqs.append(TrainSequence(tokens=tokens, loss_mask=mask, behaviour_logprobs=np.zeros(len(tokens), np.float32),
+                                  advantages=np.zeros(len(tokens), np.float32), versions=np.where(mask > 0, 0, -1),
+                                  images=images))
+        refs.append((ids, images, completion))
+    trainer = Trainer(cfg, TrainStepConfig(packing=PackingConfig(tokens_per_micro=256, row_len_buckets=(128,),
+                                                                 max_seqs_per_row=4)))
+    packed = trainer.pack(seqs)
+    lp, _ = trainer.compute_logprobs(trainer.init_state(host).params, trainer.put_batch(packed))
+    got = unpack(np.asarray(lp), packed)
+    for g, i in zip(got, packed.indices):
+        ids, images, completion = refs[i]
+        want = _trainer_logprobs(cfg, host, ids, images, completion)
+        np.testing.assert_allclose(g[len(ids):], want, atol=1e-5)

@@ -17,7 +17,8 @@ from test_fault_tolerance import _assert_bitwise_equal_runs, _final_state, run_w
 from jaxrl_async.data.ledger import read_data_ledger
 
 VL = ["model.model_type=qwen2_5_vl", "data.task=visual_arithmetic", "data.tokenizer_kind=arithmetic_vl",
-      "data.max_prompt_len=48", "rollout.engine.max_prefill_length=48", "rollout.engine.max_sequence_length=64",
+      "data.max_prompt_len=56", "rollout.engine.max_prefill_length=64", "rollout.engine.max_sequence_length=72",
+      "trainer.packing.row_len_buckets=[128]",
       "model.vision.hidden_size=16", "model.vision.intermediate_size=32", "model.vision.num_heads=1"]
 
 
