@@ -256,6 +256,13 @@ def test_image_token_mismatch_names_the_trajectory(model):
     good[1].images = other
     with pytest.raises(PackingError, match="trajectory 1: field images was processed with .* merge 1"):
         pack(good, PACKING, None, cfg)
+    video = _images(rng, [(24, 32)])
+    px = video.pixel_values().reshape(-1, 3, 2, 16).copy()
+    px[:, :, 1] += 1.0  # a second frame that differs from the first
+    object.__setattr__(video, "_pixels", px.reshape(-1, 96))
+    good[1].images = video
+    with pytest.raises(PackingError, match="trajectory 1: field images holds frames that differ .*videos are not supported"):
+        pack(good, PACKING, None, cfg)
     with pytest.raises(ValueError, match="TrainStepConfig.freeze_vision: needs a vision-language model"):
         Trainer(cfg.text, TrainStepConfig(packing=PACKING, freeze_vision=True))
 
@@ -294,3 +301,42 @@ def test_trajectories_carry_images_to_the_trainer(model):
     cfg, _ = model
     p = pack(seqs, PACKING, None, cfg)
     assert p.image_stats["image_sets"] == 1 and p.image_stats["images"] == 2
+
+
+@pytest.mark.slow
+def test_sharded_trainer(model):
+    """On a 4-device (fsdp 2 x tensor 2) mesh: rows split over fsdp, the vision inputs replicated; the packed
+    log-probs still equal the reference forward and a step applies."""
+    from jaxrl_async.sharding import make_mesh
+
+    cfg, params = model
+    rng = np.random.default_rng(6)
+    trajs = _mixed(rng)
+    trainer = Trainer(cfg, TrainStepConfig(packing=PACKING), make_mesh({"fsdp": 2, "tensor": 2},
+                                                                      devices=jax.devices()[:4]))
+    state = trainer.init_state(params)
+    packed = trainer.pack(trajs)
+    assert packed.rows_per_micro % 2 == 0
+    batch = trainer.put_batch(packed)
+    assert batch.tokens.sharding.spec[1] is not None and batch.vision.pixel_values.sharding.is_fully_replicated
+    lp, _ = trainer.compute_logprobs(state.params, batch)
+    diff = _max_diff(trainer, params, trajs, packed, lp)
+    assert diff <= TOL, diff
+    state, m = trainer.step(state, packed, batch)
+    assert int(m["skipped"]) == 0 and np.isfinite(float(m["loss"]))
+
+
+def test_run_config_key(tmp_path):
+    """``trainer.freeze_vision`` reaches the train step; it needs a checkpoint (the random-init policy has no vision
+    tower) and is fixed across a resume (the optimizer state holds the tower's moments or not)."""
+    from jaxrl_async.config import ConfigError, apply_overrides, validate
+    from jaxrl_async.config.default import get_config
+    from jaxrl_async.config.resume import RESUME_FIXED
+    from jaxrl_async.trainer.factory import trainer_config
+
+    cfg = apply_overrides(get_config(), [f"run_dir={tmp_path / 'run'}", "trainer.freeze_vision=true"])
+    assert trainer_config(cfg).freeze_vision and not trainer_config(get_config()).freeze_vision
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, num_devices=1)
+    assert e.value.field == "trainer.freeze_vision" and "vision-language" in str(e.value)
+    assert "trainer.freeze_vision" in RESUME_FIXED
