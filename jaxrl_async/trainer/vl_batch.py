@@ -91,12 +91,20 @@ def vl_sequence_logprobs(params: Any, cfg: Any, mb: Any, temperature: float = 1.
     n = px.shape[0]
     px = jnp.broadcast_to(px.reshape(n, v.in_channels, 1, v.patch_size ** 2),
                           (n, v.in_channels, v.temporal_patch_size, v.patch_size ** 2)).reshape(n, v.patch_dim)
-    feats = image_features(params, cfg, px, mb.vision.layout())
+    idx = mb.image_index
+
+    def tower():
+        return image_features(params, cfg, px, mb.vision.layout())
+
+    def none():  # a micro-batch of text sequences only (in a minibatch with images): no tower pass
+        out = jax.eval_shape(tower)
+        return jnp.zeros(out.shape, out.dtype)
+
+    feats = jax.lax.cond((idx >= 0).any(), tower, none)
     if freeze_vision:
         feats = jax.lax.stop_gradient(feats)
     dt = jnp.dtype(cfg.text.dtype)
     x = jnp.take(params["embed"], mb.tokens, axis=0).astype(dt)
-    idx = mb.image_index
     x = jnp.where((idx >= 0)[..., None], feats.astype(dt)[jnp.maximum(idx, 0)], x)
     positions = jnp.moveaxis(mb.mrope_positions, -1, 0)  # [3, rows, row_len]
     return transformer.sequence_logprobs(params, cfg.text, mb.tokens, mb.segment_ids, positions, temperature, chunk,
