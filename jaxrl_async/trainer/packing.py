@@ -238,10 +238,12 @@ class PackedMinibatch:
     n_real_micro: micro-batches that hold at least one sequence (the rest are bucket padding).
     placement: per trajectory (in `indices` order) its (micro, row, start, length).
     indices: global indices (into the list given to `pack`) of the trajectories, in order.
-    image_stats: (minibatches with images) host counts of the images moved: ``images`` (distinct image sets of
-        the minibatch), ``encoded_bytes`` (what the trajectories carried: their distinct `ImageInputs`' encoded
-        files + grids), ``decoded_bytes`` (their float32 patches, decoded once per object), ``device_bytes``
-        (pixels + layout arrays of the batch, bucket padding included: what `put_batch` sends). None otherwise.
+    image_stats: (minibatches with images) host counts of the images moved: ``images`` / ``image_sets``
+        (distinct images / `ImageInputs` contents of the minibatch), ``encoded_bytes`` (what the trajectories
+        carried: those objects' encoded files + grids, once per object), ``decoded_bytes`` (their float32 patches,
+        decoded once per object), ``device_bytes`` (the vision inputs `put_batch` sends: pixels with bucket
+        padding, layout, M-RoPE positions, feature indices), ``pixel_bytes`` (of which pixels: one temporal
+        copy per patch), ``patches`` (the patch bucket). None otherwise (`train_step.image_metrics`).
     """
 
     batch: PackedBatch
