@@ -333,8 +333,8 @@ def test_sharded_trainer(model):
 
 
 def test_run_config_key(tmp_path):
-    """``trainer.freeze_vision`` reaches the train step; it needs a checkpoint (the random-init policy has no vision
-    tower) and is fixed across a resume (the optimizer state holds the tower's moments or not)."""
+    """``trainer.freeze_vision`` reaches the train step; it needs a vision-language policy (the default qwen3 has no
+    vision tower) and is fixed across a resume (the optimizer state holds the tower's moments or not)."""
     from jaxrl_async.config import ConfigError, apply_overrides, validate
     from jaxrl_async.config.default import get_config
     from jaxrl_async.config.resume import RESUME_FIXED
