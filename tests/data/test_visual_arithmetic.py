@@ -11,23 +11,27 @@ from jaxrl_async.data.visual_arithmetic import (
 )
 
 
-def test_render_draws_each_glyph_and_fails_loudly():
-    cfg = VisualArithmeticConfig(width=48, height=16, scale=2, jitter=0)
-    img = render_expression("8", cfg)
-    assert img.shape == (16, 48, 3) and img.dtype == np.uint8
+def test_render_draws_each_glyph_one_per_cell_and_fails_loudly():
+    cfg = VisualArithmeticConfig(cell=8, scale=1)
+    img = render_expression("8", cfg, max_chars=5)
+    assert img.shape == (8, 40, 3) and img.dtype == np.uint8
     ink = img[..., 0] > 0
     ys, xs = np.nonzero(ink)
-    # "8" is 3x5 font pixels, 13 of them inked, each scale x scale
-    assert (ys.max() - ys.min() + 1, xs.max() - xs.min() + 1) == (10, 6)
-    assert ink.sum() == sum(r.count("#") for r in GLYPHS["8"]) * 4
+    # "8" is 3x5 font pixels, centred in the first 8x8 cell
+    assert (ys.min(), ys.max(), xs.min(), xs.max()) == (1, 5, 2, 4)
+    assert ink.sum() == sum(r.count("#") for r in GLYPHS["8"])
     assert (img[..., 0] == img[..., 1]).all() and (img[..., 1] == img[..., 2]).all()
-    # different expressions, different pixels; the same one, the same pixels
-    assert not np.array_equal(render_expression("12+34", cfg), render_expression("12+35", cfg))
-    assert np.array_equal(render_expression("12+34", cfg), render_expression("12+34", cfg))
+    # one character per cell: the cells of "12+34" are the glyphs drawn alone
+    full = render_expression("12+34", cfg, 5)
+    for i, ch in enumerate("12+34"):
+        assert np.array_equal(full[:, 8 * i:8 * i + 8], render_expression(ch, cfg, 1))
+    assert np.array_equal(render_expression("12", cfg, 5, start=2)[:, 16:32], full[:, :16])
     with pytest.raises(ValueError, match="no glyph"):
-        render_expression("1/2", cfg)
-    with pytest.raises(ValueError, match="pixels"):
-        render_expression("12345+6789", cfg)
+        render_expression("1/2", cfg, 5)
+    with pytest.raises(ValueError, match="cells"):
+        render_expression("12345+6", cfg, 5)
+    with pytest.raises(ValueError, match="does not fit"):
+        VisualArithmeticConfig(cell=8, scale=2)
 
 
 def test_dataset_rows_images_and_split(tmp_path):
@@ -43,7 +47,7 @@ def test_dataset_rows_images_and_split(tmp_path):
         assert row["prompt"].startswith("<image>") and p.expression not in row["prompt"]
         assert row["answer"] == p.answer and row["completion"] == p.completion
         im = Image.open(os.path.join(tmp_path, row["images"][0]))
-        assert im.size == (48, 16)
+        assert im.size == (40, 8)  # 5 cells: the longest 2-operand 2-digit expression
     # deterministic
     again = write_visual_arithmetic_dataset(tmp_path / "again", probs)
     a = open(os.path.join(tmp_path, rows[3]["images"][0]), "rb").read()
@@ -76,10 +80,10 @@ def test_rows_load_as_image_prompts_with_the_run_settings(tmp_path):
     dc = run_recipe(cfg).prompt.dataset_config(paths["train"], apply_chat_template=True)
     ds = load_vl_prompt_dataset(dc, tok, ip)
     r = ds.records[0]
-    assert isinstance(r, VLPromptRecord) and r.image_grid_thw.tolist() == [[1, 4, 12]]  # 16 x 48 px, 4-px patches
-    assert list(r.prompt_ids).count(ids["image_token_id"]) == 12
+    assert isinstance(r, VLPromptRecord) and r.image_grid_thw.tolist() == [[1, 2, 10]]  # 8 x 40 px, 4-px patches
+    assert list(r.prompt_ids).count(ids["image_token_id"]) == 5  # one image token per character cell
     ii = r.image_inputs()
-    assert ii is r.image_inputs() and ii.num_tokens == 12 and ii.pixel_values().shape == (48, 3 * 2 * 16)
+    assert ii is r.image_inputs() and ii.num_tokens == 5 and ii.pixel_values().shape == (20, 3 * 2 * 16)
     prepare_inputs(m, np.asarray([r.prompt_ids]), ii.grid_thw)  # placeholders = grids
 
 
