@@ -1,0 +1,113 @@
+"""The VL planner's memory arithmetic (`plan/vl.py`) and the Qwen2.5-VL-7B preset, on CPU in seconds (no compile):
+the preset is Qwen/Qwen2.5-VL-7B-Instruct's config.json field by field and 8.29 B parameters; the image budget's
+grid; the vision tower's bytes per device under the trainer's FSDP and the generator's tensor rules against a hand
+calculation from the architecture; pixel bytes of the minibatches; the VL configs parse, validate and carry the
+decoder of the preset; a run config whose decoder is not the VL model's is refused naming the field."""
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_async.config import ConfigError, load_config_file, validate
+from jaxrl_async.models.vl_presets import vision_num_params, vl_num_params, vl_preset
+from jaxrl_async.plan.planner import PlanError
+from jaxrl_async.plan.vl import ImageBudget, check_text_matches, pixel_bytes_per_row, vision_bytes, vl_memory
+from jaxrl_async.sharding.mesh import make_mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = [os.path.join(ROOT, "configs", f) for f in ("qwen2_5_vl_7b.py", "qwen2_5_vl_7b_v5p.py")]
+
+
+def test_qwen2_5_vl_7b_preset_is_the_published_architecture():
+    c = vl_preset("qwen2.5-vl-7b")
+    t, v = c.text, c.vision
+    # Qwen/Qwen2.5-VL-7B-Instruct config.json
+    assert (t.model_type, t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size,
+            t.vocab_size, t.rope_theta, t.mrope_section, t.tie_word_embeddings, t.qkv_bias, t.rms_norm_eps,
+            t.max_position_embeddings) == ("qwen2", 3584, 28, 28, 4, 128, 18944, 152064, 1e6, (16, 24, 24), False,
+                                           True, 1e-6, 128000)
+    assert (v.depth, v.hidden_size, v.num_heads, v.intermediate_size, v.out_hidden_size, v.fullatt_block_indexes,
+            v.window_size, v.patch_size, v.spatial_merge_size, v.temporal_patch_size, v.in_channels) == (
+        32, 1280, 16, 3420, 3584, (7, 15, 23, 31), 112, 14, 2, 2, 3)
+    assert (c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id) == (
+        151655, 151656, 151652, 151653)
+    # 8.29 B (the model card); text = ModelConfig.num_params; vision by hand from the architecture
+    assert vl_num_params(c) == 8_292_166_656
+    assert t.num_params() == 7_615_616_512
+    D, F, U, P = v.hidden_size, v.intermediate_size, 4 * v.hidden_size, 3 * 2 * 14 * 14
+    block = 2 * D + (D * 3 * D + 3 * D) + (D * D + D) + 2 * (D * F + F) + (F * D + D)
+    merger = D + (U * U + U) + (U * 3584 + 3584)
+    assert vision_num_params(v) == P * D + v.depth * block + merger == 676_550_144
+    with pytest.raises(ValueError, match="unknown VL model preset"):
+        vl_preset("qwen9-vl")
+
+
+def test_image_budget():
+    b = ImageBudget()
+    assert b.grid(2) == (1, 64, 80) and b.patches_per_prompt(2) == 5120 and b.image_tokens_per_prompt() == 1280
+    assert ImageBudget(2, 256).grid(2) == (1, 32, 32) and ImageBudget(2, 256).patches_per_prompt(2) == 2048
+    assert ImageBudget(1, 7).grid(2) == (1, 2, 14)  # a prime: one row of merge units
+    with pytest.raises(PlanError, match="ImageBudget.tokens_per_image"):
+        ImageBudget(1, 0)
+
+
+def _hand_vision_bytes(v, bytes_per, shard_embed: int = 1, shard_heads_mlp: int = 1) -> int:
+    """Per-device bytes: rows with an ``embed`` axis divided by ``shard_embed`` (trainer FSDP), rows with a
+    ``heads`` / ``mlp`` axis by ``shard_heads_mlp`` (generator tensor) -- the rule sets of sharding/rules.py."""
+    D, F, H, E, L, U, P, O = (v.hidden_size, v.intermediate_size, v.num_heads, v.head_dim, v.depth, 4 * v.hidden_size,
+                              v.patch_dim, v.out_hidden_size)
+    e, t = shard_embed, shard_heads_mlp
+    n = P * D / e  # patch_embed (None, embed)
+    n += L * (2 * D + D + D)  # norm1, norm2, o_bias, down_bias: (layers, norm) replicated
+    n += L * D * 3 * H * E / (e * t) + L * 3 * H * E / t  # qkv (embed, heads), qkv_bias (heads)
+    n += L * H * E * D / (t * e)  # o (heads, embed)
+    n += L * (2 * D * F / (e * t) + 2 * F / t + F * D / (t * e))  # gate, up, down + gate/up biases (mlp)
+    n += D + U * U / (e * t) + U / t + U * O / (t * e) + O  # merger: norm, fc1 (embed, mlp), fc1_bias, fc2, bias
+    return int(round(n * bytes_per))
+
+
+def test_vision_bytes_per_device_match_a_hand_calculation():
+    vl = vl_preset("qwen2.5-vl-7b")
+    devs = jax.devices()[:4]
+    fsdp = make_mesh({"fsdp": 4}, ("fsdp",), devices=devs)
+    tensor = make_mesh({"data": 2, "tensor": 2}, ("data", "tensor"), devices=devs)
+    assert vision_bytes(vl, fsdp, "trainer", "float32") == _hand_vision_bytes(vl.vision, 4, shard_embed=4)
+    assert vision_bytes(vl, tensor, "generator", "bfloat16") == _hand_vision_bytes(vl.vision, 2, shard_heads_mlp=2)
+    one = make_mesh({"fsdp": 1}, ("fsdp",), devices=devs[:1])
+    assert vision_bytes(vl, one, "trainer", "float32") == 4 * vision_num_params(vl.vision)
+
+
+def test_vl_memory_adds_vision_state_and_pixels():
+    vl = vl_preset("qwen2.5-vl-7b")
+    devs = jax.devices()[:8]
+    trn = make_mesh({"fsdp": 4}, ("fsdp",), devices=devs[4:])
+    gen = make_mesh({"data": 2, "tensor": 2}, ("data", "tensor"), devices=devs[:4])
+    b = ImageBudget()
+    m = vl_memory(vl, b, trn, gen, rows=8, seqs_per_row=1, n_micro=16, minibatches=4)
+    assert pixel_bytes_per_row(vl, b, 1) == 5120 * 1176 * 4  # float32 patches of one 1280-token image: 24 MB
+    assert m["trainer_pixel_batches_bytes"] == 2 * 5120 * 1176 * 4 * 16 * 4  # 8 rows over fsdp 4 = 2 a device
+    assert m["trainer_vision_optimizer_bytes"] == 2 * m["trainer_vision_params_bytes"]
+    assert m["trainer_vision_push_staging_bytes"] == _hand_vision_bytes(vl.vision, 2, shard_embed=4)
+    assert m["generator_vision_params_bytes"] == m["generator_vision_incoming_bytes"]
+    # the vision tower is ~8 % of the model: fp32 + Adam per trainer device ~ 12 x 677 M / 4 bytes
+    assert 1.9e9 < m["trainer_vision_params_bytes"] * 3 < 2.1e9
+    assert np.isclose(m["generator_vision_params_bytes"], 2 * vision_num_params(vl.vision) / 2, rtol=0.01)
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_vl_configs_parse_validate_and_carry_the_decoder(path):
+    from jaxrl_async.config.layouts import LAYOUTS
+
+    cfg = load_config_file(path)
+    validate(cfg, LAYOUTS[cfg.mesh.layout].num_devices)
+    vl = vl_preset("qwen2.5-vl-7b")
+    check_text_matches(cfg, vl)
+    assert cfg.model.model_config(vocab_size=cfg.model.vocab_size).num_params() == vl.text.num_params()
+    assert cfg.data.max_prompt_len >= ImageBudget().image_tokens_per_prompt()
+    assert cfg.rollout.engine.max_prefill_length == cfg.data.max_prompt_len
+    import dataclasses
+
+    bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_kv_heads=8))
+    with pytest.raises(ConfigError, match="model.num_kv_heads"):
+        check_text_matches(bad, vl)
