@@ -235,7 +235,10 @@ def model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def model_config_from_json(d: Mapping[str, Any]) -> ModelConfig:
-    cfg = ModelConfig.from_hf(d["hf_config"], **d.get("policy", {}))
+    from jaxrl_async.models import qwen2_5_vl
+
+    make = qwen2_5_vl.VLConfig.from_hf if d["hf_config"].get("model_type") == qwen2_5_vl.MODEL_TYPE else ModelConfig.from_hf
+    cfg = make(d["hf_config"], **d.get("policy", {}))
     return cfg.replace(lora=dict(d["lora"])) if d.get("lora") else cfg
 
 

@@ -197,10 +197,10 @@ def model_config(flag: str, path: str, *, check_weights: bool = True, **policy: 
     of its safetensors files as far as their headers tell (missing, truncated, corrupt header, tensors
     that do not match config.json): no tensor is read, so a tool can fail fast before it loads anything."""
     check_model_dir(flag, path)
-    from jaxrl_async.models import ModelConfig
+    from jaxrl_async.models.hf_io import config_from_hf
 
     try:
-        cfg = ModelConfig.from_hf(path, **policy)
+        cfg = config_from_hf(path, **policy)  # a Qwen2.5-VL directory: its VLConfig
     except (OSError, ValueError, TypeError) as e:
         raise UserError(f"{flag} {path}: {e}") from None
     if check_weights:

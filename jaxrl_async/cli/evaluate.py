@@ -209,8 +209,9 @@ def check_not_a_run_dir(model: str) -> None:
     raise UserError(f"--model {model}: a jaxrl_async run directory, not a model directory; {where}")
 
 
-def _load_inputs(args: argparse.Namespace, settings: Settings) -> tuple[Any, list[Any], Any]:
-    """(tokenizer, records, reward_fn); UserError naming the path/row on any user error."""
+def _load_inputs(args: argparse.Namespace, settings: Settings, model_cfg: Any = None) -> tuple[Any, list[Any], Any]:
+    """(tokenizer, records, reward_fn); UserError naming the path/row on any user error. A vision-language model
+    (``model_cfg`` a Qwen2.5-VL config) reads rows with images (data/images.py) with its image processor."""
     from jaxrl_async.data.datasets import DataFormatError, load_prompt_dataset, sniff_format
     from jaxrl_async.data.formats import AUTO, FormatDetectionError
     from jaxrl_async.rewards.registry import RewardLoadError, make_reward
@@ -245,6 +246,16 @@ def _load_inputs(args: argparse.Namespace, settings: Settings) -> tuple[Any, lis
     # the run's own rendering (data.recipe.PromptRecipe.dataset_config, as loop.setup loads the held-out set)
     cfg = settings.prompt.dataset_config(args.data, apply_chat_template=chat, format=fmt, skip_bad_rows=args.skip_bad_rows,
                                    max_rows=args.max_items)
+    from jaxrl_async.models.qwen2_5_vl import is_vl
+
+    if is_vl(model_cfg):
+        from jaxrl_async.data.images import image_processor_for, load_vl_prompt_dataset, vl_tokens_of
+
+        try:
+            processor, vl_tokens = image_processor_for(model_cfg.vision, args.model), vl_tokens_of(tokenizer)
+        except (OSError, ValueError) as e:
+            raise UserError(f"--model {args.model}: {e}") from None
+        load_prompt_dataset = lambda c, tok: load_vl_prompt_dataset(c, tok, processor, vl_tokens)  # noqa: E731
     try:
         ds = load_prompt_dataset(cfg, tokenizer)
     except DataFormatError as e:
@@ -286,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     note_cpu_bfloat16(TOOL, "--dtype bfloat16", args.dtype)
     cfg = model_config("--model", args.model, dtype=args.dtype, param_dtype=args.dtype)  # fails fast on bad files
     settings = resolve_settings(args)
-    tokenizer, records, reward_fn = _load_inputs(args, settings)
+    tokenizer, records, reward_fn = _load_inputs(args, settings, cfg)
     try:
         cfg, params = load_model("--model", args.model, cfg=cfg)
         model_max = cfg.max_position_embeddings - 1

@@ -42,7 +42,7 @@ from jaxrl_async.config.overrides import apply_overrides, check_types, parse_val
 from jaxrl_async.config.sections import (  # noqa: F401
     AdvantageConfig, ArithmeticConfig, CheckpointSection, ConfigError, DataConfig, EngineConfig, EvalConfig,
     LoggingConfig, LoraSection, MeshAxesConfig, MeshConfig, ModelConfigSection, PackingConfig, PolicyLossConfig,
-    RolloutConfig, RunConfig, SamplingConfig, SFTConfig, TrainerConfig,
+    VisionSection, VisualArithmeticConfig, RolloutConfig, RunConfig, SamplingConfig, SFTConfig, TrainerConfig,
 )
 from jaxrl_async.config.validation import (  # noqa: F401
     resolve_shape, resolve_device_split, trainer_data_parallel_size, validate,
@@ -50,7 +50,8 @@ from jaxrl_async.config.validation import (  # noqa: F401
 from jaxrl_async.rl.losses import BehaviourWeightConfig  # noqa: F401
 
 __all__ = [
-    "ConfigError", "LoraSection", "ModelConfigSection", "DataConfig", "SamplingConfig", "EngineConfig",
+    "ConfigError", "LoraSection", "ModelConfigSection", "VisionSection", "VisualArithmeticConfig", "DataConfig",
+    "SamplingConfig", "EngineConfig",
     "RolloutConfig", "SFTConfig", "TrainerConfig", "MeshAxesConfig", "MeshConfig", "EvalConfig", "CheckpointSection",
     "LoggingConfig", "RunConfig",
     "PolicyLossConfig", "BehaviourWeightConfig", "AdvantageConfig", "PackingConfig", "ArithmeticConfig",

@@ -34,6 +34,7 @@ RESUME_FIXED = (
     "model.lora.rank", "model.lora.alpha", "model.lora.targets", "model.lora.init_seed", "model.lora.base_dtype",
     "data.task", "data.train_path", "data.format", "data.arithmetic", "data.max_prompt_len", "data.apply_chat_template",
     "data.system_prompt", "data.prompt_suffix", "data.tokenizer_kind", "data.shuffle", "data.skip_bad_rows",
+    "model.mrope_section", "model.vision", "data.visual", "data.image_min_pixels", "data.image_max_pixels",
 )
 
 

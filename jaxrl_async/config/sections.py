@@ -7,6 +7,7 @@ import os
 from typing import Any, Literal, Sequence
 
 from jaxrl_async.data.arithmetic import ArithmeticConfig
+from jaxrl_async.data.visual_arithmetic import VisualArithmeticConfig
 from jaxrl_async.generator.factory import EngineConfig
 from jaxrl_async.rl.advantages import AdvantageConfig
 from jaxrl_async.rl.losses import PolicyLossConfig
@@ -62,6 +63,29 @@ class LoraSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionSection:
+    """The vision tower of a random-init ``model_type="qwen2_5_vl"`` policy (``models.vision.VisionConfig``'s fields
+    by name; ``out_hidden_size`` is the language model's ``hidden_size``). Defaults: a tiny tower for CPU runs
+    (4-pixel patches, 2 x 2 merging, windows of 2 x 2 merge units, block 1 attending to the whole image). A
+    checkpoint (``model.path``) carries its own."""
+
+    depth: int = 2
+    hidden_size: int = 32
+    intermediate_size: int = 64
+    num_heads: int = 2
+    patch_size: int = 4
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    window_size: int = 16
+    fullatt_block_indexes: tuple[int, ...] = (1,)
+
+    def vision_config(self, out_hidden_size: int):
+        from jaxrl_async.models.vision import VisionConfig
+
+        return VisionConfig(**dataclasses.asdict(self), out_hidden_size=out_hidden_size)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfigSection:
     """The policy. ``path``: a Hugging Face checkpoint directory (config.json + safetensors); None
     initialises the architecture below at random (vocabulary size taken from the tokenizer).
@@ -75,7 +99,8 @@ class ModelConfigSection:
 
     path: str | None = None
     tokenizer_path: str | None = None
-    model_type: Literal["qwen3", "qwen2", "llama", "qwen3_moe"] = "qwen3"
+    # qwen2_5_vl: a vision-language policy (Qwen2.5-VL: a qwen2 decoder with M-RoPE + the tower of `vision`)
+    model_type: Literal["qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_5_vl"] = "qwen3"
     vocab_size: int | None = None
     hidden_size: int = 64
     intermediate_size: int = 192
@@ -105,35 +130,61 @@ class ModelConfigSection:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # qwen2_5_vl (random init): M-RoPE's temporal/height/width frequency sections (() = head_dim/2 split as
+    # Qwen2.5-VL's 16/24/24 of 64) and the vision tower
+    mrope_section: tuple[int, ...] = ()
+    vision: VisionSection = VisionSection()
 
     def numerics(self) -> dict[str, Any]:
         return dict(dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, scan_layers=self.scan_layers,
                     attention=self.attention, attention_block=self.attention_block, moe_kernel=self.moe_kernel)
 
     def model_config(self, vocab_size: int, *, bos_token_id: int | None = None, eos_token_id: Any = None,
-                     pad_token_id: int | None = None):
-        """``models.ModelConfig`` of the architecture (``path`` unset) or of the checkpoint."""
+                     pad_token_id: int | None = None, vision_token_ids: dict[str, int] | None = None):
+        """``models.ModelConfig`` of the architecture (``path`` unset) or of the checkpoint; a
+        ``qwen2_5_vl.VLConfig`` for Qwen2.5-VL (random init: ``vision_token_ids``, the tokenizer's ids of
+        ``image_token_id`` / ``video_token_id`` / ``vision_start_token_id`` / ``vision_end_token_id``)."""
         from jaxrl_async.models.config import ModelConfig
 
         if self.path is not None:
-            return ModelConfig.from_hf(self.path, **self.numerics()).replace(lora=self.lora.spec())
+            from jaxrl_async.models.hf_io import config_from_hf
+
+            return config_from_hf(self.path, **self.numerics()).replace(lora=self.lora.spec())
         # the section's architecture fields ARE ModelConfig's (same names, checked by tests/config/test_rules.py);
         # what the section does not carry follows from the model type and the tokenizer
         shared = {f.name for f in dataclasses.fields(ModelConfig)} & {f.name for f in dataclasses.fields(self)}
         kw = {name: getattr(self, name) for name in shared}
         kw.update(lora=self.lora.spec(), vocab_size=self.vocab_size if self.vocab_size is not None else vocab_size,
-                  qkv_bias=self.model_type == "qwen2", qk_norm=self.model_type in ("qwen3", "qwen3_moe"),
+                  qkv_bias=self.model_type in ("qwen2", "qwen2_5_vl"), qk_norm=self.model_type in ("qwen3", "qwen3_moe"),
                   bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-        return ModelConfig(**kw)
+        if self.model_type != "qwen2_5_vl":
+            return ModelConfig(**kw)
+        from jaxrl_async.models.qwen2_5_vl import VLConfig
+
+        half = self.head_dim // 2
+        section = self.mrope_section or (half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8)
+        text = ModelConfig(**dict(kw, model_type="qwen2", mrope_section=tuple(section)))
+        if not vision_token_ids:
+            raise ValueError("model.model_type=qwen2_5_vl: the tokenizer has no vision tokens (<|image_pad|>, "
+                             "<|vision_start|>, ...); use data.tokenizer_kind=arithmetic_vl or a Qwen2.5-VL tokenizer")
+        return VLConfig(text=text, vision=self.vision.vision_config(self.hidden_size), **vision_token_ids)
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Prompts. ``task="arithmetic"`` generates the synthetic task (``arithmetic``) into the run
-    directory; ``task="dataset"`` reads ``train_path``/``eval_path`` (JSONL/Parquet) in ``format``."""
+    directory; ``task="visual_arithmetic"`` the same problems shown as images (``visual_arithmetic``: a
+    vision-language policy has to read them); ``task="dataset"`` reads ``train_path``/``eval_path``
+    (JSONL/Parquet) in ``format`` (rows with an ``images`` column need a vision-language policy: data/images.py).
 
-    task: Literal["arithmetic", "dataset"] = "arithmetic"
+    ``image_min_pixels`` / ``image_max_pixels``: the image processor's resize bounds (None: the checkpoint's
+    ``preprocessor_config.json``, else Qwen2.5-VL's defaults scaled to the tower's patch: 4 and 1280 merge units)."""
+
+    task: Literal["arithmetic", "dataset", "visual_arithmetic"] = "arithmetic"
     arithmetic: ArithmeticConfig = ArithmeticConfig()
+    visual: VisualArithmeticConfig = VisualArithmeticConfig()
+    image_min_pixels: int | None = None
+    image_max_pixels: int | None = None
     train_path: str | None = None
     eval_path: str | None = None
     format: Literal["gsm8k", "math", "generic", "code"] = "gsm8k"
@@ -143,7 +194,7 @@ class DataConfig:
     prompt_suffix: str = ""
     skip_bad_rows: bool = False
     shuffle: bool = True
-    tokenizer_kind: Literal["arithmetic", "bpe"] = "arithmetic"
+    tokenizer_kind: Literal["arithmetic", "bpe", "arithmetic_vl"] = "arithmetic"
 
 
 @dataclasses.dataclass(frozen=True)

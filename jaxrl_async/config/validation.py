@@ -252,10 +252,14 @@ def _model_rules(cfg: RunConfig) -> None:
                  f"{cfg.model.path!r} has no config.json")
     else:
         try:
-            cfg.model.model_config(vocab_size=8)
+            vl = cfg.model.model_type == "qwen2_5_vl"
+            ids = dict(image_token_id=4, video_token_id=5, vision_start_token_id=6, vision_end_token_id=7) if vl else None
+            cfg.model.model_config(vocab_size=8, vision_token_ids=ids)
         except ValueError as e:  # ModelConfig.<field>: ...
             msg = str(e).replace("ModelConfig.", "", 1)
             raise component_error("model", cfg.model, msg) from None
+    if cfg.model.model_type == "qwen2_5_vl" or cfg.model.path is not None:
+        _vl_rules(cfg)
     if ro.record_routing or tr.routing_replay:
         field = "rollout.record_routing" if ro.record_routing else "trainer.routing_replay"
         _require(_is_moe(cfg), field, "needs a mixture-of-experts model (qwen3_moe, num_experts > 0)")
@@ -264,8 +268,43 @@ def _model_rules(cfg: RunConfig) -> None:
                  f"{cfg.model.tokenizer_path!r} is not a directory")
 
 
+def _vl_rules(cfg: RunConfig) -> None:
+    """What a vision-language policy (Qwen2.5-VL) cannot do yet: refused at validation, not after the warm start."""
+    if cfg.model.path is None:
+        vl = True
+    else:
+        try:
+            import json
+
+            with open(os.path.join(cfg.model.path, "config.json")) as f:
+                vl = json.load(f).get("model_type") == "qwen2_5_vl"
+        except (OSError, ValueError):
+            return  # model.path's own rule names the problem
+    if not vl:
+        return
+    what = "a vision-language policy (Qwen2.5-VL)"
+    _require(cfg.model.lora.rank == 0, "model.lora.rank", f"LoRA is not wired for {what} yet; use full fine-tuning")
+    _require(cfg.rollout.workflow != "openai_agent", "rollout.workflow",
+             f"openai_agent does not carry images through the agent endpoint yet: {what} needs rlvr or a workflow that "
+             "submits the prompt's images")
+
+
 def _data_rules(cfg: RunConfig) -> None:
     """``data``."""
+    vl = cfg.model.model_type == "qwen2_5_vl" if cfg.model.path is None else None  # a checkpoint: known at load
+    if cfg.data.task == "visual_arithmetic":
+        _require(vl is not False, "data.task", "visual_arithmetic shows the problems as images: it needs a "
+                 "vision-language policy (model.model_type=qwen2_5_vl, or a Qwen2.5-VL checkpoint in model.path)")
+    if vl and cfg.model.tokenizer_path is None:
+        _require(cfg.data.tokenizer_kind == "arithmetic_vl", "data.tokenizer_kind",
+                 f"{cfg.data.tokenizer_kind!r} has no vision tokens: a random-init qwen2_5_vl policy with the run's own "
+                 "tokenizer needs data.tokenizer_kind=arithmetic_vl (or model.tokenizer_path)")
+    for name in ("image_min_pixels", "image_max_pixels"):
+        v = getattr(cfg.data, name)
+        _require(v is None or v >= 1, f"data.{name}", f"must be >= 1 or None, got {v}")
+    if cfg.data.image_min_pixels is not None and cfg.data.image_max_pixels is not None:
+        _require(cfg.data.image_min_pixels <= cfg.data.image_max_pixels, "data.image_min_pixels",
+                 f"{cfg.data.image_min_pixels} > data.image_max_pixels={cfg.data.image_max_pixels}")
     if cfg.data.task == "dataset":
         _require(cfg.data.train_path is not None, "data.train_path", "must be set when data.task='dataset'")
         for name in ("train_path", "eval_path"):

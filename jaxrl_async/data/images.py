@@ -64,9 +64,11 @@ from jaxrl_async.data.datasets import (
 )
 from jaxrl_async.data.formats import RowError, parse_row
 
-__all__ = ["IMAGE_MARKER", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "ImageError", "ImageInputs", "ImageProcessorConfig",
-           "VLPromptRecord", "VLTokens", "batch_vision_inputs", "decode_image", "load_vl_prompt_dataset",
-           "process_image", "read_vl_prompt_records", "smart_resize", "to_rgb", "user_content"]
+__all__ = [
+    "IMAGE_MARKER", "ImageError", "ImageInputs", "ImageProcessorConfig", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD",
+    "VLPromptRecord", "VLTokens", "batch_vision_inputs", "decode_image", "image_processor_for", "load_vl_prompt_dataset",
+    "process_image", "read_vl_prompt_records", "smart_resize", "to_rgb", "user_content", "vl_token_ids", "vl_tokens_of",
+]
 
 IMAGE_MARKER = "<image>"
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -141,6 +143,17 @@ class ImageProcessorConfig:
         kw.update(overrides)
         return cls(**kw)
 
+    def to_hf(self) -> dict[str, Any]:
+        """The ``preprocessor_config.json`` of these settings (transformers' ``Qwen2VLImageProcessor``; `from_hf`
+        reads it back equal)."""
+        return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+                "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                "do_convert_rgb": True, "resample": 3, "size": {"shortest_edge": self.min_pixels,
+                                                                "longest_edge": self.max_pixels},
+                "min_pixels": self.min_pixels, "max_pixels": self.max_pixels, "patch_size": self.patch_size,
+                "temporal_patch_size": self.temporal_patch_size, "merge_size": self.merge_size,
+                "image_mean": list(self.image_mean), "image_std": list(self.image_std)}
+
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
         """(grid_t, grid_h, grid_w) of an image of ``height`` x ``width`` pixels."""
         h, w = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
@@ -150,6 +163,19 @@ class ImageProcessorConfig:
         """The image's placeholder tokens: ``t * h * w / merge**2``."""
         t, h, w = (int(x) for x in grid_thw)
         return t * h * w // self.merge_size ** 2
+
+
+def image_processor_for(vision: Any, model_dir: str | None = None, **overrides: Any) -> ImageProcessorConfig:
+    """A model's image processor: ``model_dir``'s ``preprocessor_config.json`` when it has one, else Qwen2.5-VL's
+    defaults scaled to the tower's patch (``vision``: a ``VisionConfig``; min 4 and max 1280 merge units, i.e.
+    56x56 and 28x28x1280 pixels at patch 14); ``overrides`` (min_pixels / max_pixels ...) win."""
+    pre = None if model_dir is None else os.path.join(model_dir, "preprocessor_config.json")
+    if pre is not None and os.path.isfile(pre):
+        return ImageProcessorConfig.from_hf(pre, **overrides)
+    f = vision.patch_size * vision.spatial_merge_size
+    kw = {"min_pixels": 4 * f * f, "max_pixels": 1280 * f * f, **overrides}
+    return ImageProcessorConfig(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                                merge_size=vision.spatial_merge_size, **kw)
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
@@ -371,6 +397,25 @@ class VLTokens:
     image_pad: str = "<|image_pad|>"
     vision_start: str = "<|vision_start|>"
     vision_end: str = "<|vision_end|>"
+
+
+def vl_tokens_of(tokenizer) -> VLTokens:
+    """The tokenizer's vision special tokens (Qwen2.5-VL's strings; a ValueError naming the missing one)."""
+    t = VLTokens()
+    vocab = tokenizer.get_vocab()
+    for s in (t.image_pad, t.vision_start, t.vision_end):
+        if s not in vocab:
+            raise ValueError(f"the tokenizer has no {s} token: a vision-language policy needs Qwen2.5-VL's special "
+                             "tokens (data.tokenizer_kind=arithmetic_vl builds a local tokenizer with them)")
+    return t
+
+
+def vl_token_ids(tokenizer) -> dict[str, int]:
+    """``VLConfig``'s special token ids from the tokenizer (``<|video_pad|>`` optional: -1 when absent)."""
+    t = vl_tokens_of(tokenizer)
+    vocab = tokenizer.get_vocab()
+    return {"image_token_id": vocab[t.image_pad], "vision_start_token_id": vocab[t.vision_start],
+            "vision_end_token_id": vocab[t.vision_end], "video_token_id": vocab.get("<|video_pad|>", -1)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -125,7 +125,8 @@ def _at(cfg: Any, dotted: str, default: Any = None) -> Any:
 def run_recipe(cfg: Any, *, run_dir: str | None = None, step: int | None = None) -> RunRecipe:
     """The recipe of a run config: a ``RunConfig`` or its ``to_dict`` (a checkpoint's saved config, a run's
     ``config.json``); missing fields take ``DataConfig`` / ``EvalConfig`` / ``SamplingConfig``'s defaults."""
-    fmt = "generic" if _at(cfg, "data.task", "arithmetic") == "arithmetic" else _at(cfg, "data.format", "gsm8k")
+    fmt = ("generic" if _at(cfg, "data.task", "arithmetic") in ("arithmetic", "visual_arithmetic")
+           else _at(cfg, "data.format", "gsm8k"))
     prompt = PromptRecipe(format=fmt, apply_chat_template=bool(_at(cfg, "data.apply_chat_template", True)),
                           system_prompt=_at(cfg, "data.system_prompt"), prompt_suffix=_at(cfg, "data.prompt_suffix", ""),
                           max_prompt_len=_at(cfg, "data.max_prompt_len"))

@@ -55,7 +55,9 @@ QWEN2_5_VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-KINDS = ("arithmetic", "bpe")
+KINDS = ("arithmetic", "bpe", "arithmetic_vl")
+# the special tokens of Qwen2.5-VL's prompts ("arithmetic_vl" adds them after the arithmetic vocabulary)
+VL_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 _BYTE_ALPHABET_SIZE = 256
 
 
@@ -96,14 +98,15 @@ def build_tokenizer(
         "bpe": required.
       vocab_size: target vocabulary size including specials (defaults: 384 arithmetic, 1024 bpe). The result
         may be smaller when the corpus has fewer frequent pairs.
-      kind: "arithmetic" or "bpe".
+      kind: "arithmetic", "bpe" or "arithmetic_vl" (the arithmetic tokenizer plus Qwen2.5-VL's vision special
+        tokens, :data:`VL_SPECIAL_TOKENS`, and its chat template, for vision-language policies).
       model_max_length: stored in tokenizer_config.json.
     """
     from transformers import PreTrainedTokenizerFast
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind == "arithmetic":
+    if kind in ("arithmetic", "arithmetic_vl"):
         from jaxrl_async.data.arithmetic import tokenizer_corpus
 
         texts = tokenizer_corpus() + list(corpus_texts or [])
@@ -120,11 +123,11 @@ def build_tokenizer(
         tokenizer_object=raw,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        additional_special_tokens=[IM_START],
+        additional_special_tokens=[IM_START] + (list(VL_SPECIAL_TOKENS) if kind == "arithmetic_vl" else []),
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
-    hf.chat_template = CHAT_TEMPLATE
+    hf.chat_template = QWEN2_5_VL_CHAT_TEMPLATE if kind == "arithmetic_vl" else CHAT_TEMPLATE
     hf.padding_side = "left"
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)

@@ -18,7 +18,7 @@ from jaxrl_async.config import resolve_shape
 log = logging.getLogger("jaxrl_async")
 
 __all__ = ["Placement", "RunSetup", "build_workflow", "local_placement", "load_tokenizer_and_data", "load_model",
-           "sft_examples"]
+           "sft_examples", "image_processor", "is_vl_run"]
 
 
 @dataclasses.dataclass
@@ -110,11 +110,30 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
     if c.data.task == "arithmetic":
         paths = write_arithmetic_dataset(os.path.join(run_dir, "data"), c.data.arithmetic)
         train_path, eval_path = paths["train"], paths["eval"]
+    elif c.data.task == "visual_arithmetic":
+        from jaxrl_async.data.visual_arithmetic import write_visual_arithmetic_dataset
+
+        paths = write_visual_arithmetic_dataset(os.path.join(run_dir, "data"), c.data.arithmetic, c.data.visual)
+        train_path, eval_path = paths["train"], paths["eval"]
     else:
         train_path, eval_path = c.data.train_path, c.data.eval_path
     # the run's prompt recipe (data/recipe.py): what its exports record, so `evaluate` on them prompts the same way
     recipe = run_recipe(c).prompt
     common = dict(apply_chat_template=templated, skip_bad_rows=c.data.skip_bad_rows)
+    processor = image_processor(c)
+    if processor is not None and tok_dir == os.path.join(run_dir, "tokenizer_src"):
+        # the run's own tokenizer: its image processor settings travel with it (checkpoints, exports)
+        import json
+
+        with open(os.path.join(tok_dir, "preprocessor_config.json"), "w") as f:
+            json.dump(processor.to_hf(), f, indent=2)
+    if processor is not None:  # a vision-language policy: rows may carry images (data/images.py)
+        from jaxrl_async.data.images import load_vl_prompt_dataset, vl_tokens_of
+
+        vl_tokens = vl_tokens_of(tokenizer)
+        load_prompt_dataset = lambda dc, tok: load_vl_prompt_dataset(dc, tok, processor, vl_tokens)  # noqa: E731
+        say(f"images: {processor.min_pixels}..{processor.max_pixels} pixels, patch {processor.patch_size}, "
+            f"merge {processor.merge_size}")
     train_ds = load_prompt_dataset(recipe.dataset_config(train_path, **common), tokenizer)
     if len(train_ds) == 0:
         st = train_ds.stats
@@ -133,6 +152,39 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
     return tokenizer, tok_dir, train_ds, eval_records
 
 
+def is_vl_run(cfg: RunConfig) -> bool:
+    """The policy is a vision-language model (random init ``model.model_type=qwen2_5_vl``, or a Qwen2.5-VL
+    checkpoint at ``model.path``)."""
+    if cfg.model.path is None:
+        return cfg.model.model_type == "qwen2_5_vl"
+    import json
+
+    try:
+        with open(os.path.join(cfg.model.path, "config.json")) as f:
+            return json.load(f).get("model_type") == "qwen2_5_vl"
+    except (OSError, ValueError):
+        return False  # loading the model names the problem
+
+
+def image_processor(cfg: RunConfig) -> Any:
+    """The run's image processor (``data.image_*_pixels``, the checkpoint's ``preprocessor_config.json``, or
+    Qwen2.5-VL's defaults scaled to the tower's patch), or None when the policy is text-only."""
+    if not is_vl_run(cfg):
+        return None
+    from jaxrl_async.data.images import image_processor_for
+
+    d, kw = cfg.data, {}
+    if d.image_min_pixels is not None:
+        kw["min_pixels"] = d.image_min_pixels
+    if d.image_max_pixels is not None:
+        kw["max_pixels"] = d.image_max_pixels
+    if cfg.model.path is not None:
+        from jaxrl_async.models.hf_io import config_from_hf
+
+        return image_processor_for(config_from_hf(cfg.model.path).vision, cfg.model.path, **kw)
+    return image_processor_for(cfg.model.vision, **kw)
+
+
 def load_model(cfg: RunConfig, tokenizer: Any, trainer_mesh: Any) -> tuple[Any, Any, dict | None, list[int]]:
     """(model config, initial parameters, LoRA base reference, EOS ids)."""
     from jaxrl_async.data.tokenizer import stop_token_ids
@@ -143,8 +195,13 @@ def load_model(cfg: RunConfig, tokenizer: Any, trainer_mesh: Any) -> tuple[Any, 
     if c.model.path is not None:
         model_cfg, params = initial_params(c, mesh=trainer_mesh)
     else:
+        vl_ids = None
+        if c.model.model_type == "qwen2_5_vl":
+            from jaxrl_async.data.images import vl_token_ids
+
+            vl_ids = vl_token_ids(tok)
         model_cfg = c.model.model_config(len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                         pad_token_id=tok.pad_token_id)
+                                         pad_token_id=tok.pad_token_id, vision_token_ids=vl_ids)
         _, params = initial_params(c, model_cfg)
     if model_cfg.vocab_size < len(tok):
         raise ValueError(f"model.path: vocabulary {model_cfg.vocab_size} is smaller than the tokenizer's {len(tok)}")

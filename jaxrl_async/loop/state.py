@@ -39,7 +39,10 @@ def initial_params(cfg: RunConfig, model_cfg: Any = None, *, mesh: Any = None) -
             params = _with_adapters(params, model_cfg, cfg.model.lora.init_seed, mesh)
         return model_cfg, params if mesh is not None else jax.device_get(params)
     base_cfg = model_cfg.replace(param_dtype="float32", lora=None)
-    params = init_params(base_cfg, jax.random.key(cfg.model.init_seed))
+    from jaxrl_async.models import qwen2_5_vl
+
+    init = qwen2_5_vl.init_params if qwen2_5_vl.is_vl(base_cfg) else init_params
+    params = init(base_cfg, jax.random.key(cfg.model.init_seed))
     if spec is not None:
         model_cfg = model_cfg.replace(lora=spec)
         params = _with_adapters(params, model_cfg, cfg.model.lora.init_seed, None)

@@ -30,8 +30,9 @@ from jaxrl_async.models.hf_mapping import IGNORED_HF, Row, mapping
 from jaxrl_async.models.safetensors_io import INDEX_NAME, SINGLE_NAME, SafetensorsReader, write_safetensors
 from jaxrl_async.models.transformer import Params, param_shapes
 
+# (+ a vision-language model's image processor settings, which travel with its tokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "preprocessor_config.json")
 
 
 class CheckpointMismatchError(ValueError):

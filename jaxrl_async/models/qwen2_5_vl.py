@@ -75,6 +75,14 @@ class VLConfig:
     eos_token_ids = property(lambda self: self.text.eos_token_ids)
     pad_token_id = property(lambda self: self.text.pad_token_id)
 
+    def __getattr__(self, name: str) -> Any:
+        """Every other field of the text model's `ModelConfig` (``num_heads``, ``head_dim``, ``lora``, ``attention``,
+        ...), read-only: the run's code that sizes, shards and schedules the decoder reads a VL config as it reads a
+        text one (only the forward passes know about the vision tower)."""
+        if name.startswith("__") or name == "text":
+            raise AttributeError(name)
+        return getattr(self.text, name)
+
     def replace(self, **kw) -> "VLConfig":
         """Fields of VLConfig, or of the text model (numerical policy: dtype, param_dtype, remat, ...)."""
         own = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in dataclasses.fields(self)}}

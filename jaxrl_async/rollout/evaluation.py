@@ -161,7 +161,7 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
     from jaxrl_async.data.tokenizer import stop_token_ids as default_stops
     from jaxrl_async.generator.engine_api import SamplingParams
     from jaxrl_async.generator.orchestrator import GeneratorError
-    from jaxrl_async.rollout.workflow import derive_seed
+    from jaxrl_async.rollout.workflow import derive_seed, item_images
 
     if n < 1 or max_new_tokens < 1 or temperature < 0:
         raise ValueError(f"need n >= 1, max_new_tokens >= 1, temperature >= 0; got {n}, {max_new_tokens}, {temperature}")
@@ -200,8 +200,13 @@ def evaluate_params(params: Any, model_cfg: Any, tokenizer: Any, records: Sequen
             from tqdm import tqdm
 
             bar = tqdm(total=len(records) * n, desc="evaluate", unit="sample", file=sys.stderr, disable=None)
-        pending = {i: generator.submit(list(_field(r, "prompt_ids")), dataclasses.replace(base, seed=derive_seed(seed, i)),
-                                       request_id=f"{tag}-{i}") for i, r in enumerate(records)}
+        def submit(i: int, r: Any) -> Any:
+            images = item_images(r)
+            kw = {} if images is None else {"images": images}
+            return generator.submit(list(_field(r, "prompt_ids")), dataclasses.replace(base, seed=derive_seed(seed, i)),
+                                    request_id=f"{tag}-{i}", **kw)
+
+        pending = {i: submit(i, r) for i, r in enumerate(records)}
         samples: dict[int, list[Any]] = {}
         futures: dict[int, list[cf.Future]] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -113,6 +113,15 @@ def item_field(item: Any, name: str, default: Any = None) -> Any:
     return getattr(item, name, default)
 
 
+def item_images(item: Any) -> Any:
+    """The prompt images of a data item (``data.images.ImageInputs``: a ``VLPromptRecord``'s, shared by every
+    sample and request of the item), or None for a text item."""
+    get = getattr(item, "image_inputs", None)
+    if callable(get):
+        return get()
+    return item_field(item, "image_inputs")
+
+
 # ---------------------------------------------------------------------------------------------
 # Trajectories
 # ---------------------------------------------------------------------------------------------
@@ -299,15 +308,18 @@ class EpisodeContext:
             t = left if t is None else min(t, left)
         return t
 
-    def generate(self, prompt_ids: Sequence[int], n: int | None = None, **overrides: Any) -> list[Any]:
-        """Submit one request (``n`` samples, sampling fields overridden by ``overrides``) and wait.
+    def generate(self, prompt_ids: Sequence[int], n: int | None = None, *, images: Any = None,
+                 **overrides: Any) -> list[Any]:
+        """Submit one request (``n`` samples, sampling fields overridden by ``overrides``; ``images``: the
+        prompt's ``ImageInputs`` for a vision-language policy) and wait.
 
         Returns the samples (``orchestrator.SampleOutput``) in sample order. On timeout the request
         is aborted and EpisodeTimeout raised.
         """
         sampling = dataclasses.replace(self.sampling, n=n or self.sampling.n, **overrides)
         rid = f"g{self.group_id}-s{self.sample_index}-r{next(self._requests)}"
-        handle = self.generator.submit(list(prompt_ids), sampling, request_id=rid)
+        kw = {} if images is None else {"images": images}
+        handle = self.generator.submit(list(prompt_ids), sampling, request_id=rid, **kw)
         timeout = self._remaining()
         try:
             out = handle.result(timeout)
@@ -371,7 +383,8 @@ class RLVRWorkflow(RolloutWorkflow):
         prompt_ids = item_field(item, "prompt_ids")
         if not prompt_ids:
             raise ValueError(f"data item {item_field(item, 'id')!r} has no prompt_ids")
-        samples = ctx.generate(prompt_ids, n=n)
+        images = item_images(item)
+        samples = ctx.generate(prompt_ids, n=n, images=images)
         texts = [self._text(s, ctx) for s in samples]
         prompt, answer = item_field(item, "prompt", ""), item_field(item, "answer")
         meta = {k: v for k, v in (item_field(item, "metadata") or {}).items()

@@ -107,7 +107,7 @@ def test_the_model_section_is_the_model_configs_fields_not_a_copy():
     from jaxrl_async.config.default import get_config
     from jaxrl_async.models.config import ModelConfig
 
-    section_only = {"path", "tokenizer_path", "init_seed"}  # where the weights come from (lora: LoraSection -> spec)
+    section_only = {"path", "tokenizer_path", "init_seed", "vision"}  # where the weights come from (lora: LoraSection -> spec)
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     assert {f.name for f in dataclasses.fields(ModelConfigSection)} - model_fields == section_only
     for overrides in ([], ["model.model_type=qwen2", "model.hidden_size=48", "model.num_heads=6"],
