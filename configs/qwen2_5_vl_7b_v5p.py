@@ -12,7 +12,6 @@ _spec = importlib.util.spec_from_file_location("_qwen2_5_vl_7b", os.path.join(os
 _base = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_base)
 
-VL_MODEL = _base.VL_MODEL
 IMAGE_BUDGET = _base.IMAGE_BUDGET
 
 

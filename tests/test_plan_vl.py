@@ -1,18 +1,21 @@
 """The VL planner's memory arithmetic (`plan/vl.py`) and the Qwen2.5-VL-7B preset, on CPU in seconds (no compile):
 the preset is Qwen/Qwen2.5-VL-7B-Instruct's config.json field by field and 8.29 B parameters; the image budget's
 grid; the vision tower's bytes per device under the trainer's FSDP and the generator's tensor rules against a hand
-calculation from the architecture; pixel bytes of the minibatches; the VL configs parse, validate and carry the
-decoder of the preset; a run config whose decoder is not the VL model's is refused naming the field."""
+calculation from the architecture; pixel bytes of the minibatches; the VL configs parse, validate (as runs once a
+tokenizer directory is named) and carry the preset's architecture; the decoder's run config; a text policy is
+refused with one line."""
 import os
 
 import jax
 import numpy as np
 import pytest
 
-from jaxrl_async.config import ConfigError, load_config_file, validate
+from jaxrl_async.config import load_config_file, validate
 from jaxrl_async.models.vl_presets import vision_num_params, vl_num_params, vl_preset
 from jaxrl_async.plan.planner import PlanError
-from jaxrl_async.plan.vl import ImageBudget, check_text_matches, pixel_bytes_per_row, vision_bytes, vl_memory
+from jaxrl_async.plan.vl import (
+    ImageBudget, decoder_run_config, pixel_bytes_per_row, reduced_run_depth, vision_bytes, vl_memory, vl_model_config,
+)
 from jaxrl_async.sharding.mesh import make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,18 +99,33 @@ def test_vl_memory_adds_vision_state_and_pixels():
 
 
 @pytest.mark.parametrize("path", CONFIGS)
-def test_vl_configs_parse_validate_and_carry_the_decoder(path):
+def test_vl_configs_parse_validate_and_carry_the_preset(path, tmp_path):
+    import dataclasses
+
     from jaxrl_async.config.layouts import LAYOUTS
 
     cfg = load_config_file(path)
-    validate(cfg, LAYOUTS[cfg.mesh.layout].num_devices)
-    vl = vl_preset("qwen2.5-vl-7b")
-    check_text_matches(cfg, vl)
-    assert cfg.model.model_config(vocab_size=cfg.model.vocab_size).num_params() == vl.text.num_params()
+    n = LAYOUTS[cfg.mesh.layout].num_devices
+    # a VL run names its checkpoint (or tokenizer) directory: the run's tokenizer has the vision tokens
+    validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tokenizer_path=str(tmp_path))), n)
+    vl, preset = vl_model_config(cfg), vl_preset("qwen2.5-vl-7b")
+    assert vl.vision == preset.vision
+    assert vl.text.replace(eos_token_id=None, bos_token_id=None, pad_token_id=None) == preset.text.replace(
+        eos_token_id=None, bos_token_id=None, pad_token_id=None, remat="full")
+    assert vl_num_params(vl) == 8_292_166_656
     assert cfg.data.max_prompt_len >= ImageBudget().image_tokens_per_prompt()
     assert cfg.rollout.engine.max_prefill_length == cfg.data.max_prompt_len
-    import dataclasses
+    assert cfg.data.image_max_pixels == 1280 * 28 * 28
+    dec = decoder_run_config(cfg, vl)  # the decoder's plan: a text run of the same decoder, 1-D RoPE
+    validate(dec, n)
+    text = dec.model.model_config(vocab_size=dec.model.vocab_size)
+    assert text.model_type == "qwen2" and not text.mrope_section and text.num_params() == preset.text.num_params()
+    small = reduced_run_depth(cfg, 2, 2)
+    assert small.model.num_layers == 2 and small.model.vision.depth == 2
+    assert small.model.vision.fullatt_block_indexes == (1,)  # none of 7/15/23/31 is below 2: the last block
 
-    bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_kv_heads=8))
-    with pytest.raises(ConfigError, match="model.num_kv_heads"):
-        check_text_matches(bad, vl)
+
+def test_a_text_policy_is_refused():
+    cfg = load_config_file(os.path.join(ROOT, "configs", "qwen3_8b.py"))
+    with pytest.raises(PlanError, match="needs a Qwen2.5-VL policy"):
+        vl_model_config(cfg)

@@ -1,9 +1,11 @@
 """Will a Qwen2.5-VL run fit its hardware? The planner for vision-language models (issue 29 item 6).
 
-A VL model is the text decoder (``VLConfig.text``) with a vision tower in front (``models/qwen2_5_vl.py``), so
-the plan is the decoder's plan (``planner.make_plan`` on the run config, whose ``model`` section is the decoder:
-the generator's decode step after a prompt IS the decoder's, with 1-D positions index + rope delta; the KV pool,
-the weight push and the text batches are the decoder's) plus what the images add:
+The run config's policy is a Qwen2.5-VL model (``model.model_type=qwen2_5_vl`` with ``model.vision``, or a Qwen2.5-VL
+checkpoint in ``model.path``): the text decoder (``VLConfig.text``) with a vision tower in front
+(``models/qwen2_5_vl.py``). The plan is the decoder's plan (``planner.make_plan`` on the run config with the
+decoder as its policy, `decoder_run_config`: the generator's decode step after a prompt IS the decoder's, with 1-D
+positions index + rope delta; the KV pool, the weight push and the text batches are the decoder's) plus what the
+images add:
 
 * resident: the vision tower's parameters (trainer: float32 master weights + AdamW moments, sharded by the
   trainer rules; generator: the compute dtype by the generator rules, plus one incoming push of them) and the
@@ -32,11 +34,6 @@ from typing import Any
 
 from jaxrl_async.plan.planner import GiB, PlanError, compile_executable, device_bytes
 
-#: the decoder fields a VL model's text config must share with the run config's ``model`` section
-ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-               "vocab_size", "tie_word_embeddings", "rope_theta")
-
-
 @dataclasses.dataclass(frozen=True)
 class ImageBudget:
     """Images per prompt and visual (merged) tokens per image that the plan provisions for."""
@@ -64,17 +61,56 @@ class ImageBudget:
         return self.images_per_prompt * self.tokens_per_image
 
 
-def check_text_matches(cfg, vl) -> None:
-    """The run config's ``model`` section must be the VL model's decoder (one-line error naming the field)."""
+def vl_model_config(cfg):
+    """The run's Qwen2.5-VL model config (``model.path``'s config.json, or the section's architecture with
+    Qwen2.5-VL's vision token ids); PlanError when the policy is not a VL model."""
     from jaxrl_async.config import ConfigError
+    from jaxrl_async.models.qwen2_5_vl import VLConfig, is_vl
 
-    section = cfg.model
-    for f in ARCH_FIELDS:
-        want, got = getattr(vl.text, f), getattr(section, f)
-        if want != got:
-            raise ConfigError(f"model.{f}", f"{got!r} is not the VL model's decoder value {want!r}")
-    if section.model_type != vl.text.model_type:
-        raise ConfigError("model.model_type", f"{section.model_type!r} is not the VL decoder's {vl.text.model_type!r}")
+    if cfg.model.path is None:
+        if cfg.model.model_type != "qwen2_5_vl":
+            raise PlanError(f"model.model_type {cfg.model.model_type!r}: the VL planner needs a Qwen2.5-VL policy "
+                            "(model.model_type=qwen2_5_vl, or model.path to a Qwen2.5-VL checkpoint); text models: "
+                            "python -m jaxrl_async.plan")
+        if cfg.model.vocab_size is None:
+            raise ConfigError("model.vocab_size", "the plan needs the vocabulary size: set model.vocab_size (or "
+                              "model.path to a Hugging Face directory whose config.json gives it)")
+        ids = {f: getattr(VLConfig, f) for f in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                 "vision_end_token_id")}
+        vl = cfg.model.model_config(vocab_size=cfg.model.vocab_size, vision_token_ids=ids)
+    else:
+        vl = cfg.model.model_config(vocab_size=0)
+    if not is_vl(vl):
+        raise PlanError(f"model.path {cfg.model.path!r} is not a Qwen2.5-VL checkpoint; text models: "
+                        "python -m jaxrl_async.plan")
+    return vl
+
+
+def decoder_run_config(cfg, vl):
+    """``cfg`` with the VL model's text decoder as its policy (random init of the same architecture, 1-D RoPE =
+    M-RoPE with equal rows, what decoding after a prompt uses): the run config of the decoder's plan."""
+    t = vl.text
+    model = dataclasses.replace(
+        cfg.model, path=None, model_type="qwen2", vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, max_position_embeddings=t.max_position_embeddings,
+        tie_word_embeddings=t.tie_word_embeddings, rope_theta=t.rope_theta, mrope_section=())
+    return dataclasses.replace(cfg, model=model)
+
+
+def reduced_run_depth(cfg, num_layers: int | None = None, vision_depth: int | None = None):
+    """``cfg`` with fewer decoder layers / vision blocks in its ``model`` section (compile checks at the full widths;
+    not a memory plan of the model): the full-attention blocks kept are those below the new depth, else the last."""
+    m = cfg.model
+    if num_layers is not None:
+        m = dataclasses.replace(m, num_layers=int(num_layers))
+    if vision_depth is not None:
+        d = int(vision_depth)
+        if d < 1:
+            raise PlanError(f"--vision-depth: must be >= 1, got {d}")
+        full = tuple(i for i in m.vision.fullatt_block_indexes if i < d) or (d - 1,)
+        m = dataclasses.replace(m, vision=dataclasses.replace(m.vision, depth=d, fullatt_block_indexes=full))
+    return dataclasses.replace(cfg, model=m)
 
 
 def _sds(shape, dtype, sharding=None):
@@ -273,11 +309,12 @@ def compile_vl_prefill(vl, mesh, prompt_len: int, budget: ImageBudget, options=N
 # =============================================================================================
 # The plan
 # =============================================================================================
-def make_vl_plan(cfg, vl, budget: ImageBudget = ImageBudget(), *, num_devices: int | None = None,
+def make_vl_plan(cfg, budget: ImageBudget = ImageBudget(), *, num_devices: int | None = None,
                  target: str | None = None, headroom: float = 0.10, compile_for: str = "auto") -> dict[str, Any]:
-    """The decoder's plan (``planner.make_plan``) with the VL additions of the module docstring under ``"vl"``:
-    resident bytes of the vision tower and the pixels, the VL train step and VL prefill compiled on the same
-    meshes (for the target when the decoder's programs were), and the VL peaks and verdict per side."""
+    """The decoder's plan (``planner.make_plan`` of `decoder_run_config`) with the VL additions of the module
+    docstring under ``"vl"``: resident bytes of the vision tower and the pixels, the VL train step and VL prefill
+    compiled on the same meshes (for the target when the decoder's programs were), and the VL peaks and verdict
+    per side. ``cfg``: a run config whose policy is a Qwen2.5-VL model (`vl_model_config`)."""
     import jax
 
     from jaxrl_async.config import resolve_device_split, resolve_shape
@@ -286,7 +323,8 @@ def make_vl_plan(cfg, vl, budget: ImageBudget = ImageBudget(), *, num_devices: i
     from jaxrl_async.sharding.mesh import make_mesh
     from jaxrl_async.trainer.factory import build_trainer
 
-    check_text_matches(cfg, vl)
+    vl = vl_model_config(cfg)
+    cfg = decoder_run_config(cfg, vl)
     vl = vl.replace(dtype=cfg.model.dtype, remat=cfg.model.remat, attention=cfg.model.attention,
                     attention_block=cfg.model.attention_block)
     if cfg.data.max_prompt_len is not None and cfg.data.max_prompt_len < budget.image_tokens_per_prompt():
