@@ -129,3 +129,23 @@ def test_a_text_policy_is_refused():
     cfg = load_config_file(os.path.join(ROOT, "configs", "qwen3_8b.py"))
     with pytest.raises(PlanError, match="needs a Qwen2.5-VL policy"):
         vl_model_config(cfg)
+
+
+@pytest.mark.slow
+def test_make_vl_plan_on_cpu_for_the_visual_task():
+    """The whole VL plan end to end on the CPU (the small visual-arithmetic policy): the decoder's plan plus the VL
+    train step and prefill compiled; the VL peaks add the vision state and pixels to the decoder's resident bytes."""
+    from jaxrl_async.plan.planner import load_plan_config
+    from jaxrl_async.plan.vl import format_vl_plan, make_vl_plan
+
+    cfg = load_plan_config(os.path.join(ROOT, "configs", "visual_arithmetic.py"), None, ["model.vocab_size=300"])
+    r = make_vl_plan(cfg, ImageBudget(2, 12), num_devices=2, target="h100", compile_for="cpu")
+    v, t = r["vl"], r["trainer"]
+    assert r["model"]["type"] == "qwen2" and v["image_budget"]["patches_per_prompt"] == 2 * 12 * 4
+    assert v["train_step"]["compute_dtype"] == "float32" and v["train_step_transient_bytes"] > 0
+    assert v["prefill_transient_bytes"] > 0 and v["fits"]
+    resident = (t["params_bytes"] + t["optimizer_state_bytes"] + t["batches_bytes"] + t["push_staging_bytes"]
+                + v["trainer_vision_params_bytes"] + v["trainer_vision_optimizer_bytes"]
+                + v["trainer_vision_push_staging_bytes"] + v["trainer_pixel_batches_bytes"])
+    assert v["trainer_peak_bytes"] >= resident + v["train_step_transient_bytes"]
+    assert "VL verdict: FITS" in format_vl_plan(r)

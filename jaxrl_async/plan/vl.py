@@ -95,7 +95,10 @@ def decoder_run_config(cfg, vl):
         intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
         num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, max_position_embeddings=t.max_position_embeddings,
         tie_word_embeddings=t.tie_word_embeddings, rope_theta=t.rope_theta, mrope_section=())
-    return dataclasses.replace(cfg, model=model)
+    data = cfg.data
+    if data.task == "visual_arithmetic":  # the image task's text twin: same lengths (the plan reads no rows)
+        data = dataclasses.replace(data, task="arithmetic")
+    return dataclasses.replace(cfg, model=model, data=data)
 
 
 def reduced_run_depth(cfg, num_layers: int | None = None, vision_depth: int | None = None):
