@@ -42,7 +42,8 @@ class GeneratorService(Protocol):
         """The first fatal failure (a dead decode thread, a lost generator process), else None."""
 
     def submit(self, prompt_ids: Sequence[int], sampling: Any = None, request_id: str | None = None,
-               metadata: Any = None) -> RequestHandle: ...
+               metadata: Any = None, *, images: Any = None) -> RequestHandle:
+        """``images``: the prompt's images (`data.images.ImageInputs`) for a vision-language policy, else None."""
 
     def abort(self, request_id: str) -> None: ...
 

@@ -296,7 +296,9 @@ class TrainerConfig:
     ``proximal``: ``recompute`` (AReaL default: forward with θ_k before the update), ``loglinear``.
     MoE: ``routing_replay`` (rollout routing replay, R3: the trainer routes every token to the experts the
     generator recorded, ``rollout.record_routing``); ``router_aux_loss_coef`` (load-balancing loss weight;
-    None: the model's HF ``router_aux_loss_coef``)."""
+    None: the model's HF ``router_aux_loss_coef``). Vision-language policies (Qwen2.5-VL): ``freeze_vision``
+    keeps the vision tower fixed (no gradient, optimizer state or update; false, the default, trains it with the
+    decoder, as veRL and AReaL do)."""
 
     batch_size: int = 8
     total_steps: int = 100
@@ -314,6 +316,7 @@ class TrainerConfig:
     logprob_chunk: int = 2048
     routing_replay: bool = False
     router_aux_loss_coef: float | None = None
+    freeze_vision: bool = False
     loss: PolicyLossConfig = PolicyLossConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     packing: PackingConfig = PackingConfig(tokens_per_micro=4096)

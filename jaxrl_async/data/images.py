@@ -368,7 +368,7 @@ class ImageInputs:
 
     def pixel_values(self) -> np.ndarray:
         """[num_patches, 3*Tp*P*P] float32, the processor's patches, images in order (cached on this object)."""
-        px = self._pixels
+        px = getattr(self, "_pixels", None)  # (absent on an object the RPC codec built field by field)
         if px is None:
             cfg = self.processor
             out = [process_image(decode_image(b, cfg.max_image_pixels), cfg)[0] for b in self.images]

@@ -35,6 +35,8 @@ WIRE_TYPES = (
     "jaxrl_async.models.lora:LoraSpec",
     "jaxrl_async.generator.factory:EngineConfig",
     "jaxrl_async.generator.engine_api:SamplingParams",
+    "jaxrl_async.data.images:ImageInputs",  # a request's images: encoded bytes + grids, never pixels
+    "jaxrl_async.data.images:ImageProcessorConfig",
     "jaxrl_async.generator.requests:RequestOutput",
     "jaxrl_async.generator.requests:SampleOutput",
     "jaxrl_async.generator.requests:GeneratorStats",

@@ -245,10 +245,12 @@ class GeneratorServer:
         self.stopped.set()
 
     # -- requests --------------------------------------------------------------------------------
-    def _submit(self, request_id: str, prompt_ids: list[int], sampling: Any, metadata: Any, *, reply) -> None:
+    def _submit(self, request_id: str, prompt_ids: list[int], sampling: Any, metadata: Any, images: Any = None, *,
+                reply) -> None:
         if self.generator is None:
             raise RuntimeError(f"{self.name}: submit before start()")
-        handle = self.generator.submit(prompt_ids, sampling, request_id=request_id, metadata=metadata)
+        handle = self.generator.submit(prompt_ids, sampling, request_id=request_id, metadata=metadata,
+                                       **({} if images is None else {"images": images}))
         with self._watch_lock:
             self._watched[request_id] = (handle, reply)
 

@@ -72,10 +72,12 @@ class Replica:
 
 
 class _Request:
-    __slots__ = ("rid", "prompt", "sampling", "metadata", "n", "future", "replica", "peer", "aborted", "attempts")
+    __slots__ = ("rid", "prompt", "sampling", "metadata", "n", "future", "replica", "peer", "aborted", "attempts",
+                 "images")
 
-    def __init__(self, rid: str, prompt: list[int], sampling: Any, metadata: Any):
+    def __init__(self, rid: str, prompt: list[int], sampling: Any, metadata: Any, images: Any = None):
         self.rid, self.prompt, self.sampling, self.metadata = rid, prompt, sampling, metadata
+        self.images = images  # `data.images.ImageInputs` (travels as its encoded bytes + grids) or None
         self.n = max(1, int(getattr(sampling, "n", 1) or 1))
         self.future: cf.Future = cf.Future()
         self.replica: Replica | None = None
@@ -173,7 +175,9 @@ class RemoteGenerator:
         self._version = int(version)
 
     def submit(self, prompt_ids: Sequence[int], sampling: Any = None, request_id: str | None = None,
-               metadata: Any = None, *, stream: bool = False) -> RemoteHandle:
+               metadata: Any = None, *, stream: bool = False, images: Any = None) -> RemoteHandle:
+        """``images``: the prompt's `data.images.ImageInputs` (sent as encoded bytes + grids; the replica's
+        generator decodes them once and checks them against the prompt's placeholders)."""
         from jaxrl_async.generator.orchestrator import GeneratorClosedError, GeneratorError
 
         if stream:
@@ -183,7 +187,7 @@ class RemoteGenerator:
         if self._closed:
             raise GeneratorClosedError("the generator replicas were stopped")
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-        req = _Request(rid, [int(t) for t in prompt_ids], sampling, metadata)
+        req = _Request(rid, [int(t) for t in prompt_ids], sampling, metadata, images)
         with self._lock:
             self._reqs[rid] = req
         req.future.add_done_callback(lambda _f, rid=rid: self._forget(rid, req))
@@ -240,7 +244,8 @@ class RemoteGenerator:
         if err is not None:
             _set(req.future, exc=err)
             return
-        fut = peer.call_async("submit", req.rid, req.prompt, req.sampling, req.metadata)
+        fut = peer.call_async("submit", req.rid, req.prompt, req.sampling, req.metadata,
+                              *(() if req.images is None else (req.images,)))
         fut.add_done_callback(lambda f: self._on_reply(req, rep, peer, f))
 
     def _on_reply(self, req: _Request, rep: Replica, peer: Any, fut: cf.Future) -> None:

@@ -83,6 +83,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxrl_async.models import qwen2_5_vl
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params
 from jaxrl_async.generator import kv_cache
@@ -91,6 +92,7 @@ from jaxrl_async.generator.host_slots import HostSlots, advance, allocate_pages,
 from jaxrl_async.kernels import paged_attention
 from jaxrl_async.generator import sampling
 from jaxrl_async.generator.engine_api import Engine, Prefix, PrefillRequest, SamplingParams, StepResult
+from jaxrl_async.generator.vision_prefill import VisionPrefill, vl_sequences
 from jaxrl_async.generator.engine_steps import (
     SLOT_INTS, decode_multi_fn, decode_rows_fn, decode_step_fn, insert_fn, prefill_chunk_fn, prefill_fn, release_fn,
     sample_first_fn,
@@ -123,6 +125,7 @@ class PagedPrefix(Prefix):
     (stop id, max_new_tokens == 1 or max_sequence_length reached)."""
 
     first_done: np.ndarray | None = None
+    rope_delta: int = 0  # M-RoPE models: the sequence's decode positions are index + rope_delta
 
 
 @dataclasses.dataclass
@@ -223,10 +226,15 @@ class PagedEngine(Engine):
             raise ValueError(f"max_decode_steps must be in [1, page_size={page_size}] (a dispatch maps at most one "
                              f"new page per slot), got {max_decode_steps}")
         self.max_decode_steps = int(max_decode_steps)
+        # a vision-language model (`qwen2_5_vl.VLConfig`): the decoder is its text model; prefill runs the vision
+        # tower (`vision_prefill`), decode positions are index + the slot's rope_delta
+        self.vl_cfg = cfg if qwen2_5_vl.is_vl(cfg) else None
+        self.text_cfg = tcfg = cfg.text if self.vl_cfg is not None else cfg
+        self.slot_ints = SLOT_INTS + (("rope_delta",) if self.vl_cfg is not None else ())
         if not 0 <= max_top_logprobs <= cfg.vocab_size:
             raise ValueError(f"max_top_logprobs must be in [0, vocab_size={cfg.vocab_size}], got {max_top_logprobs}")
         self.max_top_logprobs = int(max_top_logprobs)
-        if record_routing and not cfg.num_experts:
+        if record_routing and not tcfg.num_experts:
             raise ValueError("record_routing needs a mixture-of-experts model (num_experts > 0)")
         self.record_routing = bool(record_routing)
         self.cfg = cfg
@@ -254,8 +262,8 @@ class PagedEngine(Engine):
         slot_ax = logical_to_spec(("batch",), (self._S,), "generator", self.mesh)[0]
         self.pages_axis = slot_ax if isinstance(slot_ax, str) and self.mesh.shape[slot_ax] > 1 else None
         self.kv_replicas = self.mesh.shape[self.pages_axis] if self.pages_axis else 1
-        spec_kw = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                       page_size=self.page_size, max_pages_per_seq=self.max_pages_per_seq, dtype=cfg.dtype)
+        spec_kw = dict(num_layers=tcfg.num_layers, num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim,
+                       page_size=self.page_size, max_pages_per_seq=self.max_pages_per_seq, dtype=tcfg.dtype)
         size_kw = dict(max_slots=self._S, max_prefill=buckets[-1], max_seq=self._max_seq,
                        reserve_weight_push=reserve_weight_push, replicas=self.kv_replicas)
         if num_pages is None:
@@ -300,12 +308,12 @@ class PagedEngine(Engine):
         pt = self._named(("batch", None), (S, self.max_pages_per_seq))
         self.state_shardings = {
             **pool_sh, "page_table": pt, "stop_ids": row2,
-            **{n: self.slot_sharding for n in SLOT_INTS + ("live", "temperature", "top_p", "seed")},
+            **{n: self.slot_sharding for n in self.slot_ints + ("live", "temperature", "top_p", "seed")},
         }
         self.replicated = NamedSharding(self.mesh, P())
 
     def _build_functions(self) -> None:
-        cfg, ss = self.cfg, self.state_shardings
+        cfg, ss = self.text_cfg, self.state_shardings
         kv_sh = self._kv_sharding = self._named(("layers", "length", "cache_kv_heads", "head_dim"),
                                                 (cfg.num_layers, self.buckets[-1], cfg.num_kv_heads, cfg.head_dim))
         # the model's activations follow the generator rules (decode slots over `data`, heads and MLP
@@ -326,7 +334,8 @@ class PagedEngine(Engine):
         null = self.null_page
         kv_axis = self.pool_sharding.spec[self.layout.head_axis]
         self._insert = jax.jit(functools.partial(insert_fn, layout=self.layout, mesh=self.mesh,
-                                                 pages_axis=self.pages_axis, kv_axis=kv_axis),
+                                                 pages_axis=self.pages_axis, kv_axis=kv_axis,
+                                                 slot_ints=self.slot_ints),
                                donate_argnums=0, out_shardings=ss)
         self._release = jax.jit(functools.partial(release_fn, null_page=null), donate_argnums=0, out_shardings=ss)
         top_sh = (self._named(("batch", None), (self._S, K)),) * 2 if K else ()
@@ -351,6 +360,7 @@ class PagedEngine(Engine):
                            + tuple(NamedSharding(self.mesh, P(None, *x.spec)) for x in top_sh))
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
         self._no_new_pages = None  # put on the devices at the first step (the engine builds on compile-only meshes)
+        self.vision = None if self.vl_cfg is None else VisionPrefill(self.vl_cfg, traced, kv_sh, self.replicated)
 
     def compile_counts(self) -> dict[str, int]:
         """Number of compiled variants of each jitted function (for no-recompilation checks)."""
@@ -361,6 +371,8 @@ class PagedEngine(Engine):
         counts = {k: f._cache_size() for k, f in fns.items()}
         counts["generate_compact"] = self._compacts.count()  # compiled or compiling
         counts["generate_multi"] = sum(f._cache_size() for f in self._multi_steps.values())
+        if self.vision is not None:
+            counts.update(self.vision.compile_counts())
         return counts
 
     def place_params(self, params: Params) -> Params:
@@ -417,7 +429,8 @@ class PagedEngine(Engine):
                 "stop_ids": jnp.full((S, ms), -1, jnp.int32), "pos": z(jnp.int32), "last_token": z(jnp.int32),
                 "num_generated": z(jnp.int32), "max_new": z(jnp.int32), "top_k": z(jnp.int32),
                 "sample_index": z(jnp.int32), "done": z(bool), "live": z(bool), "temperature": z(jnp.float32),
-                "top_p": jnp.ones((S,), jnp.float32), "seed": z(jnp.uint32)}
+                "top_p": jnp.ones((S,), jnp.float32), "seed": z(jnp.uint32),
+                **({"rope_delta": z(jnp.int32)} if self.vl_cfg is not None else {})}
 
     def init_decode_state(self) -> DecodeState:
         return DecodeState(self._init(), HostSlots.empty(self.cache_spec.num_pages, self._S, self.kv_replicas))
@@ -441,8 +454,8 @@ class PagedEngine(Engine):
         raise ValueError(f"prompt of {length} tokens is longer than max_prefill_length={self.max_prefill_length}")
 
     def prefill(self, params: Params, tokens: Sequence[int] | np.ndarray, sampling: SamplingParams,
-                num_samples: int = 1, sample_offset: int = 0) -> PagedPrefix:
-        return self.prefill_many(params, [PrefillRequest(tokens, sampling, num_samples, sample_offset)])[0]
+                num_samples: int = 1, sample_offset: int = 0, images=None) -> PagedPrefix:
+        return self.prefill_many(params, [PrefillRequest(tokens, sampling, num_samples, sample_offset, images)])[0]
 
     def prefill_many(self, params: Params, requests: Sequence[PrefillRequest]) -> list[PagedPrefix]:
         """Prefill several sequences with one host transfer (see `engine_api.Engine.prefill_many`).
@@ -468,6 +481,7 @@ class PagedEngine(Engine):
             if n_tok > self.max_reprefill_length:
                 raise ValueError(f"prefill: {n_tok} tokens leave no room in max_sequence_length={self._max_seq}")
             reqs.append((toks, r))
+        seqs = vl_sequences(self.vl_cfg, reqs)  # VL: each one's M-RoPE positions, rope delta, feature rows; else None
         C, N = self.buckets[-1], self.max_prefill_pack
         groups: list[list[int]] = []  # packed rows (indices into reqs); a chunked sequence is a row alone
         for i, (toks, _) in enumerate(reqs):
@@ -489,18 +503,25 @@ class PagedEngine(Engine):
                 padded[0, :total] = np.concatenate([reqs[i][0] for i in g])
                 lengths = np.zeros(N, np.int32)
                 lengths[:len(g)] = lens
-                k, v, logits, *ids = self._prefill(params, padded, lengths)
+                if seqs is not None:
+                    k, v, logits = self.vision.prefill_row(params, padded, lengths, [seqs[i] for i in g])
+                    ids = []
+                else:
+                    k, v, logits, *ids = self._prefill(params, padded, lengths)
             else:  # chunked prefill: chunks of the largest bucket, each attending to the ones before it
                 (toks, _), = [reqs[i] for i in g]
                 bucket = kv_cache.pages_for(total, C) * C
                 padded = np.zeros((1, bucket), np.int32)
                 padded[0, :total] = toks
-                k, v = self._kv_zeros(bucket)
                 chunk_ids = []
-                for start in range(0, bucket, C):  # dispatched back to back, no host sync
-                    k, v, logits, *cid = self._prefill_chunk(params, k, v, padded[:, start:start + C],
-                                                             np.int32(start), np.int32(total))
-                    chunk_ids += cid
+                if seqs is not None:
+                    k, v, logits = self.vision.prefill_chunked(params, padded, total, seqs[g[0]], C, self._kv_zeros)
+                else:
+                    k, v = self._kv_zeros(bucket)
+                    for start in range(0, bucket, C):  # dispatched back to back, no host sync
+                        k, v, logits, *cid = self._prefill_chunk(params, k, v, padded[:, start:start + C],
+                                                                 np.int32(start), np.int32(total))
+                        chunk_ids += cid
                 logits = logits[None]
                 ids = [jnp.concatenate(chunk_ids)] if chunk_ids else []
             offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(int)
@@ -534,7 +555,7 @@ class PagedEngine(Engine):
                 out[i] = PagedPrefix(kv=PrefixKV(k, v, bucket, next(self._prefix_ids), int(offsets[row])),
                                      length=n_tok, first_tokens=first, first_logprobs=lp, sampling=sp,
                                      sample_indices=tuple(range(r.sample_offset, r.sample_offset + ns)),
-                                     first_done=first_done,
+                                     first_done=first_done, rope_delta=seqs[i].delta if seqs is not None else 0,
                                      routing=ids[0][offsets[row]:offsets[row] + n_tok] if ids else None,
                                      first_top_logprobs=np.asarray(top[0][at - ns:at]) if top else None,
                                      first_top_ids=np.asarray(top[1][at - ns:at]) if top else None)
@@ -607,8 +628,8 @@ class PagedEngine(Engine):
             tok = int(prefix.first_tokens[k])
             done = bool(first_done[k]) if first_done is not None else (
                 tok in sp.stop_token_ids or sp.max_new_tokens <= 1 or P_len + 1 >= self._max_seq)
-            ints = np.asarray([P_len, tok, 1, sp.max_new_tokens, sp.top_k, prefix.sample_indices[k], int(done)],
-                              np.int32)
+            ints = np.asarray([P_len, tok, 1, sp.max_new_tokens, sp.top_k, prefix.sample_indices[k], int(done)]
+                              + ([getattr(prefix, "rope_delta", 0)] if self.vl_cfg is not None else []), np.int32)
             arrays = self._insert(arrays, kv.k, kv.v, dest, dest_offsets, page_row, np.int32(s), ints, floats,
                                   np.uint32(sp.seed), stop_row, np.int32(r))
             host.live[s], host.done[s], host.pos[s] = True, done, P_len
@@ -760,10 +781,11 @@ class PagedEngine(Engine):
             tokens_a, lengths_a = host((1, b), np.int32), host((N,), np.int32)
             k_a, _, logits_a, *_ = jax.eval_shape(self._prefill, params_a, tokens_a, lengths_a)
             kv_a = sds(k_a.shape, k_a.dtype, sharding=self._kv_sharding)
-            jobs.append((self._prefill, (params_a, tokens_a, lengths_a)))
+            if self.vision is None:  # a VL engine's prefill programs compile in warmup's pass (`vision_prefill`)
+                jobs.append((self._prefill, (params_a, tokens_a, lengths_a)))
             jobs.append((self._insert, (arrays_a, kv_a, kv_a, host((b,), np.int32), host((b,), np.int32),
                                         host((self.max_pages_per_seq,), np.int32), host((), np.int32),
-                                        host((len(SLOT_INTS),), np.int32), host((2,), np.float32),
+                                        host((len(self.slot_ints),), np.int32), host((2,), np.float32),
                                         host((), np.uint32), host((self.max_stop_tokens,), np.int32),
                                         host((), np.int32))))
         logits_a = sds(logits_a.shape, logits_a.dtype, sharding=self.replicated)

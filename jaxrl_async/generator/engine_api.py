@@ -87,6 +87,9 @@ class PrefillRequest:
     sampling: SamplingParams
     num_samples: int = 1
     sample_offset: int = 0
+    # the prompt's images (`data.images.ImageInputs`; vision-language engines only): the vision tower runs at prefill
+    # and the sequence's positions are M-RoPE ones (a re-prefill passes the prompt's images with prompt + generated)
+    images: Any = None
 
 
 @dataclasses.dataclass
@@ -183,8 +186,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def prefill(self, params: Any, tokens: Sequence[int] | np.ndarray, sampling: SamplingParams,
-                num_samples: int = 1, sample_offset: int = 0) -> Prefix:
-        """Run the prompt (padded to a bucket), sample `num_samples` first tokens.
+                num_samples: int = 1, sample_offset: int = 0, images: Any = None) -> Prefix:
+        """Run the prompt (padded to a bucket), sample `num_samples` first tokens (``images``: `PrefillRequest.images`).
 
         Sample k of the result has request-level sample index `sample_offset + k` (for its
         random stream). Raises ValueError if the prompt is longer than `max_reprefill_length`.
@@ -193,8 +196,8 @@ class Engine(abc.ABC):
     def prefill_many(self, params: Any, requests: Sequence[PrefillRequest]) -> list[Prefix]:
         """`prefill` of several sequences, one `Prefix` each, in order. Engines batch them (`PagedEngine`:
         prompts packed into rows of a bucket, one host transfer for all first tokens); this default loops."""
-        return [self.prefill(params, r.tokens, r.sampling, num_samples=r.num_samples, sample_offset=r.sample_offset)
-                for r in requests]
+        return [self.prefill(params, r.tokens, r.sampling, num_samples=r.num_samples, sample_offset=r.sample_offset,
+                             **({"images": r.images} if r.images is not None else {})) for r in requests]
 
     @abc.abstractmethod
     def insert(self, prefix: Prefix, state: Any, slot: int, sample: int = 0) -> Any:

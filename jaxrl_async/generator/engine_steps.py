@@ -23,23 +23,27 @@ STEP_WRITES = ("page_table", "pos", "num_generated", "last_token", "done")  # th
 # ---------------------------------------------------------------------------------------
 # Pure device functions
 # ---------------------------------------------------------------------------------------
-def _routed_forward(record: bool, *args):
-    """`forward(*args)`, and with `record` the experts each token was routed to ([L, B, T, k] int16; else None)."""
+def _routed_forward(record: bool, *args, embeds=None):
+    """`forward(*args)`, and with `record` the experts each token was routed to ([L, B, T, k] int16; else None).
+    ``embeds``: input embeddings instead of the token lookup (a vision-language prompt's, `vision_prefill`)."""
+    kw = {} if embeds is None else {"embeds": embeds}
     if not record:
-        return forward(*args), None
+        return forward(*args, **kw), None
     from jaxrl_async.models.moe import routing_scope
 
     with routing_scope(record=True) as scope:
-        out = forward(*args)
+        out = forward(*args, **kw)
     return out, scope.result["ids"].astype(jnp.int16)
 
 
-def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: ModelConfig, record_routing: bool = False):
+def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: ModelConfig, record_routing: bool = False,
+               positions: jax.Array | None = None, embeds: jax.Array | None = None):
     """Run prompts packed into one row [1, T]: prompt i holds tokens [off_i, off_i + length[i]) with
     off = the exclusive cumsum of `length` [N] (0 = an unused entry); causal attention within each prompt
     only, positions restarting at 0 per prompt. Returns (k [L, T, K, E], v, logits [N, V] at each prompt's
     last token). A scalar `length` is one prompt (logits [V]). `record_routing` (MoE): also the experts of
-    every token of the row, [T, L, k] int16."""
+    every token of the row, [T, L, k] int16. ``positions`` (M-RoPE [3, 1, T]) / ``embeds`` [1, T, D]: given by
+    a vision-language prefill (`vision_prefill`) instead of the per-prompt 0.. positions and the token lookup."""
     T = tokens.shape[1]
     single = jnp.ndim(length) == 0
     lengths = jnp.atleast_1d(length).astype(jnp.int32)
@@ -49,11 +53,13 @@ def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: Mod
     seg = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)  # prompt index of token t
     valid = t < ends[-1]
     seg_c = jnp.minimum(seg, lengths.shape[0] - 1)
-    positions = jnp.where(valid, t - offs[seg_c], 0)[None]
+    if positions is None:
+        positions = jnp.where(valid, t - offs[seg_c], 0)[None]
     segment_ids = jnp.where(valid, seg + 1, 0)[None]
     buf = jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
     attend = kv_cache.prefill_attend(segment_ids, cfg.head_dim ** -0.5, cfg.attention, cfg.attention_block)
-    (hidden, (k, v)), ids = _routed_forward(record_routing, params, cfg, tokens, positions, attend, (buf, buf))
+    (hidden, (k, v)), ids = _routed_forward(record_routing, params, cfg, tokens, positions, attend, (buf, buf),
+                                            embeds=embeds)
     last = jnp.take(hidden[0], jnp.clip(ends - 1, 0, T - 1), axis=0)  # [N, D]
     logits = logits_from_hidden(params, last)
     if record_routing:
@@ -62,18 +68,21 @@ def prefill_fn(params: Params, tokens: jax.Array, length: jax.Array, *, cfg: Mod
 
 
 def prefill_chunk_fn(params: Params, k_buf, v_buf, tokens: jax.Array, start: jax.Array, length: jax.Array, *,
-                     cfg: ModelConfig, record_routing: bool = False):
+                     cfg: ModelConfig, record_routing: bool = False, positions: jax.Array | None = None,
+                     embeds: jax.Array | None = None):
     """One chunk [1, C] of a sequence longer than the largest prefill bucket (chunked prefill).
 
     k_buf/v_buf [L, T, K, E] (T = chunks x C) hold the k/v of the chunks before `start`; returns them
     with this chunk's added and the logits at position length - 1 (meaningful for the chunk holding it);
-    `record_routing`: also the chunk's experts [C, L, k] int16.
+    `record_routing`: also the chunk's experts [C, L, k] int16. ``positions`` [3, 1, C] / ``embeds`` [1, C, D]: a
+    vision-language chunk's (`vision_prefill`).
     """
     C = tokens.shape[1]
-    positions = (start + jnp.arange(C, dtype=jnp.int32))[None]
+    if positions is None:
+        positions = (start + jnp.arange(C, dtype=jnp.int32))[None]
     attend = kv_cache.chunk_prefill_attend(start, length, cfg.head_dim ** -0.5, C)
     (hidden, (k_buf, v_buf)), ids = _routed_forward(record_routing, params, cfg, tokens, positions, attend,
-                                                    (k_buf, v_buf))
+                                                    (k_buf, v_buf), embeds=embeds)
     last = jax.lax.dynamic_index_in_dim(hidden[0], jnp.clip(length - 1 - start, 0, C - 1), axis=0, keepdims=True)
     if record_routing:
         return k_buf, v_buf, logits_from_hidden(params, last)[0], jnp.swapaxes(ids[:, 0], 0, 1)
@@ -94,15 +103,15 @@ def sample_first_fn(logits: jax.Array, rows, temperature, top_k, top_p, seed, sa
 
 def insert_fn(arrays, k, v, dest_pages, dest_offsets, page_row, slot, ints, floats, seed, stop_row, replica, *,
               layout: paged_attention.PoolLayout, mesh: Mesh | None = None, pages_axis: str | None = None,
-              kv_axis=None):
+              kv_axis=None, slot_ints: tuple[str, ...] = SLOT_INTS):
     """Write the prompt k/v to (`dest_pages`, `dest_offsets`: local page ids of decode replica `replica`) and set
-    slot `slot`'s row (ints in SLOT_INTS order)."""
+    slot `slot`'s row (ints in `slot_ints` order: SLOT_INTS, and ``rope_delta`` for a vision-language model)."""
     out = dict(arrays)
     out.update(paged_attention.write_prefix_on_replica(
         layout, {key: arrays[key] for key in layout.keys}, k, v, dest_pages, dest_offsets, replica, mesh=mesh,
         pages_axis=pages_axis, kv_axis=kv_axis))
     out["page_table"] = arrays["page_table"].at[slot].set(page_row)
-    for i, name in enumerate(SLOT_INTS):
+    for i, name in enumerate(slot_ints):
         val = ints[i] if name != "done" else ints[i] != 0
         out[name] = arrays[name].at[slot].set(val.astype(arrays[name].dtype))
     out["temperature"] = arrays["temperature"].at[slot].set(floats[0])
@@ -150,8 +159,10 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
                                            block_pages=block_pages, kernel_options=kernel_options,
                                            pages_axis=pages_axis)
     keys = paged_attention.layout_for(attention).keys
-    (hidden, pools), ids = _routed_forward(record_routing, params, cfg, arrays["last_token"][:, None], pos[:, None],
-                                           attend, tuple(arrays[k] for k in keys))
+    # M-RoPE models (the state has ``rope_delta``): the token at index pos sits at rotary position pos + delta
+    rope_pos = pos + arrays["rope_delta"] if "rope_delta" in arrays else pos
+    (hidden, pools), ids = _routed_forward(record_routing, params, cfg, arrays["last_token"][:, None],
+                                           rope_pos[:, None], attend, tuple(arrays[k] for k in keys))
     logits = logits_from_hidden(params, hidden[:, 0])
     tokens, logprobs = sampling.sample(logits, arrays["temperature"], arrays["top_k"], arrays["top_p"],
                                        arrays["seed"], arrays["sample_index"], pos + 1, truncation=truncation)

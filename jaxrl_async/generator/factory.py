@@ -96,7 +96,7 @@ def generator_model_config(model_cfg: "ModelConfig") -> "ModelConfig":
     """The generator holds its weights in the compute dtype (the trainer pushes them cast). LoRA with
     ``decode="merged"``: the engine's model has no adapters (it decodes merged weights)."""
     gen = model_cfg.replace(param_dtype=model_cfg.dtype)
-    if gen.lora is not None and gen.lora.decode == "merged":
+    if getattr(gen, "lora", None) is not None and gen.lora.decode == "merged":  # (VLConfig: no adapters)
         gen = gen.replace(lora=None)
     return gen
 
@@ -167,10 +167,11 @@ def for_prompts(prompt_lengths: Sequence[int], max_new_tokens: int, model_cfg: "
     if not prompt_lengths:
         raise ValueError("for_prompts: no prompts")
     max_prompt = max(max(prompt_lengths), max_prompt or 0)
-    max_seq = min(max_prompt + max_new_tokens, model_cfg.max_position_embeddings)
+    max_pos = getattr(model_cfg, "text", model_cfg).max_position_embeddings  # (a VLConfig: its text model's)
+    max_seq = min(max_prompt + max_new_tokens, max_pos)
     if max_prompt >= max_seq:
         raise ValueError(f"for_prompts: a prompt of {max_prompt} tokens leaves no room to generate within the "
-                         f"model's {model_cfg.max_position_embeddings} positions")
+                         f"model's {max_pos} positions")
     n = max(1, samples_per_prompt)
     slots = max(n, min(max_concurrent, len(prompt_lengths) * n))
     if max_prompt <= SINGLE_BUCKET_MAX:

@@ -123,9 +123,10 @@ def host_available_bytes() -> int:
 
 def param_bytes_per_device(cfg: ModelConfig, shardings: Any) -> int:
     """Bytes of the parameters held by one device under `shardings` (tree of NamedSharding)."""
+    from jaxrl_async.models import qwen2_5_vl
     from jaxrl_async.models.transformer import param_shapes
 
-    shapes = jax.tree.leaves(param_shapes(cfg))
+    shapes = jax.tree.leaves(qwen2_5_vl.param_shapes(cfg) if qwen2_5_vl.is_vl(cfg) else param_shapes(cfg))
     shards = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     total = 0
     for sd, sh in zip(shapes, shards):
@@ -162,7 +163,7 @@ class SizingReport:
 def _incoming_push_bytes(cfg: ModelConfig, shardings: Any, pbytes: int) -> int:
     """Bytes a weight push brings per device: all parameters, or with unmerged LoRA adapters (the engine's
     params hold them) only the adapters (``weight_sync.LoraPush``: the base stays)."""
-    if cfg.lora is None:
+    if getattr(cfg, "lora", None) is None:  # (a vision-language config has no adapters)
         return pbytes
     from jaxrl_async.models import lora
 
@@ -183,7 +184,7 @@ def pool_budget(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardin
     page_b = probe.page_bytes(shards)
     limit, in_use, source = device_memory(list(mesh.devices.flat))
     pbytes = param_bytes_per_device(cfg, param_shardings)
-    ws = workspace_bytes(cfg, max_slots // replicas, max_prefill, max_seq, shards)
+    ws = workspace_bytes(getattr(cfg, "text", cfg), max_slots // replicas, max_prefill, max_seq, shards)
     incoming = _incoming_push_bytes(cfg, param_shardings, pbytes) if reserve_weight_push else 0
     budget = fraction * (limit - max(in_use, pbytes) - incoming) - ws
     n = (int(budget // page_b) if budget > 0 else 0) * replicas

@@ -242,12 +242,16 @@ class Generator:
 
     # -- caller API -----------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None,
-               metadata: Any = None, *, stream: bool = False) -> RequestHandle:
+               metadata: Any = None, *, stream: bool = False, images: Any = None) -> RequestHandle:
         """Queue a request of `sampling.n` samples; returns at once.
+
+        ``images``: the prompt's images (`data.images.ImageInputs`), for an engine of a vision-language model; the
+        prompt holds their placeholder tokens (``images.num_tokens`` of them, expanded as the processor does).
 
         Raises ValueError for an empty prompt, a prompt longer than the engine's
         `max_prefill_length` (or leaving no room in `max_sequence_length`), stop strings without
-        a tokenizer or a duplicate live request id; GeneratorError if the generator failed or stopped.
+        a tokenizer, a duplicate live request id, images for a text model or image placeholders that do not match
+        the images' grids; GeneratorError if the generator failed or stopped.
         """
         sampling = sampling if sampling is not None else SamplingParams()
         sampling.validate()
@@ -268,8 +272,10 @@ class Generator:
                              f"max_top_logprobs={max_top}")
         if sampling.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {rid!r}: stop_strings {sampling.stop_strings} need a tokenizer (Generator(tokenizer=...))")
+        self._check_images(rid, prompt, images)
         handle = RequestHandle(self, rid, stream, self.stream_poll_s)
-        request = RequestState(rid, prompt, sampling, min(sampling.max_new_tokens, max_seq - len(prompt)), metadata, handle)
+        request = RequestState(rid, prompt, sampling, min(sampling.max_new_tokens, max_seq - len(prompt)), metadata, handle,
+                               images)
         with self._lock:
             if self._error is not None:
                 raise GeneratorError(f"generator failed: {type(self._error).__name__}: {self._error}") from self._error
@@ -280,6 +286,20 @@ class Generator:
             self._handles[rid] = handle
         self._inbox.put(SubmitMsg(request))
         return handle
+
+    def _check_images(self, rid: str, prompt: list[int], images: Any) -> None:
+        vl_cfg = getattr(self.engine, "vl_cfg", None)
+        if vl_cfg is None:
+            if images is not None:
+                raise ValueError(f"request {rid!r}: images given but the engine's model is text-only (not a "
+                                 f"vision-language model)")
+            return
+        from jaxrl_async.generator.vision_prefill import check_placeholders
+
+        try:
+            check_placeholders(vl_cfg, prompt, images)
+        except ValueError as e:
+            raise ValueError(f"request {rid!r}: {e}") from None
 
     def abort(self, request_id: str) -> None:
         """Finish the request's unfinished samples with finish_reason "abort" (tokens so far are kept)."""
@@ -506,7 +526,8 @@ class Generator:
                 todo = [it for it in batch if it.prefix is None or it.prefix_version != self._version]
                 if todo:
                     prefixes = eng.prefill_many(self._params, [PrefillRequest(
-                        it.tokens, it.sampling, len(it.samples), it.samples[0].index) for it in todo])
+                        it.tokens, it.sampling, len(it.samples), it.samples[0].index, it.request.images)
+                        for it in todo])
                     for it, pre in zip(todo, prefixes):
                         it.prefix, it.prefix_version = pre, self._version
                         self._n_prefills += 1
@@ -544,8 +565,8 @@ class Generator:
         if item.prefix is not None and item.prefix_version == self._version:
             prefix = item.prefix
         else:  # not reached from _admit (which prefills its batch first); kept for direct use
-            prefix = eng.prefill(self._params, item.tokens, item.sampling, num_samples=len(item.samples),
-                                 sample_offset=first)
+            prefix = eng.prefill_many(self._params, [PrefillRequest(item.tokens, item.sampling, len(item.samples), first,
+                                                                    item.request.images)])[0]
             self._n_prefills += 1
             self._n_prefill_tokens += len(item.tokens)
         item.prefix, item.prefix_version = None, -1
@@ -671,7 +692,7 @@ class Generator:
                                req.id, s.index, len(tokens), eng.max_reprefill_length, self._n_recompute_fallback)
                 continue
             sampling = continuation_sampling(req.sampling, req.max_new, req.max_new - len(s.tokens))
-            todo.append((s, PrefillRequest(tokens, sampling, 1, s.index)))
+            todo.append((s, PrefillRequest(tokens, sampling, 1, s.index, req.images)))
         prefixes = eng.prefill_many(self._params, [r for _, r in todo]) if todo else []  # one batch
         for (s, r), prefix in zip(todo, prefixes):
             req, tokens = s.request, r.tokens

@@ -290,10 +290,10 @@ class SampleView:
 
 class RequestState:
     __slots__ = ("id", "prompt", "sampling", "max_new", "metadata", "handle", "samples", "submit_time",
-                 "num_finished_decode", "num_finished_stream")
+                 "num_finished_decode", "num_finished_stream", "images")
 
     def __init__(self, request_id: str, prompt: list[int], sampling: SamplingParams, max_new: int, metadata: Any,
-                 handle: "RequestHandle"):
+                 handle: "RequestHandle", images: Any = None):
         self.id = request_id
         self.prompt = prompt
         self.sampling = sampling
@@ -304,6 +304,7 @@ class RequestState:
         self.submit_time = time.perf_counter()
         self.num_finished_decode = 0
         self.num_finished_stream = 0
+        self.images = images  # the prompt's images (`data.images.ImageInputs`) or None
 
 
 @dataclasses.dataclass

@@ -229,7 +229,8 @@ def sft_examples(setup: RunSetup) -> list[Any]:
             raise ValueError(f"trainer.sft.steps > 0 needs gold completions: row {r.metadata.get('source')} of the "
                              "train data has no 'completion' column")
         ids = tok.encode(comp + (tok.eos_token or ""), add_special_tokens=False)
-        ex.append(SFTExample(prompt_ids=list(r.prompt_ids), completion_ids=ids))
+        images = r.image_inputs() if hasattr(r, "image_inputs") else None  # a VL prompt's images
+        ex.append(SFTExample(prompt_ids=list(r.prompt_ids), completion_ids=ids, images=images))
     return ex
 
 

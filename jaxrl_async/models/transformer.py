@@ -482,7 +482,7 @@ def token_logprobs_from_hidden(params: Params, hidden: jax.Array, targets: jax.A
 
 def sequence_logprobs(params: Params, cfg: ModelConfig, tokens: jax.Array, segment_ids: jax.Array,
                       positions: jax.Array | None = None, temperature: float = 1.0,
-                      chunk: int = 2048) -> tuple[jax.Array, jax.Array]:
+                      chunk: int = 2048, embeds: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Teacher-forced per-token log-probs, aligned with the tokens.
 
     out[b, t] = log p(tokens[b, t] | tokens of the same segment before t), for t that is not
@@ -490,11 +490,13 @@ def sequence_logprobs(params: Params, cfg: ModelConfig, tokens: jax.Array, segme
     [b, t] is that of the distribution that predicted tokens[b, t]. This is the one log-prob
     computation shared by the trainer, the `score` CLI and the generator parity checks.
     `chunk`: positions per chunk of the vocabulary projection (`token_logprobs_from_hidden`).
+    `embeds` [B, T, D] / `positions` [3, B, T]: a vision-language model's input embeddings and M-RoPE positions
+    (`forward`; the trainer's packed rows with images, `trainer/vl_batch.py`).
     """
     B, T = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, _ = forward(params, cfg, tokens, positions, model_attention(cfg, segment_ids))
+    hidden, _ = forward(params, cfg, tokens, positions, model_attention(cfg, segment_ids), embeds=embeds)
     # position t predicts tokens[t + 1]; the last position's (dummy) target is dropped below. Projecting
     # all T positions avoids a sliced copy of the hidden states and keeps power-of-two row lengths
     # whole multiples of the chunk (no padding).

@@ -19,7 +19,8 @@ def build_training_batch(groups: Sequence[Any], adv_cfg: Any, group_size: int) -
     (``allow_partial_groups``) is a group of its own size; so is one whose episodes gave several samples
     each (``rollout.workflow=openai_agent``'s per-turn samples: statistics over all of the group's samples).
     Token conventions: trajectory arrays are token-aligned (``loss_mask[t] = 1`` on generated token t),
-    which is what ``compute_advantages`` and the trainer's packing expect.
+    which is what ``compute_advantages`` and the trainer's packing expect. A trajectory's ``images`` (its
+    prompt's ``ImageInputs``) are passed on by reference: the samples of a prompt keep sharing one object.
     """
     from jaxrl_async.rl.advantages import compute_advantages
     from jaxrl_async.trainer.packing import TrainSequence
@@ -43,7 +44,7 @@ def build_training_batch(groups: Sequence[Any], adv_cfg: Any, group_size: int) -
     adv = compute_advantages(rewards, mask, adv_cfg, group_size=sizes, truncated=truncated, logprobs=logprobs)
     out = [TrainSequence(tokens=t.tokens, loss_mask=t.loss_mask, behaviour_logprobs=t.logprobs,
                            advantages=adv.advantages[i, : t.length].astype(np.float32), versions=t.versions,
-                           routing=getattr(t, "routing", None))
+                           routing=getattr(t, "routing", None), images=getattr(t, "images", None))
            for i, t in enumerate(trajs)]
     lengths = np.asarray([t.num_generated for t in trajs], np.float64)
     lags = [cg.lag for cg in groups]

@@ -85,7 +85,7 @@ class GeneratorLike(Protocol):
     """
 
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
-               request_id: str | None = None, metadata: Any = None) -> _Handle: ...
+               request_id: str | None = None, metadata: Any = None, *, images: Any = None) -> _Handle: ...
 
 
 class EpisodeTimeout(TimeoutError):
@@ -139,6 +139,9 @@ class Trajectory:
       metadata: free-form (``finish_reason``, ``sample_index``, timings, ...).
       routing: optional int16 [T, L, k], the experts the generator routed each token to in each MoE layer
         (``rollout.record_routing``), -1 where not recorded; used by rollout routing replay.
+      images: the prompt's images (``data.images.ImageInputs``: encoded files + grids, one object shared by the
+        samples of a prompt; pickles carry the bytes, never pixels), or None for a text prompt. Its placeholder
+        tokens must lie in the prompt; the trainer checks their count against the grids (naming the trajectory).
     """
 
     tokens: np.ndarray
@@ -149,6 +152,7 @@ class Trajectory:
     prompt_len: int
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     routing: np.ndarray | None = None
+    images: Any = None
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, dtype=np.int32).reshape(-1)
@@ -176,13 +180,21 @@ class Trajectory:
         self.reward = float(self.reward)
         if not math.isfinite(self.reward):
             raise ValueError(f"Trajectory.reward must be finite, got {self.reward}")
+        if self.images is not None:
+            if not (hasattr(self.images, "grid_thw") and hasattr(self.images, "num_tokens")):
+                raise ValueError(f"Trajectory.images must be a data.images.ImageInputs or None, got "
+                                 f"{type(self.images).__name__}")
+            if self.images.num_tokens > self.prompt_len:
+                raise ValueError(f"Trajectory.images: {len(self.images)} images of {self.images.num_tokens} "
+                                 f"placeholder tokens do not fit the {self.prompt_len}-token prompt")
 
     @classmethod
     def from_completion(cls, prompt_ids: Sequence[int], completion_ids: Sequence[int], logprobs: Sequence[float],
                         versions: Sequence[int], reward: float, finish_reason: str, *, routing: Any = None,
-                        **metadata: Any) -> "Trajectory":
+                        images: Any = None, **metadata: Any) -> "Trajectory":
         """Single-turn episode: prompt (mask 0, version −1, logprob 0) + completion (mask 1); ``routing``: the
-        sample's recorded experts over prompt + completion (``SampleOutput.routing``), or None."""
+        sample's recorded experts over prompt + completion (``SampleOutput.routing``), or None; ``images``: the
+        prompt's ``ImageInputs`` (or None)."""
         P, C = len(prompt_ids), len(completion_ids)
         if len(logprobs) != C or len(versions) != C:
             raise ValueError(f"completion has {C} tokens but {len(logprobs)} logprobs and {len(versions)} versions")
@@ -190,14 +202,17 @@ class Trajectory:
                    loss_mask=np.concatenate([np.zeros(P, np.int32), np.ones(C, np.int32)]),
                    logprobs=np.concatenate([np.zeros(P, np.float32), np.asarray(logprobs, np.float32)]),
                    versions=np.concatenate([np.full(P, -1, np.int32), np.asarray(versions, np.int32)]),
-                   reward=reward, prompt_len=P, metadata={"finish_reason": finish_reason, **metadata}, routing=routing)
+                   reward=reward, prompt_len=P, metadata={"finish_reason": finish_reason, **metadata}, routing=routing,
+                   images=images)
 
     @classmethod
-    def from_turns(cls, prompt_ids: Sequence[int], turns: Sequence[Any], reward: float, **metadata: Any) -> "Trajectory":
+    def from_turns(cls, prompt_ids: Sequence[int], turns: Sequence[Any], reward: float, *, images: Any = None,
+                   **metadata: Any) -> "Trajectory":
         """Multi-turn episode: ``turns`` are generator samples (trained) or ``(token_ids, trained=False)``
         pairs for inserted text (tool outputs, user turns). Each sample's ``prompt_ids`` must extend the
         tokens so far (token-in, token-out: no re-tokenisation drift). Recorded routing (``SampleOutput.routing``)
-        is merged over the turns, the last turn that routed a position winning (``assemble_routing``)."""
+        is merged over the turns, the last turn that routed a position winning (``assemble_routing``).
+        ``images``: the first prompt's ``ImageInputs`` (or None)."""
         tokens, mask, lps, vers = list(prompt_ids), [0] * len(prompt_ids), [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
         finish = None
         routed = []
@@ -227,7 +242,7 @@ class Trajectory:
         return cls(tokens=np.asarray(tokens), loss_mask=np.asarray(mask), logprobs=np.asarray(lps),
                    versions=np.asarray(vers), reward=reward, prompt_len=len(prompt_ids),
                    metadata={"finish_reason": finish, "num_turns": len(turns), **metadata},
-                   routing=assemble_routing(routed, len(tokens)))
+                   routing=assemble_routing(routed, len(tokens)), images=images)
 
     @property
     def length(self) -> int:
@@ -397,7 +412,7 @@ class RLVRWorkflow(RolloutWorkflow):
         for s, text, r in zip(samples, texts, rewards):
             out.append(Trajectory.from_completion(
                 s.prompt_ids, s.completion_ids, s.logprobs, s.versions, r, s.finish_reason,
-                routing=getattr(s, "routing", None),
+                routing=getattr(s, "routing", None), images=images,
                 sample_index=s.sample_index, item_id=item_field(item, "id"), completion_text=text,
                 latency_s=getattr(s, "latency_s", None), num_preemptions=getattr(s, "num_preemptions", 0),
                 reward_s=reward_s))

@@ -31,7 +31,7 @@ def trainer_config(run_cfg: "RunConfig", model_cfg: "ModelConfig | None" = None)
     temp = run_cfg.rollout.sampling.temperature
     return TrainStepConfig(optimizer=tr.optimizer_config(), packing=tr.packing, ppo_n_minibatches=tr.ppo_n_minibatches,
                            proximal=tr.proximal, temperature=temp if temp > 0 else 1.0, logprob_chunk=tr.logprob_chunk,
-                           routing_replay=tr.routing_replay,
+                           routing_replay=tr.routing_replay, freeze_vision=tr.freeze_vision,
                            router_aux_loss_coef=router_aux_loss_coef(run_cfg, model_cfg))
 
 

@@ -84,7 +84,7 @@ def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
 
 def _decay_mask(params):
     def keep(path, _):
-        name = str(getattr(path[-1], "key", path[-1]))
+        name = str(getattr(path[-1], "key", path[-1])).rstrip("0123456789")  # the vision tower's norm1 / norm2
         return not (name.endswith("norm") or name.endswith("bias"))
 
     return jax.tree_util.tree_map_with_path(keep, params)

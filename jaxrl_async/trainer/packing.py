@@ -31,19 +31,29 @@ trajectory index, -1 on padding (for unpacking results back to trajectories).
 
 The global counts needed to normalise the loss across micro-batches (and data-parallel
 shards), `n_loss_tokens = sum of loss_mask` and `n_seqs`, are computed on the host.
+
+Images (Qwen2.5-VL, `vl_batch.py`): when a sequence of the minibatch carries `images`, the batch also
+holds the M-RoPE positions of every token, the feature row of every image placeholder and, per
+micro-batch, the pixel patches of its distinct images padded to a bucketed patch count
+(`PackingConfig.patch_buckets`) with their vision layout. Text-only minibatches carry none of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from jaxrl_async.trainer.vl_batch import VisionBatch
+
+if TYPE_CHECKING:
+    from jaxrl_async.data.images import ImageInputs
+
 __all__ = [
     "TrainSequence", "PackingConfig", "PackedBatch", "PackedMinibatch", "PackingError",
-    "validate_trajectory", "pack", "split_minibatches", "unpack",
+    "validate_trajectory", "pack", "split_minibatches", "unpack", "check_image_tokens", "pack_images",
 ]
 
 
@@ -64,6 +74,9 @@ class TrainSequence:
         approximated in the loss (loglinear).
     routing: optional int [n, L, k], the experts the generator routed token t to in each MoE layer (-1: not
         recorded); packed into `PackedBatch.routing` for rollout routing replay and the router metrics.
+    images: the images of the sequence's prompt (`data.images.ImageInputs`: encoded bytes + grids, shared by the
+        samples of a prompt), or None; their placeholder tokens must be in `tokens` (a VL model's trainer packs
+        them, `vl_batch.py`).
     """
 
     tokens: np.ndarray
@@ -73,6 +86,7 @@ class TrainSequence:
     versions: np.ndarray | None = None
     proximal_logprobs: np.ndarray | None = None
     routing: np.ndarray | None = None
+    images: "ImageInputs | None" = None
 
     def __len__(self) -> int:
         return int(np.asarray(self.tokens).shape[0])
@@ -88,6 +102,10 @@ class PackingConfig:
         Beyond the largest bucket, the count is rounded up to a multiple of it.
     max_seqs_per_row: at most this many sequences share a row (bounds the segment tables).
     row_multiple: rows_per_micro is a multiple of this (set it to the data-parallel size).
+    patch_buckets: (minibatches with images) allowed pixel-patch counts per micro-batch (ascending); the micro-batch
+        with the most patches of its distinct images picks the bucket. None = powers of two (at least 64).
+        Beyond the largest bucket, the count is rounded up to a multiple of it. Each must be a multiple of the
+        vision tower's merge unit (m^2 = 4 for Qwen2.5-VL), checked when packing.
     check_finite: reject non-finite advantages / behaviour (/ proximal) log-probs on loss tokens on
         the host with an error naming the trajectory and field (the jitted step additionally
         skips any update whose loss or gradient is not finite).
@@ -98,6 +116,7 @@ class PackingConfig:
     n_micro_buckets: tuple[int, ...] | None = None
     max_seqs_per_row: int = 16
     row_multiple: int = 1
+    patch_buckets: tuple[int, ...] | None = None
     check_finite: bool = True
 
     def __post_init__(self):
@@ -117,6 +136,10 @@ class PackingConfig:
             bad("max_seqs_per_row", f"must be >= 1, got {self.max_seqs_per_row}")
         if self.row_multiple < 1:
             bad("row_multiple", f"must be >= 1, got {self.row_multiple}")
+        if self.patch_buckets is not None:
+            pb = tuple(self.patch_buckets)
+            if not pb or any(x < 1 for x in pb) or list(pb) != sorted(set(pb)):
+                bad("patch_buckets", f"must be strictly ascending positive ints, got {pb}")
 
     def row_len_for(self, max_len: int) -> int:
         for b in self.row_len_buckets:
@@ -140,6 +163,17 @@ class PackingConfig:
         top = self.n_micro_buckets[-1]
         return -(-n_needed // top) * top
 
+    def patches_for(self, n_needed: int) -> int:
+        """The bucketed pixel-patch count of a micro-batch (minibatches with images)."""
+        n_needed = max(1, n_needed)
+        if self.patch_buckets is None:
+            return max(64, 1 << (n_needed - 1).bit_length())
+        for b in self.patch_buckets:
+            if b >= n_needed:
+                return b
+        top = self.patch_buckets[-1]
+        return -(-n_needed // top) * top
+
     def num_seqs(self, row_len: int) -> int:
         """Static size of the micro-batch-local sequence-id space (last id = padding)."""
         return self.rows_per_micro(row_len) * self.max_seqs_per_row + 1
@@ -148,6 +182,8 @@ class PackingConfig:
 # Arrays of a packed minibatch that go to the device, in this order.
 DEVICE_FIELDS = ("tokens", "segment_ids", "positions", "loss_mask", "behaviour_logprobs", "proximal_logprobs",
                  "advantages", "versions", "seq_ids")
+# ... and those present only for some minibatches (None otherwise: nothing of them is traced).
+OPTIONAL_FIELDS = ("routing", "mrope_positions", "image_index", "vision")
 
 
 @dataclasses.dataclass
@@ -166,6 +202,12 @@ class PackedBatch:
     # int16 [n_micro, rows, row_len, L, k] recorded experts (-1: none, padding), or None when no trajectory of the
     # minibatch carries routing (then nothing of it is traced)
     routing: np.ndarray | None = None
+    # Minibatches with images (`vl_batch.py`), else None: int32 [n_micro, rows, row_len, 3] M-RoPE positions
+    # (temporal, height, width) of every token; int32 [n_micro, rows, row_len] the row of the micro-batch's image
+    # features each image placeholder takes (-1 elsewhere); the micro-batches' pixels and vision layout.
+    mrope_positions: np.ndarray | None = None
+    image_index: np.ndarray | None = None
+    vision: VisionBatch | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -178,7 +220,8 @@ class PackedBatch:
 def _register():
     import jax
 
-    jax.tree_util.register_dataclass(PackedBatch, data_fields=list(DEVICE_FIELDS) + ["routing"], meta_fields=[])
+    jax.tree_util.register_dataclass(PackedBatch, data_fields=list(DEVICE_FIELDS) + list(OPTIONAL_FIELDS),
+                                     meta_fields=[])
 
 
 _register()
@@ -195,6 +238,10 @@ class PackedMinibatch:
     n_real_micro: micro-batches that hold at least one sequence (the rest are bucket padding).
     placement: per trajectory (in `indices` order) its (micro, row, start, length).
     indices: global indices (into the list given to `pack`) of the trajectories, in order.
+    image_stats: (minibatches with images) host counts of the images moved: ``images`` (distinct image sets of
+        the minibatch), ``encoded_bytes`` (what the trajectories carried: their distinct `ImageInputs`' encoded
+        files + grids), ``decoded_bytes`` (their float32 patches, decoded once per object), ``device_bytes``
+        (pixels + layout arrays of the batch, bucket padding included: what `put_batch` sends). None otherwise.
     """
 
     batch: PackedBatch
@@ -207,6 +254,7 @@ class PackedMinibatch:
     placement: list[tuple[int, int, int, int]]
     indices: list[int]
     has_proximal: bool
+    image_stats: dict[str, int] | None = None
 
     @property
     def row_len(self) -> int:
@@ -284,8 +332,10 @@ def ffd_rows(lengths: Sequence[int], row_len: int, max_seqs: int) -> list[list[i
     return rows
 
 
-def pack(trajectories: Sequence[TrainSequence], cfg: PackingConfig, indices: Sequence[int] | None = None) -> PackedMinibatch:
-    """Pack trajectories into micro-batches (see module doc). `indices` label them in errors/placement."""
+def pack(trajectories: Sequence[TrainSequence], cfg: PackingConfig, indices: Sequence[int] | None = None,
+         model_cfg: Any = None) -> PackedMinibatch:
+    """Pack trajectories into micro-batches (see module doc). `indices` label them in errors/placement.
+    `model_cfg`: the model's config; a `qwen2_5_vl.VLConfig` is required when a trajectory carries images."""
     if len(trajectories) == 0:
         raise PackingError("cannot pack an empty minibatch (no trajectories)")
     indices = list(range(len(trajectories))) if indices is None else list(indices)
@@ -353,10 +403,134 @@ def pack(trajectories: Sequence[TrainSequence], cfg: PackingConfig, indices: Seq
             start += n
     batch = PackedBatch(tokens=tokens, segment_ids=seg, positions=pos, loss_mask=mask, behaviour_logprobs=blp,
                         proximal_logprobs=plp, advantages=adv, versions=ver, seq_ids=sid, routing=route)
+    image_stats = None
+    if any(t.images is not None for t in trajectories):
+        vl, image_stats = pack_images(trajectories, placement, indices, shape, cfg, model_cfg)  # type: ignore[arg-type]
+        batch = batch.replace(**vl)
+    elif _is_vl(model_cfg):  # a VL model: no stray placeholders in text rows
+        for t, i in zip(trajectories, indices):
+            check_image_tokens(t, i, model_cfg)
     return PackedMinibatch(batch=batch, n_loss_tokens=n_loss, n_seqs=len(trajectories),
                            n_loss_seqs=sum(c > 0 for c in per_seq_loss), num_seqs=num_seqs,
                            n_real_micro=n_real, n_tokens=int(sum(lengths)), placement=placement,  # type: ignore[arg-type]
-                           indices=indices, has_proximal=has_prox)
+                           indices=indices, has_proximal=has_prox, image_stats=image_stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Minibatches with images (Qwen2.5-VL; the fields and the device side: vl_batch.py)
+# ---------------------------------------------------------------------------------------------
+def _is_vl(model_cfg: Any) -> bool:
+    from jaxrl_async.models.qwen2_5_vl import is_vl
+
+    return is_vl(model_cfg)
+
+
+def check_image_tokens(traj: Any, i: int, vl_cfg: Any, what: str = "trajectory") -> None:
+    """PackingError naming trajectory `i` when its image placeholders do not match its images' grids, or when its
+    images were processed for another vision tower. `traj`: anything with ``images`` and ``tokens`` (or
+    ``prompt_ids``: an SFT example, named `what`)."""
+    tokens = traj.tokens if hasattr(traj, "tokens") else traj.prompt_ids
+    n_tokens = int((np.asarray(tokens) == vl_cfg.image_token_id).sum())
+    images = traj.images
+    if images is None:
+        if n_tokens:
+            raise PackingError(f"{what} {i}: {n_tokens} image placeholder tokens (id {vl_cfg.image_token_id}) but "
+                               f"no images (field images is None)")
+        return
+    v = vl_cfg.vision
+    grids = np.asarray(images.grid_thw).reshape(-1, 3)
+    n_feats = int(np.prod(grids, axis=1).sum()) // v.merge_unit
+    if n_tokens != n_feats:
+        raise PackingError(f"{what} {i}: {n_tokens} image placeholder tokens but field images (grids "
+                           f"{grids.tolist()}) gives {n_feats} image features")
+    proc = images.processor
+    if (proc.patch_size, proc.temporal_patch_size, proc.merge_size) != (v.patch_size, v.temporal_patch_size,
+                                                                        v.spatial_merge_size):
+        raise PackingError(f"{what} {i}: field images was processed with patch {proc.patch_size}, temporal patch "
+                           f"{proc.temporal_patch_size}, merge {proc.merge_size}; the vision tower needs "
+                           f"{v.patch_size}, {v.temporal_patch_size}, {v.spatial_merge_size}")
+
+
+def pack_images(trajectories: Sequence[Any], placement: Sequence[tuple[int, int, int, int]], indices: Sequence[int],
+                shape: tuple[int, int, int], cfg: Any, model_cfg: Any) -> tuple[dict[str, Any], dict[str, int]]:
+    """The `PackedBatch` fields of a minibatch with images (``mrope_positions``, ``image_index``, ``vision``; see
+    `vl_batch`'s module doc) and its image statistics (`PackedMinibatch.image_stats`). `placement[j]` = (micro, row,
+    start, length) of trajectory j, `shape` = (n_micro, rows, row_len)."""
+    from jaxrl_async.models.qwen2_5_vl import sequence_rope_index
+    from jaxrl_async.models.vision import vision_layout
+
+    first = next(indices[j] for j, t in enumerate(trajectories) if t.images is not None)
+    if not _is_vl(model_cfg):
+        raise PackingError(f"trajectory {first} carries images but the model is not a vision-language model "
+                           f"(model config {type(model_cfg).__name__}, expected a qwen2_5_vl.VLConfig)")
+    for t, i in zip(trajectories, indices):
+        check_image_tokens(t, i, model_cfg)
+    v = model_cfg.vision
+    mu = v.merge_unit
+    M, R, T = shape
+    mrope = np.zeros(shape + (3,), np.int32)
+    index = np.full(shape, -1, np.int32)
+    # per micro-batch: its distinct image sets (by content) in order of first use, and their first feature row
+    sets: list[dict[str, tuple[Any, int]]] = [{} for _ in range(M)]
+    units = [0] * M
+    canonical: dict[str, Any] = {}  # content digest -> the first object with it (decoded once)
+    digests: dict[int, str] = {}  # id(object) -> its digest (hashed once per object)
+    for j in sorted(range(len(trajectories)), key=lambda j: placement[j][:3]):  # row-major token order
+        t = trajectories[j]
+        m, r, s, n = placement[j]
+        assert s + n <= T, f"trajectory {indices[j]} crosses the end of its row"  # never split: images stay whole
+        tokens = np.asarray(t.tokens)
+        grids = [] if t.images is None else [tuple(int(x) for x in g) for g in np.asarray(t.images.grid_thw)]
+        try:
+            pos, _ = sequence_rope_index(model_cfg, tokens, iter(grids))
+        except ValueError as e:
+            raise PackingError(f"trajectory {indices[j]}: field images: {e}") from None
+        mrope[m, r, s:s + n] = pos.T
+        if t.images is None:
+            continue
+        key = digests.get(id(t.images))
+        if key is None:
+            key = digests[id(t.images)] = t.images.digest
+        obj = canonical.setdefault(key, t.images)
+        if key not in sets[m]:
+            sets[m][key] = (obj, units[m])
+            units[m] += obj.num_patches // mu
+        offset = sets[m][key][1]
+        where = np.flatnonzero(tokens == model_cfg.image_token_id)
+        index[m, r, s + where] = offset + np.arange(where.size, dtype=np.int32)
+    need = max(units) * mu
+    P = cfg.patches_for(need)
+    if P % mu:
+        raise PackingError(f"PackingConfig.patch_buckets: bucket {P} (for {need} patches) is not a multiple of the "
+                           f"vision tower's merge unit {mu}")
+    dim = v.patch_dim
+    pixels = np.zeros((M, P, dim), np.float32)
+    order = np.broadcast_to(np.arange(P, dtype=np.int32), (M, P)).copy()
+    unorder = np.broadcast_to(np.arange(P // mu, dtype=np.int32), (M, P // mu)).copy()
+    hw = np.zeros((M, P, 2), np.int32)
+    frames = np.full((M, P), -1, np.int32)  # padding patches: their own frame and window (real ids are >= 0)
+    windows = np.full((M, P), -1, np.int32)
+    for m in range(M):
+        objs = [obj for obj, _ in sets[m].values()]
+        if not objs:
+            continue
+        px = [obj.pixel_values() for obj in objs]  # decoded once per object (cached on it)
+        N = sum(p.shape[0] for p in px)
+        for obj_key, p in zip(sets[m], px):
+            if p.shape[1] != dim:
+                bad = next(indices[j] for j, t in enumerate(trajectories) if digests.get(id(t.images)) == obj_key)
+                raise PackingError(f"trajectory {bad}: field images has {p.shape[1]} values per patch, the vision "
+                                   f"tower takes {dim}")
+        np.concatenate(px, out=pixels[m, :N])
+        lay = vision_layout(v, np.concatenate([np.asarray(obj.grid_thw) for obj in objs]))
+        order[m, :N], unorder[m, :N // mu], hw[m, :N] = lay.order, lay.unorder, lay.hw
+        frames[m, :N], windows[m, :N] = lay.frame_ids, lay.window_ids
+    vision = VisionBatch(pixel_values=pixels, order=order, unorder=unorder, hw=hw, frame_ids=frames, window_ids=windows)
+    stats = {"images": sum(len(o) for o in canonical.values()), "image_sets": len(canonical),
+             "encoded_bytes": sum(o.nbytes for o in canonical.values()),
+             "decoded_bytes": sum(o.pixel_values().nbytes for o in canonical.values()),
+             "device_bytes": vision.nbytes + mrope.nbytes + index.nbytes, "pixel_bytes": pixels.nbytes, "patches": P}
+    return {"mrope_positions": mrope, "image_index": index, "vision": vision}, stats
 
 
 def split_minibatches(trajectories: Sequence[TrainSequence], n_minibatches: int) -> list[list[int]]:

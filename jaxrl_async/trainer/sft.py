@@ -19,6 +19,10 @@ indices per step (a batch may straddle two epochs). Shapes: unless a `PackingCon
 longest example rounded up to 8, rows = the most first-fit-decreasing rows any planned batch
 needs, rounded up to the data-parallel size), so the step compiles exactly once.
 
+Images (a `qwen2_5_vl.VLConfig` model): an example may carry its prompt's images (`SFTExample.images`, a
+`data.images.ImageInputs`; the prompt holds their placeholder tokens); the trainer packs their pixels and M-RoPE
+positions (`trainer/vl_batch.py`) and `sft_packing` plans the patch count too, so the step still compiles once.
+
 Interruption: `SFTRun` is the same training step by step: it stops between steps when asked and
 continues from a saved (state, step) exactly where it stopped, since the batch schedule is seeded and
 the learning rate follows the optimizer's step count (the RL loop checkpoints the warm start this way).
@@ -41,10 +45,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_async.models.config import ModelConfig
+from jaxrl_async.models.qwen2_5_vl import is_vl
 from jaxrl_async.models.transformer import Params
 from jaxrl_async.trainer.optimizer import OptimizerConfig
-from jaxrl_async.trainer.packing import PackingConfig, TrainSequence, ffd_rows
-from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig, batch_axis_size
+from jaxrl_async.trainer.packing import PackingConfig, TrainSequence, check_image_tokens, ffd_rows
+from jaxrl_async.trainer.train_step import Trainer, TrainStepConfig, batch_axis_size, text_config
 
 __all__ = [
     "nll_loss", "SFTExample", "encode_examples", "batch_schedule", "sft_packing", "sft_trainer_config", "run_sft", "SFTRun",
@@ -95,10 +100,12 @@ def nll_loss(logprobs, proximal_logprobs=None, behaviour_logprobs=None, advantag
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SFTExample:
-    """One tokenised pair. The loss covers the completion tokens only (incl. the EOS token)."""
+    """One tokenised pair. The loss covers the completion tokens only (incl. the EOS token). `images`: the prompt's
+    images (`data.images.ImageInputs`, whose placeholder tokens `prompt_ids` holds; a VL model), or None."""
 
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
+    images: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -117,8 +124,8 @@ class SFTExample:
         n, p = len(self), len(self.prompt_ids)
         zeros = np.zeros(n, np.float32)
         return TrainSequence(tokens=np.asarray(self.prompt_ids + self.completion_ids, np.int32),
-                          loss_mask=(np.arange(n) >= p).astype(np.int32), behaviour_logprobs=zeros,
-                          advantages=zeros, versions=None, proximal_logprobs=zeros)
+                             loss_mask=(np.arange(n) >= p).astype(np.int32), behaviour_logprobs=zeros,
+                             advantages=zeros, versions=None, proximal_logprobs=zeros, images=self.images)
 
 
 def encode_examples(pairs: Sequence[tuple[str, str]], tokenizer: Any) -> list[SFTExample]:
@@ -168,20 +175,27 @@ def batch_schedule(n_examples: int, batch_size: int, steps: int, seed: int = 0) 
 
 
 def sft_packing(lengths: Sequence[int], batches: Sequence[Sequence[int]], *, data_parallel: int = 1,
-                row_align: int = 8, max_seqs_per_row: int = 16) -> PackingConfig:
+                row_align: int = 8, max_seqs_per_row: int = 16, images: Sequence[Any] | None = None,
+                merge_unit: int = 4) -> PackingConfig:
     """One packed shape that holds every planned batch (so the step compiles once).
 
     row_len = round_up(max(lengths), row_align); rows = max over batches of the first-fit-decreasing
     rows the batch needs (the rule `pack` applies), rounded up to a multiple of `data_parallel`;
-    one micro-batch of rows x row_len tokens.
+    one micro-batch of rows x row_len tokens. `images` (per example, `ImageInputs` or None): the one patch bucket
+    = the most patches of the distinct image sets of any planned batch, rounded up to `merge_unit`.
     """
     if not batches:
         raise ValueError("sft_packing: no batches")
     row_len = -(-max(lengths) // row_align) * row_align
     rows = max(len(ffd_rows([lengths[i] for i in b], row_len, max_seqs_per_row)) for b in batches)
     rows = -(-rows // data_parallel) * data_parallel
+    patch_buckets = None
+    if images is not None and any(im is not None for im in images):
+        need = max(sum(im.num_patches for im in {id(images[i]): images[i] for i in b if images[i] is not None}.values())
+                   for b in batches)
+        patch_buckets = (max(merge_unit, -(-need // merge_unit) * merge_unit),)
     return PackingConfig(tokens_per_micro=rows * row_len, row_len_buckets=(row_len,), n_micro_buckets=(1,),
-                         max_seqs_per_row=max_seqs_per_row, row_multiple=data_parallel)
+                         max_seqs_per_row=max_seqs_per_row, row_multiple=data_parallel, patch_buckets=patch_buckets)
 
 
 _REQUIRED = object()
@@ -246,15 +260,24 @@ class SFTRun:
                                 "(see encode_examples)")
         lengths = [len(ex) for ex in examples]
         longest = int(np.argmax(lengths))
-        if lengths[longest] > model_cfg.max_position_embeddings:
+        text_cfg = text_config(model_cfg)
+        if lengths[longest] > text_cfg.max_position_embeddings:
             raise ValueError(f"run_sft: example {longest} has {lengths[longest]} tokens > the model's "
-                             f"max_position_embeddings {model_cfg.max_position_embeddings}")
+                             f"max_position_embeddings {text_cfg.max_position_embeddings}")
+        images = [ex.images for ex in examples]
+        if is_vl(model_cfg):  # placeholders vs grids, before any planning (the error names the example)
+            for i, ex in enumerate(examples):
+                check_image_tokens(ex, i, model_cfg, what="example")
+        elif any(im is not None for im in images):
+            i = next(i for i, im in enumerate(images) if im is not None)
+            raise ValueError(f"run_sft: example {i} carries images but the model is not a vision-language model")
         sft_trainer_config(cfg, PackingConfig())  # validates cfg before any planning
         self.cfg = cfg
         self.batches = batch_schedule(len(examples), cfg.batch_size, cfg.steps, seed)
         dp = batch_axis_size(mesh) if mesh is not None else 1
         if packing is None:
-            packing = sft_packing(lengths, self.batches, data_parallel=dp)
+            merge = model_cfg.vision.merge_unit if is_vl(model_cfg) else 4
+            packing = sft_packing(lengths, self.batches, data_parallel=dp, images=images, merge_unit=merge)
         self.trainer = Trainer(model_cfg, sft_trainer_config(cfg, packing), mesh, loss_fn=nll_loss,
                                normaliser_fn=lambda n_loss_tokens, n_loss_seqs: float(n_loss_tokens))
         self._trajs = [ex.trajectory() for ex in examples]

@@ -42,6 +42,13 @@ update (clip_by_global_norm + AdamW, `optimizer.py`).
   minibatch). `routing_replay` (rollout routing replay, R3: Ma et al. 2025, arXiv 2510.11370) routes every
   token with a recording to the generator's experts in the proximal and the policy passes, the gates
   recomputed from the trainer's router over those experts (`moe.routing(expert_ids=...)`).
+* Vision-language models (a `qwen2_5_vl.VLConfig`; `vl_batch.py`): minibatches whose trajectories carry images
+  pack M-RoPE positions, placeholder->feature indices and per-micro-batch pixels + vision layout; their
+  micro-batches run the vision tower, scatter the features into the embeddings and run the decoder with M-RoPE
+  positions (policy and proximal passes alike). Text-only minibatches take the text path (same programs as a
+  text model). `freeze_vision`: the tower is not trained (features under stop_gradient, no gradient, optimizer
+  state or update for the ``vision`` subtree: it passes through every step bit for bit); else it trains with
+  the decoder (the default, as veRL / AReaL train the whole Qwen2.5-VL).
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrl_async.models import lora
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.moe import aux_loss as moe_aux_loss, routing_scope
+from jaxrl_async.models.qwen2_5_vl import is_vl
 from jaxrl_async.models.transformer import Params, sequence_logprobs
 from jaxrl_async.models.shardings import model_shardings
 from jaxrl_async.sharding import activation_sharding, make_mesh
@@ -71,6 +79,7 @@ from jaxrl_async.trainer.optimizer import OptimizerConfig, learning_rate_schedul
 from jaxrl_async.trainer.packing import (
     DEVICE_FIELDS, PackedBatch, PackedMinibatch, PackingConfig, PackingError, TrainSequence, pack, split_minibatches,
 )
+from jaxrl_async.trainer.vl_batch import vl_sequence_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +108,9 @@ class TrainStepConfig:
     routing_replay: (MoE) rollout routing replay: the proximal and policy passes route each token to the
         experts the generator recorded for it (trajectories' `routing`; unrecorded tokens route freely).
     router_aux_loss_coef: (MoE) weight of the load-balancing loss added to the objective (0: reported only).
+    freeze_vision: (vision-language models) keep the vision tower fixed: its features are constants of the loss
+        and the ``vision`` parameters get no gradient, no optimizer state and no update. False (default): the
+        tower trains with the decoder.
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -109,6 +121,7 @@ class TrainStepConfig:
     logprob_chunk: int = 2048
     routing_replay: bool = False
     router_aux_loss_coef: float = 0.0
+    freeze_vision: bool = False
 
     def __post_init__(self):
         if self.ppo_n_minibatches < 1:
@@ -145,20 +158,37 @@ def batch_axis_size(mesh: Mesh) -> int:
     return spec_axes_size(mesh, batch_sharding(mesh).spec[1])
 
 
+def text_config(model_cfg: Any) -> ModelConfig:
+    """The decoder's `ModelConfig` (a VL model's ``text``)."""
+    return model_cfg.text if is_vl(model_cfg) else model_cfg
+
+
+def micro_logprobs(params: Params, model_cfg: Any, mb: PackedBatch, temperature: float, chunk: int,
+                   freeze_vision: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(log-probs, entropies) [rows, row_len] of one micro-batch: with images (`mb.vision`), the VL forward
+    (`vl_batch.vl_sequence_logprobs`), else the text one (`transformer.sequence_logprobs`, 1-D positions)."""
+    if mb.vision is not None:
+        return vl_sequence_logprobs(params, model_cfg, mb, temperature, chunk, freeze_vision)
+    return sequence_logprobs(params, text_config(model_cfg), mb.tokens, mb.segment_ids, mb.positions, temperature,
+                             chunk)
+
+
 def micro_batch_loss(params: Params, mb: PackedBatch, normaliser: jax.Array, policy_version: jax.Array, *,
-                     model_cfg: ModelConfig, loss_fn: LossFn, num_seqs: int, proximal: str, temperature: float,
+                     model_cfg: Any, loss_fn: LossFn, num_seqs: int, proximal: str, temperature: float,
                      chunk: int, routing_replay: bool = False, aux_coef: float = 0.0,
-                     route_tokens: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                     route_tokens: jax.Array | None = None,
+                     freeze_vision: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Loss of one micro-batch [rows, row_len], already divided by the GLOBAL normaliser. MoE models: plus
     `aux_coef` x the micro-batch's load-balancing loss x its share of the minibatch's `route_tokens` (real
-    tokens), and the router statistics (`moe_*` stats, see `_moe_metrics`)."""
+    tokens), and the router statistics (`moe_*` stats, see `_moe_metrics`). `model_cfg`: a `ModelConfig` or a
+    `qwen2_5_vl.VLConfig` (micro-batches with images: `micro_logprobs`)."""
     moe_stats = None
-    if model_cfg.num_experts:
+    if text_config(model_cfg).num_experts:
         with routing_scope(**_scope_kw(mb, routing_replay), stats_mask=mb.segment_ids != 0) as scope:
-            lp, ent = sequence_logprobs(params, model_cfg, mb.tokens, mb.segment_ids, mb.positions, temperature, chunk)
+            lp, ent = micro_logprobs(params, model_cfg, mb, temperature, chunk, freeze_vision)
         moe_stats = scope.result
     else:
-        lp, ent = sequence_logprobs(params, model_cfg, mb.tokens, mb.segment_ids, mb.positions, temperature, chunk)
+        lp, ent = micro_logprobs(params, model_cfg, mb, temperature, chunk, freeze_vision)
     if proximal == "loglinear":
         from jaxrl_async.rl.advantages import loglinear_proximal_logprobs
 
@@ -248,7 +278,7 @@ def _combine_stats(stats: Mapping[str, jax.Array], weights: jax.Array) -> dict[s
 
 def accumulate_gradients(params: Params, batch: PackedBatch, normaliser: jax.Array, policy_version: jax.Array,
                          *, grad_shardings: Any = None, frozen: Params | None = None,
-                         dropout: tuple[jax.Array, float] | None = None,
+                         dropout: tuple[jax.Array, float] | None = None, join: Callable | None = None,
                          **loss_kw) -> tuple[Params, jax.Array, dict[str, jax.Array]]:
     """(sum_k grad L_k, sum_k L_k, combined stats) over the leading micro-batch axis (lax.scan).
 
@@ -259,14 +289,16 @@ def accumulate_gradients(params: Params, batch: PackedBatch, normaliser: jax.Arr
     `loss_kw` are the keyword arguments of `micro_batch_loss`. The accumulator is fp32 and, when
     `grad_shardings` is given, constrained to the parameter shardings at every micro-batch.
     `frozen`: parameters the loss also reads but that get no gradient (LoRA: `params` are the adapters,
-    `frozen` the base; `lora.join` puts them together inside the loss). `dropout`: (key, rate) of LoRA
-    dropout; micro-batch k draws its masks from fold_in(key, k).
+    `frozen` the base; a frozen vision tower: ``{"vision": ...}``); `join(params, frozen)` (default `lora.join`)
+    puts them together inside the loss. `dropout`: (key, rate) of LoRA dropout; micro-batch k draws its masks
+    from fold_in(key, k).
     """
-    if loss_kw["model_cfg"].num_experts:  # the aux loss's token weights: real tokens of the whole minibatch
+    if text_config(loss_kw["model_cfg"]).num_experts:  # the aux loss's token weights: real tokens of the minibatch
         loss_kw = dict(loss_kw, route_tokens=jnp.maximum((batch.segment_ids != 0).sum(), 1).astype(jnp.float32))
     loss = functools.partial(micro_batch_loss, **loss_kw)
     if frozen is not None:
-        loss = (lambda f: lambda p, *a: f(lora.join(p, frozen), *a))(loss)
+        join = lora.join if join is None else join
+        loss = (lambda f: lambda p, *a: f(join(p, frozen), *a))(loss)
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def constrain(g):
@@ -314,16 +346,25 @@ class Trainer:
 
     `loss_fn` / `normaliser_fn` default to `jaxrl_async.rl.losses.policy_loss` with `loss_cfg`
     and the normaliser that `loss_cfg`'s aggregation implies (see `default_normaliser_fn`).
+    `model_cfg` may be a `qwen2_5_vl.VLConfig` (trajectories with images; see the module doc).
     """
 
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainStepConfig = TrainStepConfig(), mesh: Mesh | None = None, *,
+    def __init__(self, model_cfg: Any, cfg: TrainStepConfig = TrainStepConfig(), mesh: Mesh | None = None, *,
                  loss_fn: LossFn | None = None, loss_cfg: Any = None, normaliser_fn: NormaliserFn | None = None):
         if model_cfg.param_dtype != "float32":
             model_cfg = model_cfg.replace(param_dtype="float32")  # fp32 master weights
-        if cfg.routing_replay and not model_cfg.num_experts:
+        text = text_config(model_cfg)
+        if cfg.routing_replay and not text.num_experts:
             raise ValueError("TrainStepConfig.routing_replay: needs a mixture-of-experts model (num_experts > 0)")
+        self.vl = is_vl(model_cfg)
+        if cfg.freeze_vision and not self.vl:
+            raise ValueError("TrainStepConfig.freeze_vision: needs a vision-language model (a qwen2_5_vl.VLConfig), "
+                             f"got a {text.model_type} text model")
+        if self.vl and text.lora is not None:
+            raise ValueError("ModelConfig.lora: LoRA on a vision-language model is not supported yet")
+        self.freeze_vision = bool(cfg.freeze_vision)
         self.model_cfg = model_cfg
-        self.lora = model_cfg.lora  # LoRA: only the adapters train
+        self.lora = text.lora  # LoRA: only the adapters train
         if mesh is None:
             mesh = make_mesh({"fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
         self.mesh = mesh
@@ -351,10 +392,11 @@ class Trainer:
         self.replicated = NamedSharding(mesh, P())
         self.state_shardings = self._state_shardings()
         self._traces = {"step": 0, "logprobs": 0}
-        self._jit_steps: dict[int, Any] = {}  # one jitted step per static num_seqs (i.e. per row_len bucket)
-        self._jit_logprobs = jax.jit(self._traced(self._logprobs_impl),
-                                     in_shardings=(self.param_shardings, self.batch_sharding),
-                                     out_shardings=(self.batch_sharding, self.batch_sharding))
+        # one jitted step per static num_seqs (i.e. per row_len bucket); minibatches with images have their own
+        # (their vision inputs are replicated: another in_shardings tree)
+        self._jit_steps: dict[Any, Any] = {}
+        self._jit_logprobs_by: dict[Any, Any] = {}
+        self._jit_logprobs = self._logprobs_fn(None)
         self._jit_grads = jax.jit(self._traced(self._grads_impl), static_argnames=("num_seqs",))
 
     def _traced(self, fn):
@@ -366,8 +408,8 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------
     def _trainable(self, params):
-        """The subtree the optimizer updates: everything, or the LoRA adapters."""
-        return params if self.lora is None else lora.split(params)[0]
+        """The subtree the optimizer updates: everything, the LoRA adapters, or all but a frozen vision tower."""
+        return self._split(params)[0]
 
     def _state_shardings(self) -> TrainState:
         abstract = jax.eval_shape(self.tx.init, self._trainable(jax.tree.map(
@@ -392,13 +434,28 @@ class Trainer:
 
     # -- batches -------------------------------------------------------------------------
     def pack(self, trajectories: Sequence[TrainSequence], indices: Sequence[int] | None = None) -> PackedMinibatch:
-        return pack(trajectories, self.cfg.packing, indices)
+        return pack(trajectories, self.cfg.packing, indices, self.model_cfg)
+
+    def batch_shardings(self, b: PackedBatch) -> Any:
+        """The shardings of batch `b` (a prefix tree): its [n_micro, rows, ...] arrays split over the batch axes;
+        with images, the per-micro-batch vision inputs replicated (every device runs its micro-batch's tower)."""
+        if b.vision is None:
+            return self.batch_sharding
+        rows = self.batch_sharding
+        return b.replace(**{f: rows for f in DEVICE_FIELDS}, routing=None if b.routing is None else rows,
+                         mrope_positions=rows, image_index=rows,
+                         vision=jax.tree.map(lambda _: self.replicated, b.vision))
 
     def put_batch(self, packed: PackedMinibatch | PackedBatch) -> PackedBatch:
         """Host arrays -> device arrays on the batch sharding (shape-checked per field)."""
         b = packed.batch if isinstance(packed, PackedMinibatch) else packed
         _check_batch_shapes(b)
-        return jax.device_put(b, self.batch_sharding)
+        return jax.device_put(b, self.batch_shardings(b))
+
+    @staticmethod
+    def _layout_key(b: PackedBatch) -> Any:
+        """None for text batches (one program per shape, as always); the tree layout of a batch with images."""
+        return None if b.vision is None else ("vl", b.routing is not None)
 
     # -- proximal log-probs ----------------------------------------------------------------
     def _logprobs_impl(self, params, batch):
@@ -408,17 +465,27 @@ class Trainer:
             # routing replay: the proximal pass routes like the policy pass, by the recorded experts
             replay = self.cfg.routing_replay and mb.routing is not None
             with routing_scope(**_scope_kw(mb, True)) if replay else contextlib.nullcontext():
-                return sequence_logprobs(params, self.model_cfg, mb.tokens, mb.segment_ids, mb.positions,
-                                         self.cfg.temperature, self.cfg.logprob_chunk)
+                return micro_logprobs(params, self.model_cfg, mb, self.cfg.temperature, self.cfg.logprob_chunk)
 
         def skip(mb):  # bucket padding: no forward
             return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, mb))
 
         return jax.lax.map(lambda mb: jax.lax.cond((mb.segment_ids != 0).any(), one, skip, mb), batch)
 
+    def _logprobs_fn(self, batch: PackedBatch | None):
+        key = None if batch is None else self._layout_key(batch)
+        fn = self._jit_logprobs_by.get(key)
+        if fn is None:
+            fn = jax.jit(self._traced(self._logprobs_impl),
+                         in_shardings=(self.param_shardings,
+                                       self.batch_sharding if batch is None else self.batch_shardings(batch)),
+                         out_shardings=(self.batch_sharding, self.batch_sharding))
+            self._jit_logprobs_by[key] = fn
+        return fn
+
     def compute_logprobs(self, params: Params, batch: PackedBatch) -> tuple[jax.Array, jax.Array]:
         """(log-probs, entropies) [n_micro, rows, row_len] of the batch under `params` (no grad)."""
-        return self._jit_logprobs(params, batch)
+        return self._logprobs_fn(batch)(params, batch)
 
     def with_recomputed_proximal(self, params: Params, batch: PackedBatch) -> PackedBatch:
         """The batch with proximal_logprobs = log pi_theta(current params), 0 off the loss mask."""
@@ -429,15 +496,27 @@ class Trainer:
     def _loss_kw(self, num_seqs: int) -> dict[str, Any]:
         return dict(model_cfg=self.model_cfg, loss_fn=self.loss_fn, num_seqs=num_seqs, proximal=self.cfg.proximal,
                     temperature=self.cfg.temperature, chunk=self.cfg.logprob_chunk,
-                    routing_replay=self.cfg.routing_replay, aux_coef=self.cfg.router_aux_loss_coef)
+                    routing_replay=self.cfg.routing_replay, aux_coef=self.cfg.router_aux_loss_coef,
+                    freeze_vision=self.freeze_vision)
 
     def _split(self, params):
-        """(trainable, frozen): (params, None), or LoRA's (adapters, base)."""
-        return (params, None) if self.lora is None else lora.split(params)
+        """(trainable, frozen): (params, None), LoRA's (adapters, base) or, with a frozen vision tower,
+        (everything else, {"vision": tower})."""
+        if self.lora is not None:
+            return lora.split(params)
+        if self.freeze_vision:
+            return {k: v for k, v in params.items() if k != "vision"}, {"vision": params["vision"]}
+        return params, None
+
+    def _join(self, train, frozen):
+        """Inverse of `_split`."""
+        if frozen is None:
+            return train
+        return lora.join(train, frozen) if self.lora is not None else {**train, **frozen}
 
     def _grads_impl(self, params, batch, normaliser, policy_version, *, num_seqs):
         train, frozen = self._split(params)
-        return accumulate_gradients(train, batch, normaliser, policy_version, frozen=frozen,
+        return accumulate_gradients(train, batch, normaliser, policy_version, frozen=frozen, join=self._join,
                                     **self._loss_kw(num_seqs))
 
     def gradients(self, params: Params, packed: PackedMinibatch, batch: PackedBatch | None = None,
@@ -456,27 +535,30 @@ class Trainer:
             dropout = (jax.random.fold_in(jax.random.key(0), state.step), self.lora.dropout)
         grads, loss, stats = accumulate_gradients(train, batch, normaliser, policy_version, frozen=frozen,
                                                   grad_shardings=self.trainable_shardings, dropout=dropout,
-                                                  **self._loss_kw(num_seqs))
+                                                  join=self._join, **self._loss_kw(num_seqs))
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = self.tx.update(grads, state.opt_state, train)
         new_train = _where_tree(ok, optax.apply_updates(train, updates), train)
-        new_state = TrainState(params=new_train if frozen is None else lora.join(new_train, frozen),
+        new_state = TrainState(params=self._join(new_train, frozen),
                                opt_state=_where_tree(ok, new_opt, state.opt_state),
                                step=state.step + ok.astype(jnp.int32),
                                n_skipped=state.n_skipped + (~ok).astype(jnp.int32))
-        stats = _moe_metrics(stats, self.model_cfg.num_experts_per_tok)
+        stats = _moe_metrics(stats, text_config(self.model_cfg).num_experts_per_tok)
         metrics = {**stats, "loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32),
                    "lr": jnp.asarray(self.lr_schedule(state.step), jnp.float32)}
         return new_state, metrics
 
-    def _step_fn(self, num_seqs: int):
-        fn = self._jit_steps.get(num_seqs)
+    def _step_fn(self, num_seqs: int, batch: PackedBatch | None = None):
+        layout = None if batch is None else self._layout_key(batch)
+        key = num_seqs if layout is None else (num_seqs, layout)
+        fn = self._jit_steps.get(key)
         if fn is None:
+            bsh = self.batch_sharding if layout is None else self.batch_shardings(batch)  # type: ignore[arg-type]
             fn = jax.jit(self._traced(functools.partial(self._step_impl, num_seqs=num_seqs)), donate_argnums=(0,),
-                         in_shardings=(self.state_shardings, self.batch_sharding, self.replicated, self.replicated),
+                         in_shardings=(self.state_shardings, bsh, self.replicated, self.replicated),
                          out_shardings=(self.state_shardings, self.replicated))
-            self._jit_steps[num_seqs] = fn
+            self._jit_steps[key] = fn
         return fn
 
     def step(self, state: TrainState, packed: PackedMinibatch, batch: PackedBatch | None = None,
@@ -498,9 +580,12 @@ class Trainer:
         if not (norm > 0 and math.isfinite(norm)):
             raise PackingError(f"loss normaliser must be positive and finite, got {norm} "
                                f"(n_loss_tokens={packed.n_loss_tokens}, n_seqs={packed.n_seqs})")
-        state, metrics = self._step_fn(packed.num_seqs)(state, batch, jnp.float32(norm), jnp.int32(policy_version))
+        state, metrics = self._step_fn(packed.num_seqs, batch)(state, batch, jnp.float32(norm),
+                                                               jnp.int32(policy_version))
         metrics.update(tokens=packed.n_tokens, loss_tokens=packed.n_loss_tokens, sequences=packed.n_seqs,
                        n_micro=packed.n_micro, n_real_micro=packed.n_real_micro, row_len=packed.row_len)
+        if packed.image_stats is not None:
+            metrics.update(image_metrics(packed.image_stats))
         return state, metrics
 
     def train_batch(self, state: TrainState, trajectories: Sequence[TrainSequence], policy_version: int = 0
@@ -517,6 +602,10 @@ class Trainer:
             logger.warning("routing_replay: %d of %d trajectories carry no recorded routing and route by the "
                            "trainer's own top-k", unrouted, len(trajectories))
         groups = split_minibatches(trajectories, self.cfg.ppo_n_minibatches)
+        # pixels this step decodes are dropped once on the device (the cache of an object that arrived decoded,
+        # e.g. by an in-process generator, is left as found)
+        fresh = {id(t.images): t.images for t in trajectories
+                 if t.images is not None and t.images.__dict__.get("_pixels") is None}
         packed = [self.pack([trajectories[i] for i in g], g) for g in groups]
         if self.cfg.proximal == "given":
             for p in packed:
@@ -524,6 +613,8 @@ class Trainer:
                     raise PackingError("TrainStepConfig.proximal='given' but some trajectories of minibatch "
                                        f"{p.indices[:8]} have no proximal_logprobs")
         batches = [self.put_batch(p) for p in packed]
+        for obj in fresh.values():
+            obj.drop_pixels()
         gaps = [None] * len(batches)
         if self.cfg.proximal == "recompute":
             batches = [self.with_recomputed_proximal(state.params, b) for b in batches]
@@ -540,7 +631,8 @@ class Trainer:
 
     @property
     def n_compilations(self) -> dict[str, int]:
-        """Traces of the step and of compute_logprobs (one per distinct bucket shape)."""
+        """Traces of the step and of compute_logprobs (one per distinct bucket shape: row length, micro-batch count
+        and, with images, patch count)."""
         return dict(self._traces)
 
 
@@ -550,20 +642,35 @@ def _behave_prox_abs_max(b: PackedBatch) -> jax.Array:
     return jnp.max(jnp.where(b.loss_mask > 0, jnp.abs(b.proximal_logprobs - b.behaviour_logprobs), 0.0))
 
 
-def _storage_dtypes(cfg: ModelConfig):
+def image_metrics(stats: Mapping[str, int]) -> dict[str, int]:
+    """`PackedMinibatch.image_stats` -> the step's ``images/*`` metrics: ``images/count`` and ``images/sets``
+    (distinct images and image sets of the minibatch), ``images/encoded_bytes`` (what the trajectories carried:
+    the encoded files + grids of its distinct `ImageInputs`), ``images/decoded_bytes`` (their float32 patches,
+    decoded once per object), ``images/device_bytes`` (the vision inputs put on the device: pixels with bucket
+    padding, layout, M-RoPE positions, feature indices), ``images/device_pixel_bytes`` (of which pixels),
+    ``images/patches_max`` (the patch bucket)."""
+    return {"images/count": stats["images"], "images/sets": stats["image_sets"],
+            "images/encoded_bytes": stats["encoded_bytes"], "images/decoded_bytes": stats["decoded_bytes"],
+            "images/device_bytes": stats["device_bytes"], "images/device_pixel_bytes": stats["pixel_bytes"],
+            "images/patches_max": stats["patches"]}
+
+
+def _storage_dtypes(cfg: Any):
     """Per-leaf storage dtype in the trainer: float32, or with LoRA the base in `lora.base_dtype` and the
     adapters in float32."""
-    from jaxrl_async.models.transformer import param_shapes
-
-    shapes = param_shapes(cfg)
-    if cfg.lora is None:
+    shapes = _param_structs(cfg)
+    if is_vl(cfg) or cfg.lora is None:  # (LoRA on a VL model is refused by the Trainer)
         return jax.tree.map(lambda _: jnp.dtype(jnp.float32), shapes)
     adapters, base = lora.split(shapes)
     return lora.join(jax.tree.map(lambda _: jnp.dtype(jnp.float32), adapters),
                      jax.tree.map(lambda _: jnp.dtype(cfg.lora.base_dtype), base))
 
 
-def _param_structs(cfg: ModelConfig):
+def _param_structs(cfg: Any):
+    if is_vl(cfg):
+        from jaxrl_async.models.qwen2_5_vl import param_shapes as vl_param_shapes
+
+        return vl_param_shapes(cfg)
     from jaxrl_async.models.transformer import param_shapes
 
     return param_shapes(cfg)
@@ -577,6 +684,14 @@ def _check_batch_shapes(b: PackedBatch) -> None:
         s = np.shape(getattr(b, f))
         if s != shape:
             raise PackingError(f"batch field {f} has shape {s}, expected {shape} like tokens")
+    if b.vision is None:
+        return
+    for f, want in (("mrope_positions", shape + (3,)), ("image_index", shape)):
+        if np.shape(getattr(b, f)) != want:
+            raise PackingError(f"batch field {f} has shape {np.shape(getattr(b, f))}, expected {want}")
+    for f, a in dataclasses.asdict(b.vision).items():
+        if np.shape(a)[:1] != shape[:1]:
+            raise PackingError(f"batch field vision.{f} has shape {np.shape(a)}, expected n_micro={shape[0]} first")
 
 
 def default_normaliser_fn(loss_cfg: Any) -> NormaliserFn:
@@ -615,5 +730,8 @@ def step_metrics(minibatch_metrics: Sequence[Mapping[str, Any]]) -> dict[str, fl
     for k in sorted(set().union(*ms) - set(out) - {"tokens", "loss_tokens", "sequences", "n_micro", "n_real_micro",
                                                        "row_len"}):
         vals = np.asarray([m.get(k, np.nan) for m in ms], np.float64)
+        if k.startswith("images/") and not k.endswith("_max"):  # bytes and counts of the step's minibatches add up
+            out[k] = float(np.nansum(vals))
+            continue
         out[k] = float(np.max(vals)) if k.endswith("_max") else float(np.sum(vals * w))
     return out

@@ -246,6 +246,7 @@ class GatedEngine(Engine):
 
     def __init__(self, inner: Engine, gate_step: int, timeout_s: float = 30.0):
         self.inner = inner
+        self.vl_cfg = getattr(inner, "vl_cfg", None)  # a vision-language engine's (requests with images)
         self.gate_step = gate_step
         self.gate = threading.Event()
         self.reached = threading.Event()
