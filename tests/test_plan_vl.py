@@ -14,7 +14,8 @@ from jaxrl_async.config import load_config_file, validate
 from jaxrl_async.models.vl_presets import vision_num_params, vl_num_params, vl_preset
 from jaxrl_async.plan.planner import PlanError
 from jaxrl_async.plan.vl import (
-    ImageBudget, decoder_run_config, pixel_bytes_per_row, reduced_run_depth, vision_bytes, vl_memory, vl_model_config,
+    ImageBudget, decoder_run_config, micro_batch_patches, prefill_patches, reduced_run_depth, vision_batch_bytes,
+    vision_bytes, vl_memory, vl_model_config,
 )
 from jaxrl_async.sharding.mesh import make_mesh
 
@@ -82,20 +83,29 @@ def test_vision_bytes_per_device_match_a_hand_calculation():
 
 
 def test_vl_memory_adds_vision_state_and_pixels():
+    from jaxrl_async.trainer.packing import PackingConfig
+
     vl = vl_preset("qwen2.5-vl-7b")
     devs = jax.devices()[:8]
     trn = make_mesh({"fsdp": 4}, ("fsdp",), devices=devs[4:])
     gen = make_mesh({"data": 2, "tensor": 2}, ("data", "tensor"), devices=devs[:4])
-    b = ImageBudget()
-    m = vl_memory(vl, b, trn, gen, rows=8, seqs_per_row=1, n_micro=16, minibatches=4)
-    assert pixel_bytes_per_row(vl, b, 1) == 5120 * 1176 * 4  # float32 patches of one 1280-token image: 24 MB
-    assert m["trainer_pixel_batches_bytes"] == 2 * 5120 * 1176 * 4 * 16 * 4  # 8 rows over fsdp 4 = 2 a device
+    m = vl_memory(vl, trn, gen)
     assert m["trainer_vision_optimizer_bytes"] == 2 * m["trainer_vision_params_bytes"]
     assert m["trainer_vision_push_staging_bytes"] == _hand_vision_bytes(vl.vision, 2, shard_embed=4)
     assert m["generator_vision_params_bytes"] == m["generator_vision_incoming_bytes"]
     # the vision tower is ~8 % of the model: fp32 + Adam per trainer device ~ 12 x 677 M / 4 bytes
     assert 1.9e9 < m["trainer_vision_params_bytes"] * 3 < 2.1e9
     assert np.isclose(m["generator_vision_params_bytes"], 2 * vision_num_params(vl.vision) / 2, rtol=0.01)
+    # a micro-batch of 8 rows (8 sequences of 8 prompts x 16 samples): 8 image sets of 5120 patches, bucketed to
+    # the power of two 65536; 4 sequences of one prompt: one set
+    b, pk = ImageBudget(), PackingConfig()
+    assert micro_batch_patches(b, vl, sequences_per_micro=8, prompts_per_minibatch=8, packing=pk) == (8, 65536)
+    assert micro_batch_patches(b, vl, sequences_per_micro=32, prompts_per_minibatch=2, packing=pk) == (2, 16384)
+    assert micro_batch_patches(b, vl, sequences_per_micro=4, prompts_per_minibatch=1, packing=pk) == (1, 8192)
+    # float32 pixels (1176 values a patch) + int32 layout (order, 2 coordinates, frame, window; 1/4 for unorder)
+    assert vision_batch_bytes(vl, 16, 65536) == 16 * (65536 * 1176 * 4 + 65536 * 5 * 4 + 16384 * 4)
+    # a prefill row of 2048 tokens holds one 1280-token image prompt: the tower over 8192 padded patches
+    assert prefill_patches(b, vl, 2048) == (1, 8192) and prefill_patches(ImageBudget(1, 256), vl, 2048) == (8, 8192)
 
 
 @pytest.mark.parametrize("path", CONFIGS)
@@ -144,8 +154,14 @@ def test_make_vl_plan_on_cpu_for_the_visual_task():
     assert r["model"]["type"] == "qwen2" and v["image_budget"]["patches_per_prompt"] == 2 * 12 * 4
     assert v["train_step"]["compute_dtype"] == "float32" and v["train_step_transient_bytes"] > 0
     assert v["prefill_transient_bytes"] > 0 and v["fits"]
-    resident = (t["params_bytes"] + t["optimizer_state_bytes"] + t["batches_bytes"] + t["push_staging_bytes"]
+    ib = v["image_budget"]
+    # the minibatches with images hold the text fields + the replicated vision inputs of every micro-batch
+    k = cfg.trainer.ppo_n_minibatches
+    vis = vision_batch_bytes(vl_model_config(cfg), ib["n_micro"], ib["patches_per_micro"]) * k
+    assert vis < v["trainer_batches_bytes"] <= vis + 2 * t["batches_bytes"]
+    resident = (t["params_bytes"] + t["optimizer_state_bytes"] + v["trainer_batches_bytes"] + t["push_staging_bytes"]
                 + v["trainer_vision_params_bytes"] + v["trainer_vision_optimizer_bytes"]
-                + v["trainer_vision_push_staging_bytes"] + v["trainer_pixel_batches_bytes"])
+                + v["trainer_vision_push_staging_bytes"])
     assert v["trainer_peak_bytes"] >= resident + v["train_step_transient_bytes"]
+    assert v["tower_transient_bytes"] > 0 and ib["prefill_patches"] >= 2 * 12 * 4
     assert "VL verdict: FITS" in format_vl_plan(r)

@@ -9,21 +9,19 @@ images add:
 
 * resident: the vision tower's parameters (trainer: float32 master weights + AdamW moments, sharded by the
   trainer rules; generator: the compute dtype by the generator rules, plus one incoming push of them) and the
-  pixel patches of the packed minibatches (float32 [patches, C*Tp*P*P] per image, up to the image budget);
-* programs compiled for the target: the VL train step (vision tower over every row's images -> features scattered
-  into the image placeholders -> M-RoPE decoder -> token log-probs -> ``rl.losses.policy_loss`` -> gradients ->
-  AdamW on every parameter, donated) and the VL prefill of one prompt at the image budget (vision tower + M-RoPE
-  decoder over the prompt). Their temporaries replace the decoder's train step / prefill temporaries in the peaks.
+  packed minibatches with images (`trainer.vl_batch`: per micro-batch the float32 pixel patches of its distinct
+  image sets, bucketed, replicated on every trainer device, plus M-RoPE positions and placeholder indices);
+* the run's own VL programs compiled with abstract arguments (for the target when the decoder's were): the
+  Trainer's step and proximal log-prob pass of a minibatch with images (``Trainer._step_fn`` / ``_logprobs_fn``:
+  vision tower over each micro-batch's patches -> features into the placeholders -> M-RoPE decoder -> the policy
+  loss of ``rl/losses.py`` -> AdamW) and the engine's vision tower and VL prefill of the largest prefill bucket
+  (``generator/vision_prefill.py``). Their temporaries replace the decoder's in the peaks; the decode step is the
+  decoder's.
 
 The image budget (`ImageBudget`): images per prompt x visual tokens per image (1280 = the Qwen2.5-VL model card's
-recommended ``max_pixels = 1280 * 28 * 28``; the tower sees m^2 = 4 patches per token: 5120). Every row of the
-train micro-batch holds its sequences' images (rows at the longest bucket hold one sequence each); the tower runs
-per row (``vmap``), so its patches split over the trainer's batch axes like the rows.
-
-Seam: ``vl_train_step`` and ``vl_prefill`` below are this module's own thin programs, written while the trainer's
-VL loss (branch ``vltrain``) and the generator's VL prefill (branch ``vlgen``) were in progress; the plan takes them
-through ``VL_PROGRAMS`` (name -> builder), the one place to swap in ``Trainer``'s and ``PagedEngine``'s own VL
-programs once they exist.
+recommended ``max_pixels = 1280 * 28 * 28``; the tower sees m^2 = 4 patches per token: 5120). A micro-batch holds
+one image set per distinct prompt among its sequences (the samples of a prompt share one copy), at most the
+minibatch's prompts; its patch count is bucketed by ``trainer.packing.patch_buckets`` (powers of two by default).
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ import math
 from typing import Any
 
 from jaxrl_async.plan.planner import GiB, PlanError, compile_executable, device_bytes
+
 
 @dataclasses.dataclass(frozen=True)
 class ImageBudget:
@@ -139,174 +138,126 @@ def vision_bytes(vl, mesh, rules: str, dtype: str) -> int:
     return device_bytes(jax.tree.leaves(shapes), jax.tree.leaves(shardings))
 
 
-def pixel_bytes_per_row(vl, budget: ImageBudget, seqs_per_row: int) -> int:
-    """float32 pixel patches of one packed row's images."""
-    return seqs_per_row * budget.patches_per_prompt(vl.vision.spatial_merge_size) * vl.vision.patch_dim * 4
+def vision_batch_bytes(vl, n_micro: int, patches: int) -> int:
+    """Bytes of the vision inputs of one packed minibatch (`trainer.vl_batch.VisionBatch`: per micro-batch the float32
+    pixel patches of its distinct image sets, bucketed to ``patches``, and their int32 layout: order, frame and window
+    ids, 2D coordinates, the merge units' order). The trainer replicates them (every device runs its micro-batch's
+    tower), so this is per device too."""
+    mu = vl.vision.merge_unit
+    return n_micro * (patches * vl.vision.patch_dim * 4 + patches * 5 * 4 + patches // mu * 4)
 
 
-def vl_memory(vl, budget: ImageBudget, trn_mesh, gen_mesh, *, rows: int, seqs_per_row: int, n_micro: int,
-              minibatches: int, push_dtype: str = "bfloat16") -> dict[str, int]:
-    """What the images add per device, from shapes and shardings alone: the vision tower's parameters, AdamW
-    moments and push staging (trainer), its weights and one incoming push (generator), and the pixel patches of
-    the packed minibatches (rows split over the trainer's batch axes)."""
-    from jaxrl_async.trainer.train_step import batch_axis_size
+def micro_batch_patches(budget: ImageBudget, vl, *, sequences_per_micro: int, prompts_per_minibatch: int,
+                        packing) -> tuple[int, int]:
+    """(distinct image sets, bucketed patch count) of the largest micro-batch: one set per distinct prompt (the
+    samples of a prompt share one copy), at most the micro-batch's sequences and the minibatch's prompts."""
+    sets = max(1, min(sequences_per_micro, prompts_per_minibatch))
+    return sets, packing.patches_for(sets * budget.patches_per_prompt(vl.vision.spatial_merge_size))
 
+
+def vl_memory(vl, trn_mesh, gen_mesh, push_dtype: str = "bfloat16") -> dict[str, int]:
+    """What the vision tower adds per device, from shapes and shardings alone: its parameters, AdamW moments and
+    push staging (trainer rules), its weights and one incoming push (generator rules)."""
     trn_params = vision_bytes(vl, trn_mesh, "trainer", "float32")
     gen_params = vision_bytes(vl, gen_mesh, "generator", vl.text.dtype)
-    dp = batch_axis_size(trn_mesh)
-    rows_per_device = -(-rows // dp)
-    pixels = pixel_bytes_per_row(vl, budget, seqs_per_row) * rows_per_device * n_micro * minibatches
     return {"trainer_vision_params_bytes": trn_params, "trainer_vision_optimizer_bytes": 2 * trn_params,
             "trainer_vision_push_staging_bytes": vision_bytes(vl, trn_mesh, "trainer", push_dtype),
-            "trainer_pixel_batches_bytes": pixels,
             "generator_vision_params_bytes": gen_params, "generator_vision_incoming_bytes": gen_params}
 
 
 # =============================================================================================
-# The programs (thin; see the module docstring's seam)
+# The run's VL programs with abstract arguments (Trainer: trainer/vl_batch.py; engine: generator/vision_prefill.py)
 # =============================================================================================
-def _row_layout(vl, budget: ImageBudget, seqs_per_row: int):
-    """The vision layout of one row's images at the budget (numpy arrays)."""
-    from jaxrl_async.models import vision
-
-    grids = [budget.grid(vl.vision.spatial_merge_size)] * (budget.images_per_prompt * seqs_per_row)
-    return vision.vision_layout(vl.vision, grids).arrays()
-
-
-def vl_train_step(vl, loss_cfg, *, lr: float = 1e-5, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                  weight_decay: float = 0.01, chunk: int = 2048):
-    """``step(state, batch) -> (state, loss)``: one VL policy-gradient step over a packed minibatch of n_micro
-    micro-batches whose rows carry their images, as ``Trainer``'s step (a scan over the micro-batches accumulating
-    float32 gradients, then one AdamW update). Every leaf of ``batch`` has a leading [n_micro] axis: tokens /
-    segment_ids / loss arrays [n_micro, R, T], positions [n_micro, 3, R, T], ``pixels`` [n_micro, R, N, C*Tp*P*P],
-    ``layout`` the rows' `vision.vision_layout` arrays [n_micro, R, ...]. state = (params, mu, nu, count), float32,
-    AdamW on every parameter (vision tower included; a frozen tower would drop its moments)."""
+def _with_shardings(abstract, shardings):
     import jax
-    import jax.numpy as jnp
 
-    from jaxrl_async.models import qwen2_5_vl, transformer
-    from jaxrl_async.rl.losses import policy_loss
-
-    def loss_fn(params, batch):
-        tokens, seg = batch["tokens"], batch["segment_ids"]
-        feats = jax.vmap(lambda pv, lay: qwen2_5_vl.image_features(params, vl, pv, lay))(batch["pixels"],
-                                                                                           batch["layout"])
-        embeds = jax.vmap(lambda t, f: qwen2_5_vl.embed_inputs(params, vl, t[None], f)[0])(tokens, feats)
-        hidden, _ = transformer.forward(params, vl.text, tokens, batch["positions"],
-                                        transformer.model_attention(vl.text, seg), None, embeds=embeds)
-        targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-        lp, ent = transformer.token_logprobs_from_hidden(params, hidden, targets, 1.0, chunk)
-        mask = batch["loss_mask"]
-        loss, _ = policy_loss(lp, batch["proximal_logprobs"], batch["behaviour_logprobs"], batch["advantages"],
-                              mask, loss_cfg, normaliser=jnp.maximum(mask.sum(), 1.0), entropy=ent)
-        return loss
-
-    def step(state, batch):
-        params, mu, nu, count = state
-
-        def micro(acc, mb):
-            loss, g = jax.value_and_grad(loss_fn)(params, mb)
-            return (jax.tree.map(jnp.add, acc[0], g), acc[1] + loss), None
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        (g, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), batch)
-        count = count + 1
-        c1, c2 = 1 - b1 ** count.astype(jnp.float32), 1 - b2 ** count.astype(jnp.float32)
-        mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, mu, g)
-        nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, nu, g)
-        params = jax.tree.map(lambda p, m, v: p - lr * ((m / c1) / (jnp.sqrt(v / c2) + eps) + weight_decay * p),
-                              params, mu, nu)
-        return (params, mu, nu, count), loss
-
-    return step
+    return jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), abstract, shardings)
 
 
-def vl_prefill(vl):
-    """``prefill(params, tokens [1, T], positions [3, 1, T], pixels [N, C*Tp*P*P], layout) -> logits [1, V]`` of the
-    prompt's last position: the vision tower over the prompt's images, the features in the placeholders, the
-    M-RoPE decoder over the prompt (KV written by the engine's attend hook in the real prefill)."""
-    import jax.numpy as jnp
-
-    from jaxrl_async.models import qwen2_5_vl, transformer
-
-    def prefill(params, tokens, positions, pixels, layout):
-        feats = qwen2_5_vl.image_features(params, vl, pixels, layout)
-        embeds = qwen2_5_vl.embed_inputs(params, vl, tokens, feats)
-        seg = jnp.ones(tokens.shape, jnp.int32)
-        hidden, _ = transformer.forward(params, vl.text, tokens, positions, transformer.model_attention(vl.text, seg),
-                                        None, embeds=embeds)
-        return transformer.logits_from_hidden(params, hidden[:, -1])
-
-    return prefill
-
-
-VL_PROGRAMS = {"train_step": vl_train_step, "prefill": vl_prefill}
-
-
-def _abstract_train(vl, mesh, n_micro: int, rows: int, row_len: int, budget: ImageBudget, seqs_per_row: int):
+def abstract_vl_state(trainer):
+    """The VL trainer's `TrainState` as ShapeDtypeStructs with its shardings (fp32 master weights, AdamW state of
+    the trainable subtree: all of it, or all but a frozen tower)."""
     import jax
     import jax.numpy as jnp
 
     from jaxrl_async.models import qwen2_5_vl
-    from jaxrl_async.models.shardings import model_shardings
-    from jaxrl_async.sharding.rules import activation_sharding
+    from jaxrl_async.trainer.train_step import TrainState
 
-    full = vl.replace(param_dtype="float32")
-    sh = model_shardings(full, mesh, "trainer")
-    params = jax.tree.map(lambda s, x: _sds(s.shape, jnp.float32, x), qwen2_5_vl.param_shapes(full), sh)
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    state = (params, params, params, _sds((), jnp.int32, rep))
-    row = activation_sharding(mesh, "trainer", None, "batch", "length")
-    pos = activation_sharding(mesh, "trainer", None, None, "batch", "length")
-    lay = _row_layout(vl, budget, seqs_per_row)
-    n = lay["order"].shape[0]
-    by_row = lambda nd: activation_sharding(mesh, "trainer", None, "batch", *([None] * (nd - 2)))  # noqa: E731
-    batch = {f: _sds((n_micro, rows, row_len), jnp.int32 if f in ("tokens", "segment_ids") else jnp.float32, row)
-             for f in ("tokens", "segment_ids", "loss_mask", "proximal_logprobs", "behaviour_logprobs", "advantages")}
-    batch["positions"] = _sds((n_micro, 3, rows, row_len), jnp.int32, pos)
-    batch["pixels"] = _sds((n_micro, rows, n, vl.vision.patch_dim), jnp.float32, by_row(4))
-    batch["layout"] = {k: _sds((n_micro, rows, *a.shape), a.dtype, by_row(a.ndim + 2)) for k, a in lay.items()}
-    return state, batch
+    ps = jax.tree.map(lambda s, dt: jax.ShapeDtypeStruct(s.shape, dt), qwen2_5_vl.param_shapes(trainer.model_cfg),
+                      trainer.param_dtypes)
+    st = jax.eval_shape(lambda p: TrainState(p, trainer.tx.init(trainer._trainable(p)), jnp.zeros((), jnp.int32),
+                                             jnp.zeros((), jnp.int32)), ps)
+    return _with_shardings(st, trainer.state_shardings)
 
 
-def compile_vl_train_step(vl, loss_cfg, mesh, n_micro: int, rows: int, row_len: int, budget: ImageBudget,
-                          seqs_per_row: int, options=None, chunk: int = 2048):
-    """(compiled, ExecutableMemory) of the VL train step over a minibatch of ``n_micro`` micro-batches of ``rows``
-    x ``row_len`` on ``mesh`` (abstract arguments; nothing allocated)."""
-    import jax
+def abstract_vl_batch(trainer, shape: tuple[int, int, int], patches: int):
+    """A packed minibatch with images (`PackedBatch` with ``mrope_positions``, ``image_index`` and ``vision``) of
+    ``shape`` (n_micro, rows, row_len) and ``patches`` pixel patches per micro-batch, on the trainer's shardings."""
+    import jax.numpy as jnp
 
-    from jaxrl_async.sharding.activations import traced_with_activation_rules
+    from jaxrl_async.trainer.packing import DEVICE_FIELDS, PackedBatch
+    from jaxrl_async.trainer.vl_batch import VisionBatch
 
-    state, batch = _abstract_train(vl, mesh, n_micro, rows, row_len, budget, seqs_per_row)
-    step = VL_PROGRAMS["train_step"](vl, loss_cfg, chunk=chunk)
-    state_sh = jax.tree.map(lambda a: a.sharding, state)
-    fn = jax.jit(traced_with_activation_rules(step, mesh, "trainer"), donate_argnums=(0,),
-                 out_shardings=(state_sh, jax.tree.leaves(state)[-1].sharding))
-    return compile_executable("vl_train_step", fn, (state, batch), vl.text.dtype, options)
+    v = trainer.model_cfg.vision
+    n = shape[0]
+    ints = {"tokens", "segment_ids", "positions", "versions", "seq_ids"}
+    fields = {f: _sds(shape, jnp.int32 if f in ints else jnp.float32) for f in DEVICE_FIELDS}
+    i32 = lambda *s: _sds((n, *s), jnp.int32)  # noqa: E731
+    vision = VisionBatch(pixel_values=_sds((n, patches, v.patch_dim), jnp.float32), order=i32(patches),
+                         unorder=i32(patches // v.merge_unit), hw=i32(patches, 2), frame_ids=i32(patches),
+                         window_ids=i32(patches))
+    b = PackedBatch(**fields, mrope_positions=_sds((*shape, 3), jnp.int32), image_index=_sds(shape, jnp.int32),
+                    vision=vision)
+    return _with_shardings(b, trainer.batch_shardings(b))
 
 
-def compile_vl_prefill(vl, mesh, prompt_len: int, budget: ImageBudget, options=None):
-    """(compiled, ExecutableMemory) of the VL prefill of one prompt of ``prompt_len`` tokens with the budget's
-    images on the generator ``mesh`` (weights in the compute dtype, generator rules)."""
+def compile_trainer_vl(trainer, shape, patches: int, num_seqs: int, options=None):
+    """(train step, proximal log-prob pass) ExecutableMemory of the Trainer's own VL programs (``Trainer._step_fn``
+    and ``_logprobs_fn`` of a batch with images) for a minibatch of ``shape`` with ``patches`` per micro-batch."""
+    import jax.numpy as jnp
+
+    state, batch = abstract_vl_state(trainer), abstract_vl_batch(trainer, shape, patches)
+    rep = lambda dt: _sds((), dt, trainer.replicated)  # noqa: E731
+    dt = trainer.model_cfg.text.dtype
+    _, step = compile_executable("vl_train_step", trainer._step_fn(num_seqs, batch),
+                                 (state, batch, rep(jnp.float32), rep(jnp.int32)), dt, options)
+    _, lp = compile_executable("vl_proximal_logprobs", trainer._logprobs_fn(batch), (state.params, batch), dt, options)
+    return step, lp, batch
+
+
+def prefill_patches(budget: ImageBudget, vl, bucket: int) -> tuple[int, int]:
+    """(image prompts a prefill row of ``bucket`` tokens can hold, the tower's padded patch count for them)."""
+    from jaxrl_async.generator.vision_prefill import patch_bucket
+
+    prompts = max(1, bucket // budget.image_tokens_per_prompt())
+    return prompts, patch_bucket(prompts * budget.patches_per_prompt(vl.vision.spatial_merge_size))
+
+
+def compile_engine_vl(engine, params, budget: ImageBudget, options=None):
+    """(vision tower, VL prefill) ExecutableMemory of the engine's own VL prefill programs
+    (`generator.vision_prefill`: the tower over a prefill row's images, then the decoder over the row with the
+    features and M-RoPE positions) for the largest prefill bucket at the image budget."""
+    import functools
+
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_async.models import qwen2_5_vl
-    from jaxrl_async.models.shardings import model_shardings
-    from jaxrl_async.sharding.activations import traced_with_activation_rules
+    from jaxrl_async.generator.vision_prefill import tower_fn
 
-    if prompt_len < budget.image_tokens_per_prompt():
-        raise PlanError(f"prompt length {prompt_len} is under the image budget's {budget.image_tokens_per_prompt()} "
-                        f"visual tokens: raise data.max_prompt_len / rollout.engine.max_prefill_length")
-    gen = vl.replace(param_dtype=vl.text.dtype)
-    sh = model_shardings(gen, mesh, "generator")
-    params = jax.tree.map(lambda s, x: _sds(s.shape, s.dtype, x), qwen2_5_vl.param_shapes(gen), sh)
-    lay = _row_layout(vl, budget, 1)
-    args = (params, _sds((1, prompt_len), jnp.int32), _sds((3, 1, prompt_len), jnp.int32),
-            _sds((lay["order"].shape[0], vl.vision.patch_dim), jnp.float32),
-            {k: _sds(a.shape, a.dtype) for k, a in lay.items()})
-    fn = jax.jit(traced_with_activation_rules(VL_PROGRAMS["prefill"](vl), mesh, "generator"))
-    return compile_executable("vl_prefill", fn, args, vl.text.dtype, options)
+    vl = engine.vl_cfg
+    bucket = engine.buckets[-1]
+    _, nb = prefill_patches(budget, vl, bucket)
+    mu, dt = vl.vision.merge_unit, vl.text.dtype
+    layout = {"order": _sds((nb,), jnp.int32), "unorder": _sds((nb // mu,), jnp.int32), "hw": _sds((nb, 2), jnp.int32),
+              "frame_ids": _sds((nb,), jnp.int32), "window_ids": _sds((nb,), jnp.int32)}
+    tower = jax.jit(functools.partial(tower_fn, cfg=vl, rows=bucket), out_shardings=engine.replicated)
+    _, tower_mem = compile_executable("vision_tower", tower,
+                                      (params, _sds((nb, vl.vision.patch_dim), jnp.float32), layout), dt, options)
+    args = (params, _sds((1, bucket), jnp.int32), _sds((engine.max_prefill_pack,), jnp.int32),
+            _sds((3, 1, bucket), jnp.int32), _sds((bucket, vl.text.hidden_size), jnp.dtype(dt), engine.replicated),
+            _sds((1, bucket), jnp.int32))
+    _, pre_mem = compile_executable("vl_prefill", engine.vision._prefill, args, dt, options)
+    return tower_mem, pre_mem, nb
 
 
 # =============================================================================================
@@ -315,24 +266,27 @@ def compile_vl_prefill(vl, mesh, prompt_len: int, budget: ImageBudget, options=N
 def make_vl_plan(cfg, budget: ImageBudget = ImageBudget(), *, num_devices: int | None = None,
                  target: str | None = None, headroom: float = 0.10, compile_for: str = "auto") -> dict[str, Any]:
     """The decoder's plan (``planner.make_plan`` of `decoder_run_config`) with the VL additions of the module
-    docstring under ``"vl"``: resident bytes of the vision tower and the pixels, the VL train step and VL prefill
-    compiled on the same meshes (for the target when the decoder's programs were), and the VL peaks and verdict
-    per side. ``cfg``: a run config whose policy is a Qwen2.5-VL model (`vl_model_config`)."""
+    docstring under ``"vl"``: resident bytes of the vision tower and the pixels, the Trainer's VL step and proximal
+    pass and the engine's vision tower and VL prefill compiled on the same meshes (for the target when the
+    decoder's programs were), and the VL peaks and verdict per side. ``cfg``: a run config whose policy is a
+    Qwen2.5-VL model (`vl_model_config`)."""
     import jax
 
     from jaxrl_async.config import resolve_device_split, resolve_shape
+    from jaxrl_async.generator.factory import generator_model_config, run_engine
+    from jaxrl_async.models import qwen2_5_vl
+    from jaxrl_async.models.vl_presets import vl_num_params
     from jaxrl_async.plan import aot
     from jaxrl_async.plan.planner import batch_shape, default_num_devices, make_plan
     from jaxrl_async.sharding.mesh import make_mesh
     from jaxrl_async.trainer.factory import build_trainer
 
     vl = vl_model_config(cfg)
-    cfg = decoder_run_config(cfg, vl)
-    vl = vl.replace(dtype=cfg.model.dtype, remat=cfg.model.remat, attention=cfg.model.attention,
-                    attention_block=cfg.model.attention_block)
+    vl_cfg_run = cfg
     if cfg.data.max_prompt_len is not None and cfg.data.max_prompt_len < budget.image_tokens_per_prompt():
         raise PlanError(f"data.max_prompt_len {cfg.data.max_prompt_len} is under the image budget's "
                         f"{budget.image_tokens_per_prompt()} visual tokens per prompt")
+    cfg = decoder_run_config(cfg, vl)
     r = make_plan(cfg, num_devices=num_devices, target=target, headroom=headroom, compile_for=compile_for)
     n = num_devices if num_devices is not None else default_num_devices(cfg)
     devices = jax.devices()[:n]
@@ -350,47 +304,59 @@ def make_vl_plan(cfg, budget: ImageBudget = ImageBudget(), *, num_devices: int |
                          m.generator.axis_names, devices=[devices[i] for i in gen_ids])
     options = aot.compiler_options(devices) if on_target else None
 
-    # the largest packed micro-batch, as the decoder's plan (rows of the longest bucket: one sequence a row)
-    trainer = build_trainer(cfg, cfg.model.model_config(vocab_size=cfg.model.vocab_size), trn_mesh)
-    n_micro, rows, row_len, _ = batch_shape(cfg, trainer)
-    seqs_per_row = max(1, min(trainer.cfg.packing.max_seqs_per_row,
-                              row_len // cfg.rollout.engine.max_sequence_length))
-    mem = vl_memory(vl, budget, trn_mesh, gen_mesh, rows=rows, seqs_per_row=seqs_per_row, n_micro=n_micro,
-                    minibatches=cfg.trainer.ppo_n_minibatches)
-    _, step_mem = compile_vl_train_step(vl_c, cfg.trainer.loss,
-                                        trn_mesh, n_micro, rows, row_len, budget, seqs_per_row, options,
-                                        cfg.trainer.logprob_chunk)
-    prompt_len = cfg.rollout.engine.max_prefill_length or cfg.data.max_prompt_len
-    _, pre_mem = compile_vl_prefill(vl_c, gen_mesh, prompt_len, budget, options)
+    # trainer: the largest packed minibatch (as the decoder's plan) with every micro-batch's images
+    trainer = build_trainer(vl_cfg_run, vl_c, trn_mesh)
+    n_micro, rows, row_len, num_seqs = batch_shape(cfg, trainer)
+    seqs_per_row = max(1, min(trainer.cfg.packing.max_seqs_per_row, row_len // cfg.rollout.engine.max_sequence_length))
+    seqs = cfg.trainer.batch_size * cfg.rollout.n_samples // cfg.trainer.ppo_n_minibatches
+    sets, patches = micro_batch_patches(budget, vl, sequences_per_micro=rows * seqs_per_row,
+                                        prompts_per_minibatch=max(1, seqs // cfg.rollout.n_samples),
+                                        packing=trainer.cfg.packing)
+    step_mem, lp_mem, batch = compile_trainer_vl(trainer, (n_micro, rows, row_len), patches, num_seqs, options)
+    mem = vl_memory(vl, trn_mesh, gen_mesh)
+    batch_sh = jax.tree.leaves(trainer.batch_shardings(batch))
+    vl_batch_bytes = device_bytes(jax.tree.leaves(batch), batch_sh) * cfg.trainer.ppo_n_minibatches
+    # generator: the run's engine on the generator mesh (for the target when the decoder's was)
+    e = cfg.rollout.engine
+    num_pages = r["generator"]["num_pages"]
+    engine = run_engine(vl_cfg_run, vl_c, gen_mesh, num_pages=num_pages, check_fit=False)
+    gen_params = _with_shardings(qwen2_5_vl.param_shapes(generator_model_config(vl_c)), engine.param_shardings)
+    tower_mem, pre_mem, nb = compile_engine_vl(engine, gen_params, budget, options)
+    prompts_per_row, _ = prefill_patches(budget, vl, engine.buckets[-1])
 
     t, g, budget_bytes = r["trainer"], r["generator"], r["target"]["budget_bytes"]
-    # the VL step's arguments are the decoder's + vision state + one minibatch's pixels (resident: all minibatches');
-    # its transient bytes replace the decoder step's (the proximal log-prob pass is bounded by the step: forward only)
-    trn_resident = (t["params_bytes"] + t["optimizer_state_bytes"] + t["batches_bytes"] + t["push_staging_bytes"]
+    # the VL programs' transient bytes replace the decoder's; the minibatches with images replace the text ones
+    trn_resident = (t["params_bytes"] + t["optimizer_state_bytes"] + t["push_staging_bytes"] + vl_batch_bytes
                     + mem["trainer_vision_params_bytes"] + mem["trainer_vision_optimizer_bytes"]
-                    + mem["trainer_vision_push_staging_bytes"] + mem["trainer_pixel_batches_bytes"])
-    trn_peak = trn_resident + max(step_mem.transient_bytes, t["logprobs_transient_bytes"])
+                    + mem["trainer_vision_push_staging_bytes"])
+    trn_transient = max(step_mem.transient_bytes, lp_mem.transient_bytes)
+    trn_peak = trn_resident + trn_transient
     gen_resident = (g["params_bytes"] + g["incoming_weights_bytes"] + g["kv_cache_bytes"] + g["slot_state_bytes"]
                     + mem["generator_vision_params_bytes"] + mem["generator_vision_incoming_bytes"])
-    gen_peak = gen_resident + max(g["decode_transient_bytes"], pre_mem.transient_bytes)
+    # (the tower's [bucket, D] features, live into the prefill, are a few MB: within the headroom)
+    gen_transient = max(g["decode_transient_bytes"], tower_mem.transient_bytes, pre_mem.transient_bytes)
+    gen_peak = gen_resident + gen_transient
     if r["devices"]["colocated"]:
         trn_peak = gen_peak = trn_peak + gen_peak
-    from jaxrl_async.models.vl_presets import vl_num_params
-
     r["vl"] = {
-        "params": vl_num_params(vl), "vision_depth": vl.vision.depth,
+        "params": vl_num_params(vl), "vision_depth": vl.vision.depth, "freeze_vision": trainer.freeze_vision,
         "image_budget": {"images_per_prompt": budget.images_per_prompt, "tokens_per_image": budget.tokens_per_image,
                          "grid_thw": list(budget.grid(vl.vision.spatial_merge_size)),
                          "patches_per_prompt": budget.patches_per_prompt(vl.vision.spatial_merge_size),
-                         "prompt_len": prompt_len, "rows": rows, "row_len": row_len, "seqs_per_row": seqs_per_row,
-                         "n_micro": n_micro},
-        **mem,
-        "train_step": dataclasses.asdict(step_mem), "prefill": dataclasses.asdict(pre_mem),
-        "train_step_transient_bytes": step_mem.transient_bytes, "prefill_transient_bytes": pre_mem.transient_bytes,
+                         "prompt_len": e.max_prefill_length or cfg.data.max_prompt_len, "rows": rows,
+                         "row_len": row_len, "seqs_per_row": seqs_per_row, "n_micro": n_micro,
+                         "image_sets_per_micro": sets, "patches_per_micro": patches,
+                         "prefill_bucket": engine.buckets[-1], "prefill_image_prompts": prompts_per_row,
+                         "prefill_patches": nb},
+        **mem, "trainer_batches_bytes": vl_batch_bytes,
+        "train_step": dataclasses.asdict(step_mem), "proximal_logprobs": dataclasses.asdict(lp_mem),
+        "vision_tower": dataclasses.asdict(tower_mem), "prefill": dataclasses.asdict(pre_mem),
+        "train_step_transient_bytes": step_mem.transient_bytes, "logprobs_transient_bytes": lp_mem.transient_bytes,
+        "tower_transient_bytes": tower_mem.transient_bytes, "prefill_transient_bytes": pre_mem.transient_bytes,
         "trainer_peak_bytes": trn_peak, "generator_peak_bytes": gen_peak,
         "trainer_fits": trn_peak <= budget_bytes, "generator_fits": gen_peak <= budget_bytes,
         "compiled_for": r["compiled_for"]["trainer"] if on_target else f"{devices[0].platform} ({vl_c.text.dtype})",
-        "programs": "plan.vl thin programs (VL_PROGRAMS)",
+        "programs": "Trainer._step_fn / _logprobs_fn of a batch with images; PagedEngine vision tower + VL prefill",
     }
     r["vl"]["fits"] = r["vl"]["trainer_fits"] and r["vl"]["generator_fits"]
     return r
@@ -403,23 +369,28 @@ def format_vl_plan(r: dict[str, Any]) -> str:
     gib = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
     ib = v["image_budget"]
     lines = [format_plan(r), "",
-             f"VL (Qwen2.5-VL, {v['params'] / 1e9:.3f} B params, vision depth {v['vision_depth']}): "
-             f"{ib['images_per_prompt']} image(s) x {ib['tokens_per_image']} visual tokens per prompt "
-             f"(grid {ib['grid_thw']}, {ib['patches_per_prompt']} patches), prompts of {ib['prompt_len']} tokens; "
-             f"train micro-batch {ib['rows']} rows x {ib['row_len']} ({ib['seqs_per_row']} sequence(s) a row); "
-             f"compiled for {v['compiled_for']}"]
+             f"VL (Qwen2.5-VL, {v['params'] / 1e9:.3f} B params, vision depth {v['vision_depth']}"
+             f"{', tower frozen' if v['freeze_vision'] else ''}): {ib['images_per_prompt']} image(s) x "
+             f"{ib['tokens_per_image']} visual tokens per prompt (grid {ib['grid_thw']}, {ib['patches_per_prompt']} "
+             f"patches), prompts up to {ib['prompt_len']} tokens; compiled for {v['compiled_for']}"]
     row = lambda label, b, extra="": lines.append(f"  {label:<40}{gib(b)}{'   ' + extra if extra else ''}")  # noqa: E731
-    lines.append("trainer, added by the images (per device)")
+    lines.append(f"trainer with images (per device; micro-batch {ib['rows']} rows x {ib['row_len']}, "
+                 f"{ib['image_sets_per_micro']} image set(s) = {ib['patches_per_micro']} patches per micro-batch, "
+                 f"{ib['n_micro']} micro-batches)")
     row("vision parameters (float32)", v["trainer_vision_params_bytes"])
     row("vision AdamW moments", v["trainer_vision_optimizer_bytes"])
     row("vision push staging", v["trainer_vision_push_staging_bytes"])
-    row("pixel patches of the minibatches", v["trainer_pixel_batches_bytes"])
+    row("packed minibatches with images", v["trainer_batches_bytes"], "replaces the text batches")
     row("VL train step temporaries", v["train_step_transient_bytes"],
         f"compiled in {v['train_step']['compile_s']:.1f} s")
+    row("VL proximal log-prob temporaries", v["logprobs_transient_bytes"],
+        f"compiled in {v['proximal_logprobs']['compile_s']:.1f} s")
     row("peak", v["trainer_peak_bytes"], "fits" if v["trainer_fits"] else "DOES NOT FIT")
-    lines.append("generator, added by the images (per device)")
+    lines.append(f"generator with images (per device; prefill row of {ib['prefill_bucket']} tokens: "
+                 f"{ib['prefill_image_prompts']} image prompt(s), tower over {ib['prefill_patches']} patches)")
     row("vision parameters", v["generator_vision_params_bytes"])
     row("incoming vision weights (one push)", v["generator_vision_incoming_bytes"])
+    row("vision tower temporaries", v["tower_transient_bytes"], f"compiled in {v['vision_tower']['compile_s']:.1f} s")
     row("VL prefill temporaries", v["prefill_transient_bytes"], f"compiled in {v['prefill']['compile_s']:.1f} s")
     row("peak", v["generator_peak_bytes"], "fits" if v["generator_fits"] else "DOES NOT FIT")
     lines.append(f"VL verdict: {'FITS' if v['fits'] else 'DOES NOT FIT'} ({tg['label']}, budget "
