@@ -247,15 +247,17 @@ def compile_engine_vl(engine, params, budget: ImageBudget, options=None):
     vl = engine.vl_cfg
     bucket = engine.buckets[-1]
     _, nb = prefill_patches(budget, vl, bucket)
-    mu, dt = vl.vision.merge_unit, vl.text.dtype
-    layout = {"order": _sds((nb,), jnp.int32), "unorder": _sds((nb // mu,), jnp.int32), "hw": _sds((nb, 2), jnp.int32),
-              "frame_ids": _sds((nb,), jnp.int32), "window_ids": _sds((nb,), jnp.int32)}
-    tower = jax.jit(functools.partial(tower_fn, cfg=vl, rows=bucket), out_shardings=engine.replicated)
-    _, tower_mem = compile_executable("vision_tower", tower,
-                                      (params, _sds((nb, vl.vision.patch_dim), jnp.float32), layout), dt, options)
-    args = (params, _sds((1, bucket), jnp.int32), _sds((engine.max_prefill_pack,), jnp.int32),
-            _sds((3, 1, bucket), jnp.int32), _sds((bucket, vl.text.hidden_size), jnp.dtype(dt), engine.replicated),
-            _sds((1, bucket), jnp.int32))
+    mu, dt, rep = vl.vision.merge_unit, vl.text.dtype, engine.replicated
+    i32 = lambda *s: _sds(s, jnp.int32, rep)  # noqa: E731  (host inputs: placed replicated, as the engine's calls)
+    layout = {"order": i32(nb), "unorder": i32(nb // mu), "hw": i32(nb, 2), "frame_ids": i32(nb),
+              "window_ids": i32(nb)}
+    tower = jax.jit(functools.partial(tower_fn, cfg=vl, rows=bucket), out_shardings=rep)
+    # the tower reads the ``vision`` subtree only (a whole tree's unused leaves would be pruned from the executable)
+    _, tower_mem = compile_executable("vision_tower", tower, ({"vision": params["vision"]},
+                                      _sds((nb, vl.vision.patch_dim), jnp.float32, rep), layout), dt, options)
+    text_params = {k: v for k, v in params.items() if k != "vision"}  # the prefill reads the decoder's only
+    args = (text_params, i32(1, bucket), i32(engine.max_prefill_pack), i32(3, 1, bucket),
+            _sds((bucket, vl.text.hidden_size), jnp.dtype(dt), rep), i32(1, bucket))
     _, pre_mem = compile_executable("vl_prefill", engine.vision._prefill, args, dt, options)
     return tower_mem, pre_mem, nb
 
