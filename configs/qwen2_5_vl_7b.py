@@ -49,8 +49,12 @@ def vl_run_config(layout: str, *, max_concurrent_decodes: int, tokens_per_micro:
     rollout = dataclasses.replace(
         ro, sampling=dataclasses.replace(ro.sampling, max_new_tokens=MAX_NEW_TOKENS),
         engine=dataclasses.replace(ro.engine, max_sequence_length=max_seq, max_prefill_length=MAX_PROMPT_LEN))
+    # patch buckets at multiples of one budget image (5120 patches) instead of powers of two: a micro-batch with the
+    # images of 8 prompts holds 40960 patches, not 65536 (the trainer replicates each micro-batch's float32 pixels)
+    patches = 4 * IMAGE_BUDGET["tokens_per_image"] * IMAGE_BUDGET["images_per_prompt"]
     trainer = dataclasses.replace(base.trainer, packing=dataclasses.replace(
-        base.trainer.packing, row_len_buckets=(512, 1024, 2048, max_seq)))
+        base.trainer.packing, row_len_buckets=(512, 1024, 2048, max_seq),
+        patch_buckets=(patches // 4, patches // 2, patches, 2 * patches, 4 * patches, 8 * patches)))
     data = dataclasses.replace(base.data, max_prompt_len=MAX_PROMPT_LEN,
                                image_max_pixels=IMAGE_BUDGET["tokens_per_image"] * 28 * 28)
     return dataclasses.replace(base, model=model, rollout=rollout, trainer=trainer, data=data)

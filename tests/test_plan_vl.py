@@ -126,6 +126,7 @@ def test_vl_configs_parse_validate_and_carry_the_preset(path, tmp_path):
     assert cfg.data.max_prompt_len >= ImageBudget().image_tokens_per_prompt()
     assert cfg.rollout.engine.max_prefill_length == cfg.data.max_prompt_len
     assert cfg.data.image_max_pixels == 1280 * 28 * 28
+    assert cfg.trainer.packing.patches_for(8 * 5120) == 40960  # buckets at multiples of one budget image
     dec = decoder_run_config(cfg, vl)  # the decoder's plan: a text run of the same decoder, 1-D RoPE
     validate(dec, n)
     text = dec.model.model_config(vocab_size=dec.model.vocab_size)
