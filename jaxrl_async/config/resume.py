@@ -35,6 +35,7 @@ RESUME_FIXED = (
     "data.task", "data.train_path", "data.format", "data.arithmetic", "data.max_prompt_len", "data.apply_chat_template",
     "data.system_prompt", "data.prompt_suffix", "data.tokenizer_kind", "data.shuffle", "data.skip_bad_rows",
     "model.mrope_section", "model.vision", "data.visual", "data.image_min_pixels", "data.image_max_pixels",
+    "trainer.freeze_vision",  # the optimizer state holds the vision tower's moments or not
 )
 
 

@@ -224,9 +224,9 @@ def _trainer_rules(cfg: RunConfig) -> None:
              "trainer.router_aux_loss_coef", f"must be a finite float >= 0 or None, got {tr.router_aux_loss_coef}")
     _require(not tr.routing_replay or ro.record_routing, "trainer.routing_replay",
              "needs rollout.record_routing = true (the generator's recorded experts)")
-    _require(not tr.freeze_vision or cfg.model.path is not None, "trainer.freeze_vision",
-             "needs a vision-language policy (model.path = a Qwen2.5-VL checkpoint); the random-init model has no "
-             "vision tower")
+    _require(not tr.freeze_vision or cfg.model.path is not None or cfg.model.model_type == "qwen2_5_vl",
+             "trainer.freeze_vision", "needs a vision-language policy (model.path = a Qwen2.5-VL checkpoint, or "
+             "model.model_type=qwen2_5_vl); this model has no vision tower")
     _require(tr.advantage.kl_coef == 0, "trainer.advantage.kl_coef",
              f"must be 0: a KL penalty needs a reference policy, which jaxrl_async does not keep yet (AReaL's "
              f"math recipes use 0), got {tr.advantage.kl_coef}")

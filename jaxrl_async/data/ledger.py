@@ -263,9 +263,23 @@ def record_to_json(item: Any) -> Any:
 
 
 def record_from_json(obj: Any) -> Any:
-    if isinstance(obj, dict) and obj.get("__record__") == "PromptRecord":
+    """Inverse of `record_to_json` after a checkpoint's JSON round trip (`checkpoint.codec`: bytes and arrays come
+    back as such, tuples as lists): a ``PromptRecord``, or a ``VLPromptRecord`` with its encoded images, grids and
+    image processor settings (so a replayed prompt is submitted with its images)."""
+    kind = obj.get("__record__") if isinstance(obj, dict) else None
+    if kind == "PromptRecord":
         from jaxrl_async.data.datasets import PromptRecord
 
         d = {k: v for k, v in obj.items() if k != "__record__"}
         return PromptRecord(**d)
+    if kind == "VLPromptRecord":
+        import numpy as np
+
+        from jaxrl_async.data.images import ImageProcessorConfig, VLPromptRecord
+
+        d = {k: v for k, v in obj.items() if k != "__record__"}
+        ip = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(d.pop("image_processor")).items()}
+        images = tuple(bytes(b) for b in d.pop("images"))
+        grids = np.asarray(d.pop("image_grid_thw"), np.int64).reshape(-1, 3)
+        return VLPromptRecord(**d, images=images, image_grid_thw=grids, image_processor=ImageProcessorConfig(**ip))
     return obj

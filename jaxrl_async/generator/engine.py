@@ -7,7 +7,8 @@ decode attention over the paged pool (`paged_attention.decode_attend`: the porta
 loop `blocked`, the reference `gather`, the TPU/GPU Pallas kernels; `attention="auto"` picks by
 platform, and the choice fixes the pool's layout, `self.layout`).
 
-The pure device functions it jits are in `engine_steps.py`.
+The pure device functions it jits are in `engine_steps.py`. A vision-language model (`qwen2_5_vl.VLConfig`):
+prefill runs the vision tower and M-RoPE positions (`vision_prefill.py`), decode adds each slot's rope_delta.
 
 Compiled functions (params are arguments, so a weight swap never retraces; after `warmup`
 nothing recompiles, whatever the prompts, slots or sampling parameters):
@@ -781,8 +782,8 @@ class PagedEngine(Engine):
             tokens_a, lengths_a = host((1, b), np.int32), host((N,), np.int32)
             k_a, _, logits_a, *_ = jax.eval_shape(self._prefill, params_a, tokens_a, lengths_a)
             kv_a = sds(k_a.shape, k_a.dtype, sharding=self._kv_sharding)
-            if self.vision is None:  # a VL engine's prefill programs compile in warmup's pass (`vision_prefill`)
-                jobs.append((self._prefill, (params_a, tokens_a, lengths_a)))
+            jobs.append((self._prefill, (params_a, tokens_a, lengths_a)) if self.vision is None else
+                        self.vision.prefill_job(params_a, tokens_a, lengths_a, b))  # VL: its own prefill program
             jobs.append((self._insert, (arrays_a, kv_a, kv_a, host((b,), np.int32), host((b,), np.int32),
                                         host((self.max_pages_per_seq,), np.int32), host((), np.int32),
                                         host((len(self.slot_ints),), np.int32), host((2,), np.float32),

@@ -155,6 +155,9 @@ class Engine(abc.ABC):
 
     #: most decode steps one `generate` dispatch may run (multi-step decode); 1 = one step per dispatch
     max_decode_steps: int = 1
+    #: the vision-language model's config (`qwen2_5_vl.VLConfig`) of an engine that serves prompts with images
+    #: (`PrefillRequest.images`); None: a text engine (the generator refuses requests with images)
+    vl_cfg: Any = None
     #: K: every prefill and decode step also returns the K most likely tokens and their log-probs (`Prefix.first_top_*`,
     #: `StepResult.top_*`); requests take up to K (`SamplingParams.top_logprobs`); 0 = none
     max_top_logprobs: int = 0

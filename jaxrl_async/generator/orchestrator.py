@@ -288,7 +288,7 @@ class Generator:
         return handle
 
     def _check_images(self, rid: str, prompt: list[int], images: Any) -> None:
-        vl_cfg = getattr(self.engine, "vl_cfg", None)
+        vl_cfg = getattr(self.engine, "vl_cfg", None)  # (`Engine.vl_cfg`; engines outside the package may lack it)
         if vl_cfg is None:
             if images is not None:
                 raise ValueError(f"request {rid!r}: images given but the engine's model is text-only (not a "

@@ -59,24 +59,8 @@ def sequence_positions(cfg: VLConfig, tokens: np.ndarray, images: Any = None) ->
     """`VLSequence` of ``tokens`` (a prompt, or a prompt + generated tokens) with the prompt's ``images``
     (`data.images.ImageInputs` or None). ValueError when the tokens hold fewer image placeholders than the images
     need or a run of placeholders does not match the grids."""
-    tokens = np.asarray(tokens, np.int64).reshape(-1)
-    n = len(tokens)
-    grids = [] if images is None else [tuple(int(x) for x in g) for g in np.asarray(images.grid_thw).reshape(-1, 3)]
-    mu = cfg.vision.merge_unit
-    m = sum(t * h * w for t, h, w in grids) // mu
-    is_img = tokens == cfg.image_token_id
-    cum = np.cumsum(is_img)
-    if m == 0:
-        return VLSequence(np.broadcast_to(np.arange(n, dtype=np.int32), (3, n)).copy(), 0,
-                          np.full(n, -1, np.int32), None)
-    if n == 0 or cum[-1] < m:
-        raise ValueError(f"{int(cum[-1]) if n else 0} image placeholder tokens but the images' grids give {m} "
-                         f"image features")
-    cut = int(np.argmax(cum >= m)) + 1  # just past the last image's last placeholder
-    head, delta = qwen2_5_vl.sequence_rope_index(cfg, tokens[:cut], iter(grids))
-    tail = np.broadcast_to(np.arange(cut, n, dtype=np.int32) + delta, (3, n - cut))
-    feat = np.where(is_img & (cum <= m), cum - 1, -1).astype(np.int32)
-    return VLSequence(np.concatenate([head, tail], axis=1).astype(np.int32), int(delta), feat, images)
+    pos, delta, feat = qwen2_5_vl.sequence_layout(cfg, tokens, None if images is None else images.grid_thw)
+    return VLSequence(pos, delta, feat, images if (feat >= 0).any() else None)
 
 
 def vl_sequences(cfg: VLConfig | None, reqs: list) -> list[VLSequence] | None:
@@ -172,6 +156,14 @@ class VisionPrefill:
     def compile_counts(self) -> dict[str, int]:
         return {"vision_tower": sum(f._cache_size() for f in self._towers.values()),
                 "prefill_vl": self._prefill._cache_size(), "prefill_chunk_vl": self._chunk._cache_size()}
+
+    def prefill_job(self, params_a, tokens_a, lengths_a, bucket: int) -> tuple:
+        """(program, abstract arguments) of the packed-row prefill of ``bucket`` tokens (`PagedEngine.warmup`'s
+        ahead-of-time compiles; the features arrive on the replicated sharding, the host arrays uncommitted)."""
+        sds = jax.ShapeDtypeStruct
+        feats = sds((bucket, self.cfg.text.hidden_size), jnp.dtype(self.cfg.text.dtype), sharding=self._rep)
+        return self._prefill, (params_a, tokens_a, lengths_a, sds((3, 1, bucket), np.int32), feats,
+                               sds((1, bucket), np.int32))
 
     def features(self, params, seqs: list[VLSequence], rows: int) -> tuple[jax.Array, np.ndarray]:
         """(features [rows, D] of the images of ``seqs``, in order; each sequence's first feature row)."""

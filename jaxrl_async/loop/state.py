@@ -161,17 +161,22 @@ def group_record(g: Any, draw: int) -> dict[str, Any]:
             "trajectories": [{"tokens": t.tokens, "loss_mask": t.loss_mask, "logprobs": t.logprobs,
                               "versions": t.versions, "reward": float(t.reward), "prompt_len": int(t.prompt_len),
                               "metadata": {k: _jsonable(v) for k, v in t.metadata.items()},
-                              **({} if t.routing is None else {"routing": t.routing})}
+                              **({} if t.routing is None else {"routing": t.routing}),
+                              # the prompt's images are the item's (in the ledger): a flag, not the bytes again
+                              **({} if getattr(t, "images", None) is None else {"images": True})}
                              for t in group.trajectories]}
 
 
 def group_from_record(rec: Mapping[str, Any], item: Any) -> Any:
     """Inverse of ``group_record`` (the trajectories are re-validated by ``Trajectory``)."""
-    from jaxrl_async.rollout.workflow import Trajectory, TrajectoryGroup
+    from jaxrl_async.rollout.workflow import Trajectory, TrajectoryGroup, item_images
 
+    images = item_images(item) if any(t.get("images") for t in rec["trajectories"]) else None
+    if images is None and any(t.get("images") for t in rec["trajectories"]):
+        raise ValueError("checkpointed group's trajectories had images but its prompt item has none")
     trajs = [Trajectory(tokens=t["tokens"], loss_mask=t["loss_mask"], logprobs=t["logprobs"], versions=t["versions"],
                         reward=t["reward"], prompt_len=int(t["prompt_len"]), metadata=dict(t.get("metadata") or {}),
-                        routing=t.get("routing"))
+                        routing=t.get("routing"), images=images if t.get("images") else None)
              for t in rec["trajectories"]]
     if not trajs:
         raise ValueError("checkpointed group has no trajectory")

@@ -203,6 +203,33 @@ def sequence_rope_index(cfg: VLConfig, tokens, grids) -> tuple[np.ndarray, int]:
     return out.astype(np.int32), delta
 
 
+def sequence_layout(cfg: VLConfig, tokens, grid_thw=None) -> tuple[np.ndarray, int, np.ndarray]:
+    """(M-RoPE positions [3, n], rope delta, feature row of each token [n] (-1: text)) of one sequence whose
+    *prompt* holds the images of ``grid_thw`` (None / empty: a text sequence): `sequence_rope_index` up to the last
+    placeholder of the images, then every later token at index + delta, and the image features written into the
+    first ``sum(t*h*w) / merge**2`` placeholders only. So a prompt + its generated tokens gets the positions the
+    generator decoded them at (index + delta), and a generated token that happens to be the image placeholder id
+    is text, as in transformers' decoding. The one definition the generator (prefill, re-prefill) and the trainer
+    (packing) share. ValueError when the tokens hold fewer placeholders than the images need, or a run of them
+    does not match the grids."""
+    tokens = np.asarray(tokens, np.int64).reshape(-1)
+    n = len(tokens)
+    grids = _grid_rows(grid_thw)
+    m = sum(t * h * w for t, h, w in grids) // cfg.vision.merge_unit
+    if m == 0:
+        return np.broadcast_to(np.arange(n, dtype=np.int32), (3, n)).copy(), 0, np.full(n, -1, np.int32)
+    is_img = tokens == cfg.image_token_id
+    cum = np.cumsum(is_img)
+    if n == 0 or cum[-1] < m:
+        raise ValueError(f"{int(cum[-1]) if n else 0} image placeholder tokens but the images' grids give {m} "
+                         "image features")
+    cut = int(np.argmax(cum >= m)) + 1  # just past the last image's last placeholder
+    head, delta = sequence_rope_index(cfg, tokens[:cut], iter(grids))
+    tail = np.broadcast_to(np.arange(cut, n, dtype=np.int32) + delta, (3, n - cut))
+    feat = np.where(is_img & (cum <= m), cum - 1, -1).astype(np.int32)
+    return np.concatenate([head, tail], axis=1).astype(np.int32), int(delta), feat
+
+
 def rope_index(cfg: VLConfig, tokens, image_grid_thw=None, attention_mask=None) -> tuple[np.ndarray, np.ndarray]:
     """Positions [3, B, T] (int32) and rope deltas [B] of a batch (``tokens`` [B, T]; ``attention_mask`` [B, T],
     0 = padding, which gets position 0), as transformers' ``get_rope_index``: the images of ``image_grid_thw`` are

@@ -238,10 +238,12 @@ class PackedMinibatch:
     n_real_micro: micro-batches that hold at least one sequence (the rest are bucket padding).
     placement: per trajectory (in `indices` order) its (micro, row, start, length).
     indices: global indices (into the list given to `pack`) of the trajectories, in order.
-    image_stats: (minibatches with images) host counts of the images moved: ``images`` (distinct image sets of
-        the minibatch), ``encoded_bytes`` (what the trajectories carried: their distinct `ImageInputs`' encoded
-        files + grids), ``decoded_bytes`` (their float32 patches, decoded once per object), ``device_bytes``
-        (pixels + layout arrays of the batch, bucket padding included: what `put_batch` sends). None otherwise.
+    image_stats: (minibatches with images) host counts of the images moved: ``images`` / ``image_sets``
+        (distinct images / `ImageInputs` contents of the minibatch), ``encoded_bytes`` (what the trajectories
+        carried: those objects' encoded files + grids, once per object), ``decoded_bytes`` (their float32 patches,
+        decoded once per object), ``device_bytes`` (the vision inputs `put_batch` sends: pixels with bucket
+        padding, layout, M-RoPE positions, feature indices), ``pixel_bytes`` (of which pixels: one temporal
+        copy per patch), ``patches`` (the patch bucket). None otherwise (`train_step.image_metrics`).
     """
 
     batch: PackedBatch
@@ -429,7 +431,12 @@ def check_image_tokens(traj: Any, i: int, vl_cfg: Any, what: str = "trajectory")
     """PackingError naming trajectory `i` when its image placeholders do not match its images' grids, or when its
     images were processed for another vision tower. `traj`: anything with ``images`` and ``tokens`` (or
     ``prompt_ids``: an SFT example, named `what`)."""
-    tokens = traj.tokens if hasattr(traj, "tokens") else traj.prompt_ids
+    if hasattr(traj, "tokens"):  # the prompt part: the tokens before the first trained one (the generated tokens
+        # after it may hold the placeholder id: text there, as in the generator, `qwen2_5_vl.sequence_layout`)
+        trained = np.flatnonzero(np.asarray(traj.loss_mask) > 0)
+        tokens = np.asarray(traj.tokens)[: trained[0] if trained.size else None]
+    else:
+        tokens = traj.prompt_ids
     n_tokens = int((np.asarray(tokens) == vl_cfg.image_token_id).sum())
     images = traj.images
     if images is None:
@@ -456,7 +463,7 @@ def pack_images(trajectories: Sequence[Any], placement: Sequence[tuple[int, int,
     """The `PackedBatch` fields of a minibatch with images (``mrope_positions``, ``image_index``, ``vision``; see
     `vl_batch`'s module doc) and its image statistics (`PackedMinibatch.image_stats`). `placement[j]` = (micro, row,
     start, length) of trajectory j, `shape` = (n_micro, rows, row_len)."""
-    from jaxrl_async.models.qwen2_5_vl import sequence_rope_index
+    from jaxrl_async.models.qwen2_5_vl import sequence_layout
     from jaxrl_async.models.vision import vision_layout
 
     first = next(indices[j] for j, t in enumerate(trajectories) if t.images is not None)
@@ -482,7 +489,7 @@ def pack_images(trajectories: Sequence[Any], placement: Sequence[tuple[int, int,
         tokens = np.asarray(t.tokens)
         grids = [] if t.images is None else [tuple(int(x) for x in g) for g in np.asarray(t.images.grid_thw)]
         try:
-            pos, _ = sequence_rope_index(model_cfg, tokens, iter(grids))
+            pos, _, feat = sequence_layout(model_cfg, tokens, grids or None)
         except ValueError as e:
             raise PackingError(f"trajectory {indices[j]}: field images: {e}") from None
         mrope[m, r, s:s + n] = pos.T
@@ -496,15 +503,15 @@ def pack_images(trajectories: Sequence[Any], placement: Sequence[tuple[int, int,
             sets[m][key] = (obj, units[m])
             units[m] += obj.num_patches // mu
         offset = sets[m][key][1]
-        where = np.flatnonzero(tokens == model_cfg.image_token_id)
-        index[m, r, s + where] = offset + np.arange(where.size, dtype=np.int32)
+        where = np.flatnonzero(feat >= 0)
+        index[m, r, s + where] = offset + feat[where]
     need = max(units) * mu
     P = cfg.patches_for(need)
     if P % mu:
         raise PackingError(f"PackingConfig.patch_buckets: bucket {P} (for {need} patches) is not a multiple of the "
                            f"vision tower's merge unit {mu}")
-    dim = v.patch_dim
-    pixels = np.zeros((M, P, dim), np.float32)
+    dim, frame = v.patch_dim, v.in_channels * v.patch_size ** 2
+    pixels = np.zeros((M, P, frame), np.float32)  # one temporal copy per patch (images repeat their frame Tp times)
     order = np.broadcast_to(np.arange(P, dtype=np.int32), (M, P)).copy()
     unorder = np.broadcast_to(np.arange(P // mu, dtype=np.int32), (M, P // mu)).copy()
     hw = np.zeros((M, P, 2), np.int32)
@@ -514,13 +521,18 @@ def pack_images(trajectories: Sequence[Any], placement: Sequence[tuple[int, int,
         objs = [obj for obj, _ in sets[m].values()]
         if not objs:
             continue
-        px = [obj.pixel_values() for obj in objs]  # decoded once per object (cached on it)
-        N = sum(p.shape[0] for p in px)
-        for obj_key, p in zip(sets[m], px):
-            if p.shape[1] != dim:
+        px = []
+        for obj_key, obj in zip(sets[m], objs):
+            p = obj.pixel_values()  # decoded once per object (cached on it)
+            copies = p.reshape(p.shape[0], v.in_channels, -1, v.patch_size ** 2) if p.shape[1] == dim else None
+            if copies is None or not all(np.array_equal(copies[:, :, 0], copies[:, :, k])
+                                         for k in range(1, v.temporal_patch_size)):
                 bad = next(indices[j] for j, t in enumerate(trajectories) if digests.get(id(t.images)) == obj_key)
-                raise PackingError(f"trajectory {bad}: field images has {p.shape[1]} values per patch, the vision "
-                                   f"tower takes {dim}")
+                why = (f"has {p.shape[1]} values per patch, the vision tower takes {dim}" if copies is None else
+                       "holds frames that differ within a temporal patch (videos are not supported)")
+                raise PackingError(f"trajectory {bad}: field images {why}")
+            px.append(copies[:, :, 0].reshape(p.shape[0], frame))
+        N = sum(p.shape[0] for p in px)
         np.concatenate(px, out=pixels[m, :N])
         lay = vision_layout(v, np.concatenate([np.asarray(obj.grid_thw) for obj in objs]))
         order[m, :N], unorder[m, :N // mu], hw[m, :N] = lay.order, lay.unorder, lay.hw

@@ -689,7 +689,7 @@ def _check_batch_shapes(b: PackedBatch) -> None:
     for f, want in (("mrope_positions", shape + (3,)), ("image_index", shape)):
         if np.shape(getattr(b, f)) != want:
             raise PackingError(f"batch field {f} has shape {np.shape(getattr(b, f))}, expected {want}")
-    for f, a in dataclasses.asdict(b.vision).items():
+    for f, a in b.vision.arrays().items():
         if np.shape(a)[:1] != shape[:1]:
             raise PackingError(f"batch field vision.{f} has shape {np.shape(a)}, expected n_micro={shape[0]} first")
 

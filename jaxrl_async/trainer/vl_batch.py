@@ -5,14 +5,16 @@ settings; the n samples of a prompt share one object). When a sequence of a mini
 the `PackedBatch` (`packing.pack_images`):
 
 * ``mrope_positions`` [n_micro, rows, row_len, 3]: every placed sequence's M-RoPE positions
-  (`qwen2_5_vl.sequence_rope_index`, restarting at each sequence like the 1-D ones; text-only sequences count up
+  (`qwen2_5_vl.sequence_layout`, restarting at each sequence like the 1-D ones; text-only sequences count up
   on all three rows, padding 0);
 * ``image_index`` [n_micro, rows, row_len]: the row of its micro-batch's image features that each image
   placeholder takes (-1 on every other token);
 * ``vision`` (`VisionBatch`, leading axis n_micro): per micro-batch the pixel patches of its *distinct* image
   sets (the samples of one prompt placed in the same micro-batch share one copy and one vision-tower pass; sets
-  are identified by content, `ImageInputs.digest`) concatenated in order of first use, zero-padded to the
-  bucketed count `PackingConfig.patches_for(max over micro-batches)`, and their `vision.vision_layout` arrays
+  are identified by content, `ImageInputs.digest`) concatenated in order of first use, each patch with one of
+  its ``temporal_patch_size`` copies only (an image repeats its frame; the device broadcasts it back: half the
+  bytes; checked, so a video's differing frames are an error), zero-padded to the bucketed count
+  `PackingConfig.patches_for(max over micro-batches)`, and their `vision.vision_layout` arrays
   padded consistently: padding patches sit after the real ones in the window order (``order`` / ``unorder``
   identity on the tail) with frame and window id -1, so they attend only among themselves and never reach a
   real feature or placeholder.
@@ -41,7 +43,7 @@ __all__ = ["VisionBatch", "vl_sequence_logprobs"]
 class VisionBatch:
     """Per micro-batch vision inputs (leading axis n_micro; P = the bucketed patch count)."""
 
-    pixel_values: np.ndarray  # float32 [n_micro, P, C*Tp*Ps*Ps]
+    pixel_values: np.ndarray  # float32 [n_micro, P, C*Ps*Ps]: one of the Tp equal temporal copies of each patch
     order: np.ndarray  # int32 [n_micro, P]: window order (vision.VisionLayout), padding = identity tail
     unorder: np.ndarray  # int32 [n_micro, P / m^2]
     hw: np.ndarray  # int32 [n_micro, P, 2]: 2D rotary coordinates (padding 0)
@@ -53,9 +55,13 @@ class VisionBatch:
         return {"order": self.order, "unorder": self.unorder, "hw": self.hw, "frame_ids": self.frame_ids,
                 "window_ids": self.window_ids}
 
+    def arrays(self) -> dict[str, Any]:
+        """The fields by name (no copy)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     @property
     def nbytes(self) -> int:
-        return sum(int(np.asarray(a).nbytes) for a in dataclasses.astuple(self))
+        return sum(int(a.nbytes) for a in self.arrays().values())
 
 
 def _register():
@@ -80,12 +86,25 @@ def vl_sequence_logprobs(params: Any, cfg: Any, mb: Any, temperature: float = 1.
     from jaxrl_async.models import transformer
     from jaxrl_async.models.qwen2_5_vl import image_features
 
-    feats = image_features(params, cfg, mb.vision.pixel_values, mb.vision.layout())
+    v = cfg.vision
+    px = mb.vision.pixel_values  # [P, C*Ps*Ps]: the processor's [P, C*Tp*Ps*Ps] without its repeated frames
+    n = px.shape[0]
+    px = jnp.broadcast_to(px.reshape(n, v.in_channels, 1, v.patch_size ** 2),
+                          (n, v.in_channels, v.temporal_patch_size, v.patch_size ** 2)).reshape(n, v.patch_dim)
+    idx = mb.image_index
+
+    def tower():
+        return image_features(params, cfg, px, mb.vision.layout())
+
+    def none():  # a micro-batch of text sequences only (in a minibatch with images): no tower pass
+        out = jax.eval_shape(tower)
+        return jnp.zeros(out.shape, out.dtype)
+
+    feats = jax.lax.cond((idx >= 0).any(), tower, none)
     if freeze_vision:
         feats = jax.lax.stop_gradient(feats)
     dt = jnp.dtype(cfg.text.dtype)
     x = jnp.take(params["embed"], mb.tokens, axis=0).astype(dt)
-    idx = mb.image_index
     x = jnp.where((idx >= 0)[..., None], feats.astype(dt)[jnp.maximum(idx, 0)], x)
     positions = jnp.moveaxis(mb.mrope_positions, -1, 0)  # [3, rows, row_len]
     return transformer.sequence_logprobs(params, cfg.text, mb.tokens, mb.segment_ids, positions, temperature, chunk,

@@ -102,23 +102,31 @@ def _trainer_logprobs(cfg, params, ids, images, completion, T=128):
     return np.asarray([lp[P - 1 + i, t] for i, t in enumerate(completion)])
 
 
-@pytest.mark.parametrize("multi", [False, True], ids=["single_step", "multi_step"])
-def test_greedy_matches_transformers_generate(vl, multi):
+@pytest.mark.parametrize("mode", ["single_step", "multi_step", pytest.param("compacted", marks=pytest.mark.slow)])
+def test_greedy_matches_transformers_generate(vl, mode):
     """7 requests (one image, two and three images, sizes and aspect ratios, a text prompt) through 3 slots:
     greedy tokens equal transformers' `generate` (which runs the vision tower and M-RoPE the same way), and the
-    greedy log-probs equal the trainer-side forward's."""
+    greedy log-probs equal the trainer-side forward's; with 4 decode steps per dispatch, and with compacted decode
+    steps (the slots' rope deltas gathered with their rows)."""
     cfg, eng, params, hf = vl
-    if multi:
+    if mode == "multi_step":
         eng = build_engine(EngineConfig(max_concurrent_decodes=3, max_sequence_length=96, prefill_buckets=(32, 64),
                                         page_size=8, num_pages=48, decode_steps=4), cfg)
+    elif mode == "compacted":  # 4 slots, a 2-row program once at most 2 are live
+        eng = build_engine(EngineConfig(max_concurrent_decodes=4, max_sequence_length=96, prefill_buckets=(32, 64),
+                                        page_size=8, num_pages=48, compact_decode=True), cfg, compact_min_rows=1,
+                           compact_levels=1)
     reqs = _requests()
-    sp = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(EOS,))
+    news = [6 + 2 * i for i in range(len(reqs))]  # different lengths: the slots free up one by one
     with Generator(eng, params[0]) as gen:
-        hs = [gen.submit(ids, sp, images=im) for ids, im in reqs]
+        hs = [gen.submit(ids, SamplingParams(temperature=0, max_new_tokens=n, stop_token_ids=(EOS,)), images=im)
+              for (ids, im), n in zip(reqs, news)]
         outs = [h.result(120).samples[0] for h in hs]
     assert 1 <= eng.vision.tower_calls <= 6  # once per prefill row holding images (rows pack several prompts)
-    for (ids, im), o in zip(reqs, outs):
-        assert o.completion_ids == _hf_greedy(hf, ids, im, 12)
+    assert (eng.compact_steps > 0) == (mode == "compacted")
+    assert (eng.compile_counts()["generate_multi"] > 0) == (mode == "multi_step")
+    for (ids, im), o, n in zip(reqs, outs, news):
+        assert o.completion_ids == _hf_greedy(hf, ids, im, n)
         ref = _trainer_logprobs(cfg, params[0], ids, im, o.completion_ids)
         np.testing.assert_allclose(o.logprobs, ref, atol=1e-5)
 
@@ -202,17 +210,30 @@ def test_recompute_kv_after_weight_update_with_images(vl):
 
 
 def test_pushed_vision_weights_change_generation(vl):
-    """A weight update that changes only the vision tower changes what an image request generates (the pushed
-    tree carries ``vision``) and leaves a text request's tokens unchanged."""
+    """A weight push (`WeightPusher`, from params on the trainer's shardings to the engine's) that changes only the
+    vision tower changes what an image request generates (the pushed tree carries ``vision``; its log-probs are the
+    new tower's) and leaves a text request's tokens unchanged."""
+    from jaxrl_async.generator.weight_sync import WeightPusher
+    from jaxrl_async.models.shardings import model_shardings
+    from jaxrl_async.sharding.mesh import make_mesh
+
     cfg, eng, params, _ = vl
-    p0 = jax.device_get(params[0])
-    p_vis = dict(p0, vision=jax.device_get(params[1])["vision"])
+    p_vis = dict(jax.device_get(params[0]), vision=jax.device_get(params[1])["vision"])
+    trainer_mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    src = jax.device_put(p_vis, model_shardings(cfg, trainer_mesh, "trainer"))
     (ids, im), (tids, _) = _requests()[0], _requests()[2]
     sp = SamplingParams(temperature=0, max_new_tokens=8)
     with Generator(eng, params[0]) as gen:
         a, ta = gen.submit(ids, sp, images=im).result(60), gen.submit(tids, sp).result(60)
-        gen.update_params(eng.place_params(p_vis), version=1, wait=True)
+        pusher = WeightPusher(gen, eng.param_shardings, guard=True)
+        try:
+            pusher.push(src, 1)
+            pusher.wait(1, timeout=60)
+        finally:
+            pusher.close()
+        assert gen.version == 1
         b, tb = gen.submit(ids, sp, images=im).result(60), gen.submit(tids, sp).result(60)
+    assert b.samples[0].versions == [1] * 8
     assert a.samples[0].completion_ids != b.samples[0].completion_ids
     assert ta.samples[0].completion_ids == tb.samples[0].completion_ids
     ref = _trainer_logprobs(cfg, p_vis, ids, im, b.samples[0].completion_ids)
@@ -261,3 +282,51 @@ def test_errors(vl, tmp_path):
     two = ImageInputs(im.images * 2, np.concatenate([im.grid_thw] * 2), TINY)
     with pytest.raises(ValueError, match="'r4'.*placeholder"):
         gen.submit(ids, request_id="r4", images=two)
+
+
+def test_factory_builds_vl_engines(vl):
+    """`generator_model_config` keeps a VLConfig (weights in the compute dtype), `for_prompts` reads the text
+    model's position limit, and an auto-sized pool counts the vision tower's weights too (`kv_cache`)."""
+    from jaxrl_async.generator.factory import for_prompts, generator_model_config
+
+    cfg = vl[0]
+    gen_cfg = generator_model_config(cfg.replace(param_dtype="bfloat16"))
+    assert qwen2_5_vl.is_vl(gen_cfg) and gen_cfg.text.param_dtype == gen_cfg.text.dtype
+    e = for_prompts([40, 50], 600, cfg, max_concurrent=2)
+    assert e.max_sequence_length == cfg.text.max_position_embeddings
+    eng = build_engine(EngineConfig(max_concurrent_decodes=2, max_sequence_length=64, page_size=8), cfg)
+    n_bytes = sum(x.size * 4 for x in jax.tree.leaves(qwen2_5_vl.param_shapes(cfg)))
+    n_vision = sum(x.size * 4 for x in jax.tree.leaves(qwen2_5_vl.param_shapes(cfg)["vision"]))
+    assert eng.sizing.param_bytes == n_bytes and n_vision > 0 and eng.num_pages >= eng.max_pages_per_seq
+    assert eng.vl_cfg == cfg and eng.text_cfg == cfg.text and eng.cfg == cfg
+
+
+def test_trainer_treats_a_generated_placeholder_as_text_like_the_generator(vl):
+    """A sampled completion may hold the image placeholder id (a random or young policy samples it): the generator
+    decodes it as a text token at index + rope_delta (`qwen2_5_vl.sequence_layout`); the trainer's packed log-probs
+    of prompt + such a completion must be the same function (features only at the prompt's placeholders, the
+    completion's M-RoPE positions at index + delta), or generator and trainer log-probs part. Checked against the
+    reference forward the generator tests use, in a minibatch with a plain image sequence beside it."""
+    from jaxrl_async.trainer import PackingConfig, Trainer, TrainStepConfig, TrainSequence, unpack
+
+    cfg, _, placed, _ = vl
+    host = jax.device_get(placed[0])
+    rng = np.random.default_rng(5)
+    seqs, refs = [], []
+    for sizes, completion in (([(20, 28)], [7, IMG, 9, IMG, VS, 11, VE, 12]), ([(24, 24), (12, 40)], [5, 6, 7])):
+        ids, images = _request(rng, sizes)
+        tokens = np.asarray(ids + completion, np.int32)
+        mask = (np.arange(len(tokens)) >= len(ids)).astype(np.int32)
+        seqs.append(TrainSequence(tokens=tokens, loss_mask=mask, behaviour_logprobs=np.zeros(len(tokens), np.float32),
+                                  advantages=np.zeros(len(tokens), np.float32), versions=np.where(mask > 0, 0, -1),
+                                  images=images))
+        refs.append((ids, images, completion))
+    trainer = Trainer(cfg, TrainStepConfig(packing=PackingConfig(tokens_per_micro=256, row_len_buckets=(128,),
+                                                                 max_seqs_per_row=4)))
+    packed = trainer.pack(seqs)
+    lp, _ = trainer.compute_logprobs(trainer.init_state(host).params, trainer.put_batch(packed))
+    got = unpack(np.asarray(lp), packed)
+    for g, i in zip(got, packed.indices):
+        ids, images, completion = refs[i]
+        want = _trainer_logprobs(cfg, host, ids, images, completion)
+        np.testing.assert_allclose(g[len(ids):], want, atol=1e-5)

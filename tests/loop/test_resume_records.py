@@ -160,3 +160,35 @@ def test_read_data_ledger_rejects_a_log_that_lost_lines(tmp_path):
         f.write(json.dumps({"event": "resume", "step": 3, "keep": 4}) + "\n")
     with pytest.raises(ValueError, match="resume keeps 4 events but only 1 precede it"):
         read_data_ledger(str(tmp_path))
+
+
+def test_a_replayed_image_prompt_keeps_its_images_through_a_checkpoint():
+    """An outstanding prompt with images (``VLPromptRecord``) comes back from the checkpoint's JSON with its encoded
+    images, grids and image processor (a replayed prompt must be submitted with its images: found by the VL resume
+    test, where replayed prompts went to the generator without them), and a buffered group's trajectories get the
+    item's images back."""
+    import io
+
+    from PIL import Image
+
+    from jaxrl_async.checkpoint.codec import from_jsonable, to_jsonable
+    from jaxrl_async.data.images import ImageProcessorConfig, VLPromptRecord
+    from jaxrl_async.data.ledger import record_from_json, record_to_json
+
+    buf = io.BytesIO()
+    Image.fromarray(np.arange(16 * 48 * 3, dtype=np.uint8).reshape(16, 48, 3)).save(buf, "PNG")
+    ip = ImageProcessorConfig(patch_size=4, min_pixels=256, max_pixels=81920)
+    rec = VLPromptRecord(id="a", prompt="p", prompt_ids=[1] + [9] * 12 + [3], answer="4", metadata={"source": "x"},
+                         images=(buf.getvalue(),), image_grid_thw=np.asarray([[1, 4, 12]]), image_processor=ip)
+    back = record_from_json(from_jsonable(json.loads(json.dumps(to_jsonable(record_to_json(rec))))))
+    assert isinstance(back, VLPromptRecord) and back.images == rec.images and back.image_processor == ip
+    assert back.image_grid_thw.tolist() == [[1, 4, 12]] and back.prompt_ids == rec.prompt_ids
+    np.testing.assert_array_equal(back.image_inputs().pixel_values(), rec.image_inputs().pixel_values())
+    traj = Trajectory.from_completion(rec.prompt_ids, [5, 6], [-0.5, -0.25], [3, 3], 1.0, "stop",
+                                      images=rec.image_inputs())
+    g = types.SimpleNamespace(item=TrajectoryGroup(rec, [traj, traj], 7), ticket=types.SimpleNamespace(admit_version=3),
+                              head_version=3)
+    saved = json.loads(json.dumps(to_jsonable(group_record(g, draw=4))))
+    assert "images" not in json.dumps(saved["trajectories"][0]["metadata"])  # a flag, not the bytes again
+    restored = group_from_record(from_jsonable(saved), back)
+    assert all(t.images is back.image_inputs() for t in restored.trajectories)

@@ -70,12 +70,12 @@ def _seq(rng, images, gen_len, adv=None) -> TrainSequence:
 
 def _mixed(rng) -> list[TrainSequence]:
     """One image (shared by two samples of a prompt), three images of different sizes/aspect ratios (a wide
-    one, a tall one, a square-ish one: windows cut short), a t=... text-only sequences, several per row."""
+    one, a tall one, a square one: windows cut short), another tall one, text-only sequences."""
     one = _images(rng, [(24, 32)])
     many = _images(rng, [(16, 48), (40, 12), (20, 20)])
     tall = _images(rng, [(48, 16)])
     return [_seq(rng, one, 9), _seq(rng, one, 6), _seq(rng, many, 7), _seq(rng, None, 11), _seq(rng, tall, 5),
-            _seq(rng, None, 4), _seq(rng, many, 3)]
+            _seq(rng, None, 4), _seq(rng, many, 3), _seq(rng, None, 50)]
 
 
 def _reference_logprobs(params, cfg, seq: TrainSequence) -> np.ndarray:
@@ -121,11 +121,17 @@ def test_packed_logprobs_equal_reference_forward(model):
     # the proximal recompute holds the same values on the loss tokens
     prox = np.asarray(trainer.with_recomputed_proximal(state.params, batch).proximal_logprobs)
     np.testing.assert_array_equal(prox, np.where(b.loss_mask > 0, np.asarray(lp), 0.0))
-    # padding patches never reach a real feature: a larger patch bucket gives the same log-probs
-    big = pack(trajs, PackingConfig(**{**PACKING.__dict__, "patch_buckets": (1024,)}), None, cfg)
+    # one row per micro-batch: a micro-batch of text sequences only (no tower pass) beside ones with images, and a
+    # larger patch bucket (padding patches never reach a real feature): the same reference
+    one_row = PackingConfig(tokens_per_micro=64, row_len_buckets=(64, 128), n_micro_buckets=(8,), max_seqs_per_row=4,
+                            patch_buckets=(1024,))
+    big = pack(trajs, one_row, None, cfg)
     assert big.batch.vision.pixel_values.shape[1] == 1024 > b.vision.pixel_values.shape[1]
+    has_seq, has_img = (big.batch.segment_ids > 0).any(axis=(1, 2)), (big.batch.image_index >= 0).any(axis=(1, 2))
+    assert (has_seq & ~has_img).any() and (has_seq & has_img).sum() > 1
     lp_big, _ = trainer.compute_logprobs(state.params, trainer.put_batch(big))
-    np.testing.assert_allclose(np.asarray(lp_big), np.asarray(lp), atol=TOL)  # other shapes: fp32 sums reorder
+    diff = _max_diff(trainer, params, trajs, big, lp_big)
+    assert diff <= TOL, diff
     # a text-only minibatch on the VL model: no vision inputs, the text programs, same reference
     text = [t for t in trajs if t.images is None]
     tp = trainer.pack(text)
@@ -256,6 +262,13 @@ def test_image_token_mismatch_names_the_trajectory(model):
     good[1].images = other
     with pytest.raises(PackingError, match="trajectory 1: field images was processed with .* merge 1"):
         pack(good, PACKING, None, cfg)
+    video = _images(rng, [(24, 32)])
+    px = video.pixel_values().reshape(-1, 3, 2, 16).copy()
+    px[:, :, 1] += 1.0  # a second frame that differs from the first
+    object.__setattr__(video, "_pixels", px.reshape(-1, 96))
+    good[1].images = video
+    with pytest.raises(PackingError, match="trajectory 1: field images holds frames that differ .*videos are not supported"):
+        pack(good, PACKING, None, cfg)
     with pytest.raises(ValueError, match="TrainStepConfig.freeze_vision: needs a vision-language model"):
         Trainer(cfg.text, TrainStepConfig(packing=PACKING, freeze_vision=True))
 
@@ -294,3 +307,42 @@ def test_trajectories_carry_images_to_the_trainer(model):
     cfg, _ = model
     p = pack(seqs, PACKING, None, cfg)
     assert p.image_stats["image_sets"] == 1 and p.image_stats["images"] == 2
+
+
+@pytest.mark.slow
+def test_sharded_trainer(model):
+    """On a 4-device (fsdp 2 x tensor 2) mesh: rows split over fsdp, the vision inputs replicated; the packed
+    log-probs still equal the reference forward and a step applies."""
+    from jaxrl_async.sharding import make_mesh
+
+    cfg, params = model
+    rng = np.random.default_rng(6)
+    trajs = _mixed(rng)
+    trainer = Trainer(cfg, TrainStepConfig(packing=PACKING), make_mesh({"fsdp": 2, "tensor": 2},
+                                                                      devices=jax.devices()[:4]))
+    state = trainer.init_state(params)
+    packed = trainer.pack(trajs)
+    assert packed.rows_per_micro % 2 == 0
+    batch = trainer.put_batch(packed)
+    assert batch.tokens.sharding.spec[1] is not None and batch.vision.pixel_values.sharding.is_fully_replicated
+    lp, _ = trainer.compute_logprobs(state.params, batch)
+    diff = _max_diff(trainer, params, trajs, packed, lp)
+    assert diff <= TOL, diff
+    state, m = trainer.step(state, packed, batch)
+    assert int(m["skipped"]) == 0 and np.isfinite(float(m["loss"]))
+
+
+def test_run_config_key(tmp_path):
+    """``trainer.freeze_vision`` reaches the train step; it needs a vision-language policy (the default qwen3 has no
+    vision tower) and is fixed across a resume (the optimizer state holds the tower's moments or not)."""
+    from jaxrl_async.config import ConfigError, apply_overrides, validate
+    from jaxrl_async.config.default import get_config
+    from jaxrl_async.config.resume import RESUME_FIXED
+    from jaxrl_async.trainer.factory import trainer_config
+
+    cfg = apply_overrides(get_config(), [f"run_dir={tmp_path / 'run'}", "trainer.freeze_vision=true"])
+    assert trainer_config(cfg).freeze_vision and not trainer_config(get_config()).freeze_vision
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, num_devices=1)
+    assert e.value.field == "trainer.freeze_vision" and "vision-language" in str(e.value)
+    assert "trainer.freeze_vision" in RESUME_FIXED
