@@ -102,8 +102,9 @@ def test_vl_memory_adds_vision_state_and_pixels():
     assert micro_batch_patches(b, vl, sequences_per_micro=8, prompts_per_minibatch=8, packing=pk) == (8, 65536)
     assert micro_batch_patches(b, vl, sequences_per_micro=32, prompts_per_minibatch=2, packing=pk) == (2, 16384)
     assert micro_batch_patches(b, vl, sequences_per_micro=4, prompts_per_minibatch=1, packing=pk) == (1, 8192)
-    # float32 pixels (1176 values a patch) + int32 layout (order, 2 coordinates, frame, window; 1/4 for unorder)
-    assert vision_batch_bytes(vl, 16, 65536) == 16 * (65536 * 1176 * 4 + 65536 * 5 * 4 + 16384 * 4)
+    # float32 pixels (588 values a patch: one of its 2 temporal copies) + int32 layout (order, 2 coordinates,
+    # frame, window; 1/4 for unorder)
+    assert vision_batch_bytes(vl, 16, 65536) == 16 * (65536 * 588 * 4 + 65536 * 5 * 4 + 16384 * 4)
     # a prefill row of 2048 tokens holds one 1280-token image prompt: the tower over 8192 padded patches
     assert prefill_patches(b, vl, 2048) == (1, 8192) and prefill_patches(ImageBudget(1, 256), vl, 2048) == (8, 8192)
 

@@ -10,7 +10,8 @@ images add:
 * resident: the vision tower's parameters (trainer: float32 master weights + AdamW moments, sharded by the
   trainer rules; generator: the compute dtype by the generator rules, plus one incoming push of them) and the
   packed minibatches with images (`trainer.vl_batch`: per micro-batch the float32 pixel patches of its distinct
-  image sets, bucketed, replicated on every trainer device, plus M-RoPE positions and placeholder indices);
+  image sets, one temporal copy a patch, bucketed, replicated on every trainer device, plus M-RoPE positions and
+  placeholder indices);
 * the run's own VL programs compiled with abstract arguments (for the target when the decoder's were): the
   Trainer's step and proximal log-prob pass of a minibatch with images (``Trainer._step_fn`` / ``_logprobs_fn``:
   vision tower over each micro-batch's patches -> features into the placeholders -> M-RoPE decoder -> the policy
@@ -138,13 +139,19 @@ def vision_bytes(vl, mesh, rules: str, dtype: str) -> int:
     return device_bytes(jax.tree.leaves(shapes), jax.tree.leaves(shardings))
 
 
+def pixel_frame_dim(vl) -> int:
+    """Values of one patch as the trainer ships it: one of its ``temporal_patch_size`` equal copies (C * P * P; an
+    image repeats its frame, the device broadcasts it back: `trainer.vl_batch`)."""
+    return vl.vision.in_channels * vl.vision.patch_size ** 2
+
+
 def vision_batch_bytes(vl, n_micro: int, patches: int) -> int:
     """Bytes of the vision inputs of one packed minibatch (`trainer.vl_batch.VisionBatch`: per micro-batch the float32
-    pixel patches of its distinct image sets, bucketed to ``patches``, and their int32 layout: order, frame and window
-    ids, 2D coordinates, the merge units' order). The trainer replicates them (every device runs its micro-batch's
-    tower), so this is per device too."""
+    pixel patches of its distinct image sets, one temporal copy each, bucketed to ``patches``, and their int32
+    layout: order, frame and window ids, 2D coordinates, the merge units' order). The trainer replicates them
+    (every device runs its micro-batch's tower), so this is per device too."""
     mu = vl.vision.merge_unit
-    return n_micro * (patches * vl.vision.patch_dim * 4 + patches * 5 * 4 + patches // mu * 4)
+    return n_micro * (patches * pixel_frame_dim(vl) * 4 + patches * 5 * 4 + patches // mu * 4)
 
 
 def micro_batch_patches(budget: ImageBudget, vl, *, sequences_per_micro: int, prompts_per_minibatch: int,
@@ -203,7 +210,8 @@ def abstract_vl_batch(trainer, shape: tuple[int, int, int], patches: int):
     ints = {"tokens", "segment_ids", "positions", "versions", "seq_ids"}
     fields = {f: _sds(shape, jnp.int32 if f in ints else jnp.float32) for f in DEVICE_FIELDS}
     i32 = lambda *s: _sds((n, *s), jnp.int32)  # noqa: E731
-    vision = VisionBatch(pixel_values=_sds((n, patches, v.patch_dim), jnp.float32), order=i32(patches),
+    vision = VisionBatch(pixel_values=_sds((n, patches, pixel_frame_dim(trainer.model_cfg)), jnp.float32),
+                         order=i32(patches),
                          unorder=i32(patches // v.merge_unit), hw=i32(patches, 2), frame_ids=i32(patches),
                          window_ids=i32(patches))
     b = PackedBatch(**fields, mrope_positions=_sds((*shape, 3), jnp.int32), image_index=_sds(shape, jnp.int32),
