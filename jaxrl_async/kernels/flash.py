@@ -61,7 +61,16 @@ def run_starts(segment_ids: jax.Array) -> jax.Array:
     return jnp.where(segment_ids != 0, start, jnp.int32(T))
 
 
-def _block_ranges(q_start: jax.Array, qpos: jax.Array, nk: int, bq: int, bk: int) -> tuple[jax.Array, jax.Array]:
+def run_ends(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] segment ids -> [B, T] int32: the index of the last token of each token's run, -1 for padding
+    (the non-causal bound of ``blockwise_attention(causal=False)``)."""
+    T = segment_ids.shape[1]
+    rev = segment_ids[:, ::-1]
+    return jnp.where(segment_ids != 0, T - 1 - run_starts(rev)[:, ::-1], jnp.int32(-1))
+
+
+def _block_ranges(q_start: jax.Array, qpos: jax.Array, nk: int, bq: int, bk: int,
+                  q_end: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Per query block i, the key blocks [lo_i, hi_i] that can hold a visible key for some row.
 
     ``q_start`` [B, Tq]: the run start (key index) of each query (``run_starts``; padding: past the end);
@@ -70,22 +79,30 @@ def _block_ranges(q_start: jax.Array, qpos: jax.Array, nk: int, bq: int, bk: int
     last query), clipped to the last key block. lo_i: the block of the earliest run start among the block's queries
     over all rows (segments
     are contiguous runs, so no key before it is visible). A block of padding only gets lo > hi (no work).
+    Non-causal (``q_end`` [B, Tq], the run end of each query, -1 for padding): hi_i is the block of the latest
+    run end among the block's queries instead of the causal bound.
     """
     Tq = q_start.shape[1]
     nq = Tq // bq
     lo = (q_start.min(axis=0).reshape(nq, bq).min(axis=1) // bk).astype(jnp.int32)
-    hi = jnp.minimum((qpos + bq - 1) // bk, nk - 1)
+    if q_end is None:
+        hi = jnp.minimum((qpos + bq - 1) // bk, nk - 1)
+    else:
+        hi = jnp.minimum(q_end.max(axis=0).reshape(nq, bq).max(axis=1) // bk, nk - 1)
     return lo, hi.astype(jnp.int32)
 
 
-def _block_mask(seg_q, seg_k, q0, k0, bq, bk):
-    """[B, bq, bk] visibility of keys k0.. for queries at key positions q0.. (causal, same segment, key
-    not padding)."""
-    causal = (q0 + jnp.arange(bq))[:, None] >= (k0 + jnp.arange(bk))[None, :]
-    return causal[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k != 0)[:, None, :]
+def _block_mask(seg_q, seg_k, q0, k0, bq, bk, causal: bool = True):
+    """[B, bq, bk] visibility of keys k0.. for queries at key positions q0.. (causal unless ``causal=False``,
+    same segment, key not padding)."""
+    same = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k != 0)[:, None, :]
+    if not causal:
+        return same
+    causal_mask = (q0 + jnp.arange(bq))[:, None] >= (k0 + jnp.arange(bk))[None, :]
+    return causal_mask[None] & same
 
 
-def _key_block(k, v, seg_k, seg_q, qpos0, j, bq: int, bk: int):
+def _key_block(k, v, seg_k, seg_q, qpos0, j, bq: int, bk: int, causal: bool = True):
     """Key block j: (k block, v block, [B, 1, 1, bq, bk] visibility for the query block at key position
     ``qpos0``)."""
     k0 = j * bk
@@ -93,7 +110,7 @@ def _key_block(k, v, seg_k, seg_q, qpos0, j, bq: int, bk: int):
     def sl(x):
         return jax.lax.dynamic_slice_in_dim(x, k0, bk, axis=1)
 
-    return sl(k), sl(v), _block_mask(seg_q, sl(seg_k), qpos0, k0, bq, bk)[:, None, None]
+    return sl(k), sl(v), _block_mask(seg_q, sl(seg_k), qpos0, k0, bq, bk, causal)[:, None, None]
 
 
 def _scores(qb, kb, scale):
@@ -101,12 +118,13 @@ def _scores(qb, kb, scale):
     return jnp.einsum("bqkge,bske->bkgqs", qb, kb, preferred_element_type=jnp.float32) * scale
 
 
-def _flash_forward(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk):
+def _flash_forward(q, k, v, seg_q, seg_k, q_start, qpos, q_end, scale, bq, bk):
     """(out [B, Tq, K, G, E] in q.dtype, lse [B, K, G, Tq] float32). Query block i sits at key positions
-    ``qpos[i]`` onwards."""
+    ``qpos[i]`` onwards; ``q_end`` None = causal, else the queries' run ends (non-causal)."""
     B, Tq, K, G, E = q.shape
     nq = Tq // bq
-    lo, hi = _block_ranges(q_start, qpos, k.shape[1] // bk, bq, bk)
+    causal = q_end is None
+    lo, hi = _block_ranges(q_start, qpos, k.shape[1] // bk, bq, bk, q_end)
 
     def q_block(i):
         q0 = i * bq
@@ -115,7 +133,7 @@ def _flash_forward(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk):
 
         def step(j, carry):
             m, l, acc = carry
-            kb, vb, mask = _key_block(k, v, seg_k, sq, qpos[i], j, bq, bk)
+            kb, vb, mask = _key_block(k, v, seg_k, sq, qpos[i], j, bq, bk, causal)
             s = jnp.where(mask, _scores(qb, kb, scale), _NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -139,10 +157,11 @@ def _flash_forward(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk):
     return out, lse
 
 
-def _flash_backward(q, k, v, seg_q, seg_k, q_start, qpos, out, lse, dout, scale, bq, bk):
+def _flash_backward(q, k, v, seg_q, seg_k, q_start, qpos, q_end, out, lse, dout, scale, bq, bk):
     B, Tq, K, G, E = q.shape
     nq = Tq // bq
-    lo, hi = _block_ranges(q_start, qpos, k.shape[1] // bk, bq, bk)
+    causal = q_end is None
+    lo, hi = _block_ranges(q_start, qpos, k.shape[1] // bk, bq, bk, q_end)
     # D_t = sum_e dO * O (FlashAttention-2), float32 [B, K, G, Tq]
     delta = jnp.einsum("btkge,btkge->bkgt", dout.astype(jnp.float32), out.astype(jnp.float32))
 
@@ -158,7 +177,7 @@ def _flash_backward(q, k, v, seg_q, seg_k, q_start, qpos, out, lse, dout, scale,
         def step(j, inner):
             dq_b, dk, dv = inner
             k0 = j * bk
-            kb, vb, mask = _key_block(k, v, seg_k, sq, qpos[i], j, bq, bk)
+            kb, vb, mask = _key_block(k, v, seg_k, sq, qpos[i], j, bq, bk, causal)
             s = _scores(qb, kb, scale)
             p = jnp.where(mask, jnp.exp(s - lse_b[..., None]), 0.0)  # [B, K, G, bq, bk] float32
             dv_j = jnp.einsum("bkgqs,bqkge->bske", p.astype(dout.dtype), dob, preferred_element_type=jnp.float32)
@@ -180,20 +199,20 @@ def _flash_backward(q, k, v, seg_q, seg_k, q_start, qpos, out, lse, dout, scale,
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk):
-    return _flash_forward(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _flash(q, k, v, seg_q, seg_k, q_start, qpos, q_end, scale, bq, bk):
+    return _flash_forward(q, k, v, seg_q, seg_k, q_start, qpos, q_end, scale, bq, bk)[0]
 
 
-def _flash_fwd(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk):
-    out, lse = _flash_forward(q, k, v, seg_q, seg_k, q_start, qpos, scale, bq, bk)
-    return out, (q, k, v, seg_q, seg_k, q_start, qpos, out, lse)
+def _flash_fwd(q, k, v, seg_q, seg_k, q_start, qpos, q_end, scale, bq, bk):
+    out, lse = _flash_forward(q, k, v, seg_q, seg_k, q_start, qpos, q_end, scale, bq, bk)
+    return out, (q, k, v, seg_q, seg_k, q_start, qpos, q_end, out, lse)
 
 
 def _flash_bwd(scale, bq, bk, res, dout):
-    q, k, v, seg_q, seg_k, q_start, qpos, out, lse = res
-    dq, dk, dv = _flash_backward(q, k, v, seg_q, seg_k, q_start, qpos, out, lse, dout, scale, bq, bk)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, seg_q, seg_k, q_start, qpos, q_end, out, lse = res
+    dq, dk, dv = _flash_backward(q, k, v, seg_q, seg_k, q_start, qpos, q_end, out, lse, dout, scale, bq, bk)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -208,17 +227,21 @@ def _pad_len(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, scale: float,
-                        block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK) -> jax.Array:
+                        block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK, causal: bool = True) -> jax.Array:
     """Flash attention in pure JAX: q [B, T, H, E], k/v [B, T, K, E], segment_ids [B, T] -> [B, T, H, E].
 
     Rows are padded (segment 0) to a multiple of the block sizes; a block larger than T shrinks to T.
-    Differentiable (custom VJP, no T x T buffer in either direction).
+    Differentiable (custom VJP, no T x T buffer in either direction). ``causal=False``: every token attends
+    its whole segment (a vision tower's windows and frames); key blocks outside the query block's segments
+    are skipped in both directions, so segments of w tokens cost O(T * (w + block)).
     """
     B, T, H, E = q.shape
     if k.shape[1] != T or v.shape[1] != T or segment_ids.shape != (B, T):
         raise ValueError(f"blockwise_attention: self-attention shapes q {q.shape}, k {k.shape}, v {v.shape}, "
                          f"segment_ids {segment_ids.shape}")
     segment_ids = segment_ids.astype(jnp.int32)
+    if not causal:
+        return _non_causal(q, k, v, segment_ids, scale, block_q, block_k)
     return blockwise_attention_chunk(q, k, v, segment_ids, segment_ids, run_starts(segment_ids), 0, scale,
                                      block_q, block_k)
 
@@ -255,8 +278,23 @@ def blockwise_attention_stripes(stripes, k: jax.Array, v: jax.Array, seg_k: jax.
     k, v, seg_k = _pad_len(k, Tkp), _pad_len(v, Tkp), _pad_len(seg_k.astype(jnp.int32), Tkp)
     q = jnp.concatenate(qs, axis=1)
     out = _flash(q.reshape(B, q.shape[1], K, H // K, E), k, v, jnp.concatenate(sqs, axis=1), seg_k,
-                 jnp.concatenate(starts, axis=1), jnp.concatenate(pos), float(scale), bq, bk)
+                 jnp.concatenate(starts, axis=1), jnp.concatenate(pos), None, float(scale), bq, bk)
     out = out.reshape(B, q.shape[1], H, E)
     return [out[:, m * npad: m * npad + n] for m in range(len(stripes))]
 
 
+
+
+def _non_causal(q, k, v, segment_ids, scale, block_q, block_k):
+    """``blockwise_attention(causal=False)`` (self-attention, segments are contiguous runs)."""
+    B, T, H, E = q.shape
+    K = k.shape[2]
+    bq, bk = min(int(block_q), T), min(int(block_k), T)
+    Tqp, Tkp = -(-T // bq) * bq, -(-T // bk) * bk
+    seg_q, seg_k = _pad_len(segment_ids, Tqp), _pad_len(segment_ids, Tkp)
+    q_start = jnp.pad(run_starts(segment_ids), [(0, 0), (0, Tqp - T)], constant_values=Tkp)
+    q_end = jnp.pad(run_ends(segment_ids), [(0, 0), (0, Tqp - T)], constant_values=-1)
+    qp = _pad_len(q, Tqp).reshape(B, Tqp, K, H // K, E)
+    pos = jnp.arange(Tqp // bq, dtype=jnp.int32) * bq
+    out = _flash(qp, _pad_len(k, Tkp), _pad_len(v, Tkp), seg_q, seg_k, q_start, pos, q_end, float(scale), bq, bk)
+    return out.reshape(B, Tqp, H, E)[:, :T]

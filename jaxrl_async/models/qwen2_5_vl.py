@@ -266,9 +266,13 @@ def prepare_inputs(cfg: VLConfig, tokens, image_grid_thw=None, attention_mask=No
 # ---------------------------------------------------------------------------------------
 # Device functions
 # ---------------------------------------------------------------------------------------
-def image_features(params: Params, cfg: VLConfig, pixel_values: jax.Array, layout: Mapping[str, Any]) -> jax.Array:
-    """[M, D] features of the flattened patches of all images (image after image), in the compute dtype."""
-    return vision.vision_tower(params["vision"], cfg.vision, pixel_values, layout, jnp.dtype(cfg.text.dtype))
+def image_features(params: Params, cfg: VLConfig, pixel_values: jax.Array, layout: Mapping[str, Any], *,
+                   attention: str = "auto") -> jax.Array:
+    """[M, D] features of the flattened patches of all images (image after image), in the compute dtype.
+    ``attention``: the vision tower's implementation (`vision.VISION_ATTENTION_IMPLS`; ``xla`` = the dense
+    reference); its blocks are rematerialised as the decoder's layers (``cfg.text.remat``)."""
+    return vision.vision_tower(params["vision"], cfg.vision, pixel_values, layout, jnp.dtype(cfg.text.dtype),
+                               attention=attention, remat=cfg.text.remat)
 
 
 def embed_inputs(params: Params, cfg: VLConfig, tokens: jax.Array, features: jax.Array | None) -> jax.Array:

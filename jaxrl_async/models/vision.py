@@ -11,7 +11,14 @@ spatial-merge blocks row-major, the m x m patches of a block contiguous):
 3. ``depth`` pre-norm blocks: RMSNorm -> multi-head attention (fused qkv with bias, 2D rotary embedding over the
    (h, w) patch coordinates, no causal mask) -> + ; RMSNorm -> SwiGLU MLP with biases -> + . The blocks at
    ``fullatt_block_indexes`` attend within a whole frame of an image, the others within a window: both are
-   varlen attention over the packed patches, as a block-diagonal mask of segment ids (HF's cu_seqlens);
+   varlen non-causal attention over the packed patches with segment ids (HF's cu_seqlens), computed by the
+   implementation ``attention`` names (`VISION_ATTENTION_IMPLS`): ``xla``, the reference, a dense [N, N]
+   block-diagonal mask and [Hv, N, N] float32 scores per block; ``blockwise``, the pure-JAX flash kernel of
+   ``kernels/flash.py`` without the causal bound (``causal=False``): key blocks outside a query block's windows
+   / frames are skipped in forward and backward (custom VJP), blocks of one window (<= 64 patches for the
+   released configs) in the windowed blocks and of 512 patches in the full-attention ones, so memory is
+   O(N * block) and a windowed block costs O(N * 3 windows); ``auto`` = ``blockwise`` from
+   `VISION_BLOCKWISE_MIN_PATCHES` patches, ``xla`` below (on every platform);
 4. the patch merger: RMSNorm, the m*m patches of a merge unit concatenated -> Linear -> GELU -> Linear to the
    language model's hidden size; the merge units put back in the processor's order.
 
@@ -32,11 +39,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_async.kernels.attention import grouped_attention
+from jaxrl_async.kernels.attention import blockwise_attention, grouped_attention
+from jaxrl_async.models.remat import remat as remat_fn
 from jaxrl_async.models.transformer import ParamSpec, apply_rope, rms_norm
 
 Params = dict[str, Any]
 VISION_EPS = 1e-6  # the vision tower's RMSNorm epsilon (fixed in transformers)
+#: the vision tower's attention implementations (``vision_tower(attention=...)``; module docstring)
+VISION_ATTENTION_IMPLS = ("auto", "xla", "blockwise")
+#: ``auto`` switches from the dense reference to ``blockwise`` at this many patches per batch of images
+VISION_BLOCKWISE_MIN_PATCHES = 1024
+#: query/key block of the full-attention (whole-frame) blocks in ``blockwise``
+FULL_ATTENTION_BLOCK = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +97,12 @@ class VisionConfig:
     @property
     def merge_unit(self) -> int:
         return self.spatial_merge_size ** 2
+
+    @property
+    def window_patches(self) -> int:
+        """The most patches one attention window holds (64 for the released configs: 4 x 4 merge units of
+        2 x 2 patches); windows cut short at an image's edge hold fewer."""
+        return max(1, self.window_size // self.spatial_merge_size // self.patch_size) ** 2 * self.merge_unit
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "VisionConfig":
@@ -219,13 +239,36 @@ def rope_cos_sin(v: VisionConfig, hw: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def vision_block(p: Params, x: jax.Array, cos, sin, mask: jax.Array, v: VisionConfig) -> jax.Array:
-    """One vision block over the packed patches x [N, Dv] (window order); ``mask`` [N, N] who may attend to whom."""
+def resolve_vision_attention(impl: str, num_patches: int) -> str:
+    """The implementation ``impl`` (`VISION_ATTENTION_IMPLS`) stands for at ``num_patches`` patches."""
+    if impl not in VISION_ATTENTION_IMPLS:
+        raise ValueError(f"vision attention must be one of {VISION_ATTENTION_IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    return "blockwise" if num_patches >= VISION_BLOCKWISE_MIN_PATCHES else "xla"
+
+
+def dense_attend(mask: jax.Array, v: VisionConfig):
+    """The reference attention: ``mask`` [N, N] who may attend to whom -> ``attend(q, k, val)`` [N, Hv, Ev]."""
+    return lambda q, k, val: grouped_attention(q[None], k[None], val[None], mask[None], v.head_dim ** -0.5)[0]
+
+
+def segment_attend(segment_ids: jax.Array, block: int, v: VisionConfig):
+    """Non-causal blockwise attention within the runs of ``segment_ids`` [N] (contiguous, any int values)."""
+    seg = (segment_ids - segment_ids.min() + 1)[None].astype(jnp.int32)  # >= 1: 0 is the kernel's padding
+    return lambda q, k, val: blockwise_attention(q[None], k[None], val[None], seg, v.head_dim ** -0.5, block, block,
+                                                 causal=False)[0]
+
+
+def vision_block(p: Params, x: jax.Array, cos, sin, mask, v: VisionConfig) -> jax.Array:
+    """One vision block over the packed patches x [N, Dv] (window order); ``mask``: [N, N] who may attend to whom
+    (the dense reference), or an ``attend(q, k, val)`` function (`dense_attend`, `segment_attend`)."""
     dt = x.dtype
+    attend = mask if callable(mask) else dense_attend(mask, v)
     h = rms_norm(x, p["norm1"], VISION_EPS)
     qkv = jnp.einsum("nd,dshe->snhe", h, p["qkv"].astype(dt)) + p["qkv_bias"].astype(dt)[:, None]
     q, k, val = apply_rope(qkv[0], cos, sin), apply_rope(qkv[1], cos, sin), qkv[2]
-    a = grouped_attention(q[None], k[None], val[None], mask[None], v.head_dim ** -0.5)[0]
+    a = attend(q, k, val)
     x = x + jnp.einsum("nhe,hed->nd", a, p["o"].astype(dt)) + p["o_bias"].astype(dt)
     h = rms_norm(x, p["norm2"], VISION_EPS)
     g = h @ p["gate"].astype(dt) + p["gate_bias"].astype(dt)
@@ -234,19 +277,36 @@ def vision_block(p: Params, x: jax.Array, cos, sin, mask: jax.Array, v: VisionCo
 
 
 def vision_tower(params: Params, v: VisionConfig, pixel_values: jax.Array, layout: Mapping[str, Any],
-                 dtype: Any = jnp.float32) -> jax.Array:
+                 dtype: Any = jnp.float32, *, attention: str = "auto", remat: str = "none") -> jax.Array:
     """Image features [N / m^2, D] (processor order, image after image) of the flattened patches
-    ``pixel_values`` [N, C*Tp*P*P]; ``layout``: `vision_layout(...)`.arrays() (arrays, possibly traced)."""
+    ``pixel_values`` [N, C*Tp*P*P]; ``layout``: `vision_layout(...)`.arrays() (arrays, possibly traced).
+    ``attention``: `VISION_ATTENTION_IMPLS` (module docstring; ``xla`` is the dense reference); ``remat``: a
+    ``ModelConfig.remat`` policy name for the scanned blocks (training: keep one block's activations)."""
     order, hw = jnp.asarray(layout["order"]), jnp.asarray(layout["hw"])
     x = (pixel_values.astype(dtype) @ params["patch_embed"].astype(dtype))[order]
     cos, sin = rope_cos_sin(v, hw)
-    same = lambda ids: ids[:, None] == ids[None, :]  # noqa: E731
-    full_mask, window_mask = same(jnp.asarray(layout["frame_ids"])), same(jnp.asarray(layout["window_ids"]))
+    frame_ids, window_ids = jnp.asarray(layout["frame_ids"]), jnp.asarray(layout["window_ids"])
     is_full = jnp.asarray(np.isin(np.arange(v.depth), v.fullatt_block_indexes))
+    impl = resolve_vision_attention(attention, x.shape[0])
+    if impl == "xla":
+        same = lambda ids: ids[:, None] == ids[None, :]  # noqa: E731
+        full_mask, window_mask = same(frame_ids), same(window_ids)
+
+        def block(p, x, full):
+            return vision_block(p, x, cos, sin, jnp.where(full, full_mask, window_mask), v)
+    else:
+        full_attend = segment_attend(frame_ids, FULL_ATTENTION_BLOCK, v)
+        window_attend = segment_attend(window_ids, v.window_patches, v)
+
+        def block(p, x, full):  # one block body; only the attention's segments and block size differ
+            attend = lambda q, k, val: jax.lax.cond(full, full_attend, window_attend, q, k, val)  # noqa: E731
+            return vision_block(p, x, cos, sin, attend, v)
+
+    block = remat_fn(block, remat)
 
     def body(x, xs):
         p, full = xs
-        return vision_block(p, x, cos, sin, jnp.where(full, full_mask, window_mask), v), None
+        return block(p, x, full), None
 
     x, _ = jax.lax.scan(body, x, (params["blocks"], is_full))
     mp = params["merger"]

@@ -210,6 +210,10 @@ def _with_shardings(abstract, shardings):
 # =============================================================================================
 # The plan
 # =============================================================================================
+#: the byte accounting and compile helpers under public names, for the planners of other model families (plan/vl.py)
+compile_executable, device_bytes = _compile, _device_bytes
+
+
 def plan_model_config(cfg):
     """The model config a plan is made for: ``model.path``'s config.json, or the section's architecture with
     ``model.vocab_size`` (required then)."""
@@ -233,6 +237,9 @@ def _batch_shape(cfg, trainer) -> tuple[int, int, int, int]:
     rows_needed = math.ceil(seqs / per_row)
     n_micro = pk.n_micro_for(math.ceil(rows_needed / rows))
     return n_micro, rows, row_len, pk.num_seqs(row_len)
+
+
+batch_shape = _batch_shape
 
 
 def _abstract_batch(shape, sharding):
