@@ -167,3 +167,18 @@ def test_make_vl_plan_on_cpu_for_the_visual_task():
     assert v["trainer_peak_bytes"] >= resident + v["train_step_transient_bytes"]
     assert v["tower_transient_bytes"] > 0 and ib["prefill_patches"] >= 2 * 12 * 4
     assert "VL verdict: FITS" in format_vl_plan(r)
+
+
+def test_the_plan_command_hands_a_vl_config_to_plan_vl(monkeypatch):
+    """`python -m jaxrl_async.plan --config configs/qwen2_5_vl_7b.py ...` plans it as a VL run (cli/plan_vl.py, with
+    its own flags) instead of refusing the VL flags or planning the decoder alone."""
+    from jaxrl_async.cli import plan, plan_vl
+
+    seen = []
+    monkeypatch.setattr(plan_vl, "main", lambda argv: seen.append(list(argv)) or 0)
+    argv = ["--config", os.path.join(ROOT, "configs", "qwen2_5_vl_7b.py"), "--image-tokens", "256", "--layers", "1"]
+    assert plan.main(argv) == 0 and seen == [argv]
+    seen.clear()
+    # a text config refuses a VL flag in one line (exit 2)
+    assert plan.main(["--config", os.path.join(ROOT, "configs", "qwen3_8b.py"), "--image-tokens", "256"]) == 2
+    assert not seen

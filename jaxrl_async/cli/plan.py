@@ -1,5 +1,6 @@
 """`python -m jaxrl_async.plan --config FILE [--devices N] [--platform cpu|native] [--layout NAME]
-[--target KIND] [--headroom F] [--json] [--list] [key=value ...]`: will this run fit its hardware?
+[--target KIND] [--headroom F] [--json] [--list] [key=value ...]`: will this run fit its hardware? A config whose
+policy is Qwen2.5-VL goes to ``cli/plan_vl.py`` (the decoder's plan + the vision tower and the images; its flags).
 
 The planner itself (what it compiles, how it counts, exit codes) is ``plan/planner.py``.
 """
@@ -36,9 +37,22 @@ def _parser() -> argparse.ArgumentParser:
                         "aot-tpu / aot-gpu), or on the CPU (float32 upper bound); auto = target when installed")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--list", action="store_true", help="list the layouts and device kinds, then exit")
+    vl = p.add_argument_group("vision-language policies (Qwen2.5-VL: planned by cli/plan_vl.py)")
+    vl.add_argument("--images-per-prompt", type=int, default=None, help="default: the file's IMAGE_BUDGET, else 1")
+    vl.add_argument("--image-tokens", type=int, default=None, help="visual tokens per image (default 1280)")
+    vl.add_argument("--layers", type=int, default=None, help="reduced decoder depth (compile checks)")
+    vl.add_argument("--vision-depth", type=int, default=None, help="reduced vision depth (compile checks)")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides")
     return p
 
+
+
+def _is_vl_checkpoint(path: str | None) -> bool:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type") == "qwen2_5_vl"
+    except (OSError, TypeError, ValueError):
+        return False
 
 
 @cli_main("plan")
@@ -46,12 +60,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)  # -h/--help: usage, the description and every default
-    if unknown:
-        raise PlanError(f"unknown option {unknown[0]!r} (see --help)")
     if args.list:
         print(format_layouts())
         return 0
     cfg = load_plan_config(args.config, args.layout, args.overrides)
+    if cfg.model.model_type == "qwen2_5_vl" or _is_vl_checkpoint(cfg.model.path):
+        # a vision-language policy: the decoder's plan + the vision tower and the images (`plan/vl.py`); it also
+        # takes --images-per-prompt / --image-tokens / --layers / --vision-depth
+        from jaxrl_async.cli import plan_vl
+
+        return plan_vl.main(argv)
+    if unknown:
+        raise PlanError(f"unknown option {unknown[0]!r} (see --help)")
+    vl_flags = [f for f in ("images_per_prompt", "image_tokens", "layers", "vision_depth") if getattr(args, f) is not None]
+    if vl_flags:
+        raise PlanError(f"--{vl_flags[0].replace('_', '-')}: only for a vision-language policy (Qwen2.5-VL); "
+                        f"{args.config or 'the embedded default'} is a text model")
     n = args.devices if args.devices is not None else default_num_devices(cfg)
     configure_devices(n, args.platform)
     report = make_plan(cfg, num_devices=n, target=args.target, headroom=args.headroom, compile_for=args.compile_for)

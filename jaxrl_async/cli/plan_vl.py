@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None)
     p.add_argument("--headroom", type=float, default=0.10)
     p.add_argument("--compile-for", choices=("auto", "target", "cpu"), default="auto")
+    p.add_argument("--platform", choices=("cpu",), default="cpu",
+                   help="simulated CPU devices (a VL plan compiles deviceless for its target)")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
     return p

@@ -121,8 +121,9 @@ def test_packed_logprobs_equal_reference_forward(model):
     # the proximal recompute holds the same values on the loss tokens
     prox = np.asarray(trainer.with_recomputed_proximal(state.params, batch).proximal_logprobs)
     np.testing.assert_array_equal(prox, np.where(b.loss_mask > 0, np.asarray(lp), 0.0))
-    # one row per micro-batch: a micro-batch of text sequences only (its tower pass sees only padding patches) beside ones with images, and a
-    # larger patch bucket (padding patches never reach a real feature): the same reference
+    # one row per micro-batch: a micro-batch of text sequences only (its tower pass sees only padding patches)
+    # beside ones with images, and a larger patch bucket (padding patches never reach a real feature): the same
+    # reference
     one_row = PackingConfig(tokens_per_micro=64, row_len_buckets=(64, 128), n_micro_buckets=(8,), max_seqs_per_row=4,
                             patch_buckets=(1024,))
     big = pack(trajs, one_row, None, cfg)
