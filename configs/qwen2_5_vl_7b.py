@@ -55,7 +55,9 @@ def vl_run_config(layout: str, *, max_concurrent_decodes: int, tokens_per_micro:
     trainer = dataclasses.replace(base.trainer, packing=dataclasses.replace(
         base.trainer.packing, row_len_buckets=(512, 1024, 2048, max_seq),
         patch_buckets=(patches // 4, patches // 2, patches, 2 * patches, 4 * patches, 8 * patches)))
-    data = dataclasses.replace(base.data, max_prompt_len=MAX_PROMPT_LEN,
+    # tokenizer_kind: without model.path (planning, a random-init smoke run) the run builds its own tokenizer, which
+    # needs the vision tokens; a real run takes the checkpoint's
+    data = dataclasses.replace(base.data, max_prompt_len=MAX_PROMPT_LEN, tokenizer_kind="arithmetic_vl",
                                image_max_pixels=IMAGE_BUDGET["tokens_per_image"] * 28 * 28)
     return dataclasses.replace(base, model=model, rollout=rollout, trainer=trainer, data=data)
 
