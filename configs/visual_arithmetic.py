@@ -27,7 +27,7 @@ def get_config():
         data=dataclasses.replace(cfg.data, task="visual_arithmetic", tokenizer_kind="arithmetic_vl", max_prompt_len=64,
                                  arithmetic=dataclasses.replace(cfg.data.arithmetic, styles=("columns",),
                                                                 style_weights=())),
-        # reading the digits is learned late: 1000 warm-start steps leave the policy at 0.000 held-out (the format
-        # learned, the operands not read), 1500 at 0.615, 3000 at 0.900 (columns-only demonstrations; the default's
-        # direct/columns mixture stays at 0.025 after 3000: a one-shot sum read from pixels is too hard for it)
+        # reading the digits is learned late: 1500 warm-start steps leave the policy at 0.615 held-out, 3000 at 0.900
+        # (columns-only demonstrations; the default's direct/columns mixture stays at 0.025 after 3000: a one-shot
+        # sum read from pixels is too hard for it)
         trainer=dataclasses.replace(cfg.trainer, sft=dataclasses.replace(cfg.trainer.sft, steps=3000)))
