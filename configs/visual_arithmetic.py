@@ -8,7 +8,7 @@ drawn as 48 x 16 images (``data.task=visual_arithmetic``: the prompt's text only
 so the answer has to be read from the picture). The tokenizer is the arithmetic one plus Qwen2.5-VL's vision
 tokens and chat template (``data.tokenizer_kind=arithmetic_vl``), and the warm start is 3000 steps on column-by-column
 demonstrations (reading the digits from the pixels is learned late). Measured (benchmarks/RESULTS.md, "The visual
-arithmetic task"): the warm start reads (held-out 0.000 -> 0.900); the RL phase does not improve on it yet (issue 29).
+arithmetic task"): from random weights the warm start reads (held-out 0.900); the RL phase does not improve on it yet (issue 29).
 
     python -m jaxrl_async.main --config configs/visual_arithmetic.py
 """
