@@ -148,7 +148,7 @@ def _vision_leaves(params):
     return [np.asarray(x) for x in jax.tree.leaves(params["vision"])]
 
 
-@pytest.mark.parametrize("freeze", [True, False])
+@pytest.mark.parametrize("freeze", [True, pytest.param(False, marks=pytest.mark.slow)])  # trained: ~30 s, slow
 def test_frozen_or_trained_tower(model, freeze):
     """Frozen: features are constants, no optimizer state for `vision`, the tower bitwise unchanged after steps.
     Trained: its gradient is finite and non-zero and it moves. Either way the RL steps move the log-probs of the
