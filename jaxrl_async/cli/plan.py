@@ -47,14 +47,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 
-def _is_vl_checkpoint(path: str | None) -> bool:
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f).get("model_type") == "qwen2_5_vl"
-    except (OSError, TypeError, ValueError):
-        return False
-
-
 @cli_main("plan")
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -64,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_layouts())
         return 0
     cfg = load_plan_config(args.config, args.layout, args.overrides)
-    if cfg.model.model_type == "qwen2_5_vl" or _is_vl_checkpoint(cfg.model.path):
+    if cfg.model.model_type == "qwen2_5_vl" or cfg.model.is_vision_language():
         # a vision-language policy: the decoder's plan + the vision tower and the images (`plan/vl.py`); it also
         # takes --images-per-prompt / --image-tokens / --layers / --vision-depth
         from jaxrl_async.cli import plan_vl

@@ -135,6 +135,20 @@ class ModelConfigSection:
     mrope_section: tuple[int, ...] = ()
     vision: VisionSection = VisionSection()
 
+    def is_vision_language(self) -> bool:
+        """The policy is a vision-language model: ``model_type=qwen2_5_vl`` at random init, or a Qwen2.5-VL
+        checkpoint at ``path`` (its ``config.json``'s ``model_type``; False when it cannot be read: loading the model,
+        or validation's ``model.path`` rule, names that problem)."""
+        if self.path is None:
+            return self.model_type == "qwen2_5_vl"
+        import json
+
+        try:
+            with open(os.path.join(self.path, "config.json")) as f:
+                return json.load(f).get("model_type") == "qwen2_5_vl"
+        except (OSError, ValueError):
+            return False
+
     def numerics(self) -> dict[str, Any]:
         return dict(dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, scan_layers=self.scan_layers,
                     attention=self.attention, attention_block=self.attention_block, moe_kernel=self.moe_kernel)

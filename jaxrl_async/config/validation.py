@@ -273,17 +273,7 @@ def _model_rules(cfg: RunConfig) -> None:
 
 def _vl_rules(cfg: RunConfig) -> None:
     """What a vision-language policy (Qwen2.5-VL) cannot do yet: refused at validation, not after the warm start."""
-    if cfg.model.path is None:
-        vl = True
-    else:
-        try:
-            import json
-
-            with open(os.path.join(cfg.model.path, "config.json")) as f:
-                vl = json.load(f).get("model_type") == "qwen2_5_vl"
-        except (OSError, ValueError):
-            return  # model.path's own rule names the problem
-    if not vl:
+    if not cfg.model.is_vision_language():  # an unreadable config.json: model.path's own rule names the problem
         return
     what = "a vision-language policy (Qwen2.5-VL)"
     _require(cfg.model.lora.rank == 0, "model.lora.rank", f"LoRA is not wired for {what} yet; use full fine-tuning")

@@ -153,17 +153,8 @@ def load_tokenizer_and_data(cfg: RunConfig, run_dir: str, say: Callable[[str], N
 
 
 def is_vl_run(cfg: RunConfig) -> bool:
-    """The policy is a vision-language model (random init ``model.model_type=qwen2_5_vl``, or a Qwen2.5-VL
-    checkpoint at ``model.path``)."""
-    if cfg.model.path is None:
-        return cfg.model.model_type == "qwen2_5_vl"
-    import json
-
-    try:
-        with open(os.path.join(cfg.model.path, "config.json")) as f:
-            return json.load(f).get("model_type") == "qwen2_5_vl"
-    except (OSError, ValueError):
-        return False  # loading the model names the problem
+    """The policy is a vision-language model (``ModelConfigSection.is_vision_language``)."""
+    return cfg.model.is_vision_language()
 
 
 def image_processor(cfg: RunConfig) -> Any:

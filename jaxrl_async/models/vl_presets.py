@@ -61,19 +61,3 @@ def vision_num_params(v: VisionConfig, out_dim: int | None = None) -> int:
 def vl_num_params(cfg: VLConfig) -> int:
     """Parameters of a Qwen2.5-VL model: the text decoder + the vision tower (= the leaves of `param_table`)."""
     return _count(param_table(cfg))
-
-
-def reduced_depth(cfg: VLConfig, num_layers: int | None = None, vision_depth: int | None = None) -> VLConfig:
-    """``cfg`` with fewer decoder layers and / or vision blocks (compile checks of the full widths in less time; not
-    a memory plan of the model). The full-attention blocks kept are those below the new depth, else the last."""
-    import dataclasses
-
-    if num_layers is not None:
-        cfg = cfg.replace(num_layers=int(num_layers))
-    if vision_depth is not None:
-        d = int(vision_depth)
-        if d < 1:
-            raise ValueError(f"vision_depth: must be >= 1, got {d}")
-        full = tuple(i for i in cfg.vision.fullatt_block_indexes if i < d) or (d - 1,)
-        cfg = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, depth=d, fullatt_block_indexes=full))
-    return cfg

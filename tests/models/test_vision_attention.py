@@ -64,14 +64,17 @@ def test_non_causal_blockwise_kernel_matches_dense():
     assert float(jnp.abs(causal - ref(q, k, val)).max()) > 1e-2
 
 
-@pytest.mark.parametrize("v, grids", [
-    # the tiny checkpoint's geometry: 4 px patches, windows of 2 x 2 merge units (16 patches), cut short
+# (tower, image grids): the tiny checkpoint's geometry (4 px patches, windows of 2 x 2 merge units = 16 patches, cut
+# short), and the released one (14 px patches in 112 px windows = 64 patches; two images, partial windows)
+GEOMETRIES = [
     (VisionConfig(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, window_size=16,
                   out_hidden_size=64, fullatt_block_indexes=(1,)), [(1, 6, 10), (2, 4, 4), (1, 2, 14)]),
-    # the released geometry: 14 px patches in 112 px windows (64 patches), two images, partial windows
     (VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                   fullatt_block_indexes=(1,)), [(1, 20, 28), (1, 10, 6)]),
-])
+]
+
+
+@pytest.mark.parametrize("v, grids", GEOMETRIES)
 def test_blockwise_tower_equals_dense(v, grids):
     params = _tower(v)
     dense, pixels = _features(v, params, grids, "xla")
@@ -86,12 +89,7 @@ def test_blockwise_tower_equals_dense(v, grids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("v, grids", [
-    (VisionConfig(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, window_size=16,
-                  out_hidden_size=64, fullatt_block_indexes=(1,)), [(1, 6, 10), (2, 4, 4), (1, 2, 14)]),
-    (VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                  fullatt_block_indexes=(1,)), [(1, 20, 28), (1, 10, 6)]),
-])
+@pytest.mark.parametrize("v, grids", GEOMETRIES)
 def test_blockwise_tower_gradients_equal_dense(v, grids):
     params = _tower(v)
     dense, pixels = _features(v, params, grids, "xla")
