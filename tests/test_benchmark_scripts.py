@@ -47,7 +47,9 @@ def test_decode_fixed_cost_bench_runs_both_trees_side_by_side(tmp_path):
 
         pytest.skip("not a git checkout")
     out = tmp_path / "fixed.json"
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    # its own compilation cache: executables another process cached in the user's (other XLA flags) give both trees
+    # log-probs 4.8e-7 apart on this machine; a fresh cache compiles both here
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "JAXRL_ASYNC_COMPILE_CACHE": str(tmp_path / "xla")}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_decode_fixed_cost.py"),
                            "--baseline", "HEAD", "--rounds", "1", "--ks", "1", "2", "--engine-steps", "4", "--chunk",
                            "2", "--new-tokens", "4", "--json", str(out)],
