@@ -111,22 +111,63 @@ def test_request_key_formula():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("vocab", [1, 7, 1001, 1024])
-def test_gumbel_noise_is_jax_random_bitwise(vocab, monkeypatch):
-    """The unrolled threefry noise of the sampler = jax.random's (request_key, then gumbel), bit for bit, over
-    seeds up to 2**32 - 1, negative and large sample indices and positions; and so does the fallback path."""
-    rng = np.random.default_rng(vocab)
+def test_uniform_noise_is_jax_random_bitwise(monkeypatch):
+    """The unrolled threefry uniform of the sampler = jax.random's (request_key, then uniform(key, ())), bit for bit,
+    over seeds up to 2**32 - 1, negative and large sample indices and positions; and so does the fallback path."""
+    rng = np.random.default_rng(5)
     B = 41
     seed = jnp.asarray(np.concatenate([[0, 2**32 - 1], rng.integers(0, 2**32, B - 2, dtype=np.uint64)]).astype(np.uint32))
     idx = jnp.asarray(np.concatenate([[0, -1], rng.integers(-2**31, 2**31 - 1, B - 2)]).astype(np.int32))
     pos = jnp.asarray(np.concatenate([[0, 2**31 - 1], rng.integers(0, 2**31 - 1, B - 2)]).astype(np.int32))
-    ref = jax.jit(lambda s, i, p: jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(
+    ref = jax.jit(lambda s, i, p: jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(
         jax.vmap(sampling.request_key)(s, i, p)))(seed, idx, pos)
     assert sampling._lean_stream()
     for lean in (True, False):
         monkeypatch.setattr(sampling, "_lean_stream", lambda lean=lean: lean)
-        got = jax.jit(lambda s, i, p: sampling.gumbel_noise(s, i, p, vocab))(seed, idx, pos)
+        got = jax.jit(sampling.uniform_noise)(seed, idx, pos)
         np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(ref).view(np.uint32))
+
+
+@pytest.mark.parametrize("V", [1001, 1024, 130])
+def test_inverse_cdf_over_several_blocks_is_the_distribution(V):
+    """The two-level inverse CDF (blocks of CDF_BLOCK entries) on vocabularies of several blocks, a partial last
+    block included: chi-square on the tokens of mass, including mass in the first, a middle and the last
+    (partial) block, and never a token outside the support (zero-mass entries around the chosen ones)."""
+    rng = np.random.default_rng(V)
+    hot = np.array([0, 1, sampling.CDF_BLOCK - 1, sampling.CDF_BLOCK, V // 2, V - 2, V - 1])
+    probs = np.zeros(V)
+    probs[hot] = rng.uniform(0.2, 1.0, len(hot))
+    probs /= probs.sum()
+    z = np.full(V, -1e4, np.float32)  # exp underflows to exactly 0: zero mass
+    z[hot] = np.log(probs[hot])
+    u = jnp.asarray(rng.uniform(size=N), jnp.float32)
+    toks = np.asarray(jax.jit(sampling.inverse_cdf)(jnp.broadcast_to(jnp.asarray(z), (N, V)),
+                                                    jnp.full(N, -jnp.inf), u))
+    assert chi2_pvalue(toks, probs) > 1e-3
+    # u at the edges: 0 gives the first token of mass, the largest float below 1 the last one
+    edge = np.asarray(sampling.inverse_cdf(jnp.asarray(z)[None].repeat(2, 0), jnp.full(2, -jnp.inf),
+                                           jnp.asarray([0.0, np.nextafter(np.float32(1), np.float32(0))])))
+    assert edge.tolist() == [hot[0], hot[-1]]
+    # a theta cuts the support: only tokens with z >= theta
+    theta = float(np.sort(z[hot])[-3])
+    toks = np.asarray(jax.jit(sampling.inverse_cdf)(jnp.broadcast_to(jnp.asarray(z), (N, V)), jnp.full(N, theta), u))
+    assert set(toks.tolist()) == set(hot[z[hot] >= theta].tolist())
+
+
+def test_greedy_rows_in_a_sampled_batch_take_the_first_maximum():
+    """A batch mixing greedy and sampled rows: the greedy rows return first_argmax(logits), ties included."""
+    rng = np.random.default_rng(2)
+    B, V = 8, 300
+    logits = rng.normal(size=(B, V)).astype(np.float32)
+    logits[0, [5, 200, 299]] = 9.0  # a three-way tie across blocks
+    logits[2, [150, 151]] = 9.0
+    temperature = np.array([0.0, 1.0, 0.0, 0.7, 0.0, 1.0, 0.0, 2.0], np.float32)
+    zeros = jnp.zeros(B, jnp.int32)
+    toks, _ = jax.jit(lambda *a: sampling.sample(*a))(jnp.asarray(logits), jnp.asarray(temperature), zeros, jnp.ones(B),
+                                       jnp.arange(B, dtype=jnp.uint32), zeros, zeros + 3)
+    greedy = temperature == 0
+    np.testing.assert_array_equal(np.asarray(toks)[greedy], np.asarray(sampling.first_argmax(logits))[greedy])
+    assert np.asarray(toks)[[0, 2]].tolist() == [5, 150]
 
 
 def test_row_result_independent_of_batch_composition():
@@ -197,8 +238,8 @@ def test_sampling_with_prefilter_and_fallback_equals_the_full_sort():
         trunc = sampling.needs_truncation(temps[rows], top_k[rows], top_p[rows])
         theta = jnp.where(trunc, theta, -jnp.inf)
         keys = jax.vmap(sampling.request_key)(seeds[rows], idx[rows], pos[rows])
-        g = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[-1:], jnp.float32))(keys)
-        return jnp.argmax(jnp.where(z[rows] >= theta[:, None], z[rows], -jnp.inf) + g, axis=-1)
+        u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+        return sampling.inverse_cdf(z[rows], theta, u)
 
     for rows in (np.arange(B), np.array([0, 1, 2, 3, 5, 9]), np.array([4, 6, 8])):  # mixed, resolved, fallback
         r = jnp.asarray(rows)
