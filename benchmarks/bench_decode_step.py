@@ -1,0 +1,100 @@
+"""The engine's decode step at a model shape (issue 28): milliseconds per step with every slot live, single-step
+and multi-step dispatches over the same positions, and the matmul rate that implies.
+
+    python benchmarks/bench_decode_step.py [--hidden 512 --layers 6 --vocab 16384] [--slots 64] [--k 16]
+        [--fill 48] [--warm-steps 32] [--steps 96] [--positions 48,112,176,240]
+
+Model: a random Qwen3-shaped model like `bench_generate_static.py`'s (heads of 64, hidden / 64 query and
+hidden / 128 KV heads, MLP 3 x hidden, tied embeddings), float32; the generator's default engine (page 16, the
+platform's decode attention). Every slot gets a `--fill`-token prompt; then, for K = 1 and K = `--k`, from a fresh
+fill: `--warm-steps` steps untimed, `--steps` steps timed (dispatches of K), so both cover the same positions.
+GFLOP/s counts 2 x parameters x slots per step (the matmuls; attention not counted). `--positions`: the
+single-step cost measured in windows starting at these positions (the KV read grows with the position).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--k", type=int, default=16)
+    ap.add_argument("--fill", type=int, default=48)
+    ap.add_argument("--warm-steps", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=96)
+    ap.add_argument("--positions", default="", help="comma-separated start positions for the per-position costs")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import jax
+
+    from jaxrl_async.generator import engine_api as api
+    from jaxrl_async.generator import factory
+    from jaxrl_async.models.config import ModelConfig
+    from jaxrl_async.models.transformer import init_params
+
+    H, S, K = args.hidden, args.slots, args.k
+    positions = [int(p) for p in args.positions.split(",") if p]
+    window = 16
+    last = max([args.fill + args.warm_steps + args.steps] + [p + window for p in positions])
+    max_seq = -(-(last + 8) // 16) * 16
+    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=H, intermediate_size=3 * H, num_layers=args.layers,
+                      num_heads=H // 64, num_kv_heads=max(H // 128, 1), head_dim=64, tie_word_embeddings=True,
+                      max_position_embeddings=max_seq, dtype="float32", param_dtype="float32", model_type="qwen3")
+    eng = factory.build_engine(factory.EngineConfig(
+        max_concurrent_decodes=S, max_sequence_length=max_seq, max_prefill_length=max(64, args.fill), page_size=16,
+        num_pages=S * (max_seq // 16) + 1, decode_steps=K), cfg)
+    params = eng.place_params(init_params(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    reqs = [api.PrefillRequest(rng.integers(3, args.vocab, args.fill).tolist(),
+                               api.SamplingParams(temperature=1.0, max_new_tokens=10**6, seed=s)) for s in range(S)]
+    nparams = sum(x.size for x in jax.tree.leaves(params))
+
+    def fill():
+        state = eng.init_decode_state()
+        for s, pre in enumerate(eng.prefill_many(params, reqs)):
+            state = eng.insert(pre, state, s)
+        return state
+
+    def run(state, k: int, steps: int):
+        for _ in range(steps // k):
+            state, st = eng.generate(params, state, k) if k > 1 else eng.generate(params, state)
+            np.asarray(st.tokens)
+        return state
+
+    res: dict = {"args": vars(args), "params": nparams, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    for k in (1, K):
+        state = run(fill(), k, args.warm_steps)
+        t = time.perf_counter()
+        run(state, k, args.steps)
+        ms = 1e3 * (time.perf_counter() - t) / (args.steps // k * k)
+        res[f"K={k}"] = {"ms_per_step": ms, "tok_s": S / ms * 1e3, "gflop_s": 2 * nparams * S / ms / 1e6}
+        print(f"hidden {H}, {args.layers} layers, vocab {args.vocab}, {S} slots, K = {k}: {ms:.2f} ms per step "
+              f"(positions {args.fill + args.warm_steps}-{args.fill + args.warm_steps + args.steps}), "
+              f"{S / ms * 1e3:.0f} tok/s, {2 * nparams * S / ms / 1e6:.1f} GFLOP/s", flush=True)
+    if positions:
+        state, at = fill(), args.fill
+        res["by_position"] = {}
+        for p in sorted(positions):
+            state = run(state, 1, max(p - at, 0))
+            t = time.perf_counter()
+            state = run(state, 1, window)
+            ms = 1e3 * (time.perf_counter() - t) / window
+            at = max(p, at) + window
+            res["by_position"][p] = ms
+            print(f"  position {p}: {ms:.2f} ms per step", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
