@@ -50,7 +50,7 @@ def main() -> None:
                       num_heads=H // 64, num_kv_heads=max(H // 128, 1), head_dim=64, tie_word_embeddings=True,
                       max_position_embeddings=max_seq, dtype="float32", param_dtype="float32", model_type="qwen3")
     eng = factory.build_engine(factory.EngineConfig(
-        max_concurrent_decodes=S, max_sequence_length=max_seq, max_prefill_length=max(64, args.fill), page_size=16,
+        max_concurrent_decodes=S, max_sequence_length=max_seq, max_prefill_length=-(-args.fill // 16) * 16, page_size=16,
         num_pages=S * (max_seq // 16) + 1, decode_steps=K), cfg)
     params = eng.place_params(init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(0)

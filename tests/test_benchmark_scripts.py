@@ -65,3 +65,17 @@ def test_decode_fixed_cost_bench_runs_both_trees_side_by_side(tmp_path):
     for counts in res["compiles"].values():
         assert counts["generate_plain"] == 1 and counts["generate_multi"] == 1, counts
     assert res["program"]["current"] == res["program"]["baseline"] and res["program"]["current"]["entry_thunks"] > 0
+
+
+def test_decode_step_bench_runs(tmp_path):
+    """bench_decode_step.py on a tiny shape: both dispatch kinds over the same positions, a per-position figure."""
+    out = tmp_path / "step.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_decode_step.py"), "--hidden", "64",
+                           "--layers", "1", "--vocab", "256", "--slots", "4", "--k", "4", "--fill", "8",
+                           "--warm-steps", "4", "--steps", "8", "--positions", "20", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["K=1"]["ms_per_step"] > 0 and res["K=4"]["ms_per_step"] > 0 and res["params"] > 0
+    assert list(res["by_position"]) == ["20"] and res["by_position"]["20"] > 0
