@@ -2,7 +2,7 @@
 and multi-step dispatches over the same positions, and the matmul rate that implies.
 
     python benchmarks/bench_decode_step.py [--hidden 512 --layers 6 --vocab 16384] [--slots 64] [--k 16]
-        [--fill 48] [--warm-steps 32] [--steps 96] [--positions 48,112,176,240]
+        [--fill 48] [--warm-steps 32] [--steps 96] [--positions 48,112,176,240] [--block-pages N]
 
 Model: a random Qwen3-shaped model like `bench_generate_static.py`'s (heads of 64, hidden / 64 query and
 hidden / 128 KV heads, MLP 3 x hidden, tied embeddings), float32; the generator's default engine (page 16, the
@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--warm-steps", type=int, default=32)
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--positions", default="", help="comma-separated start positions for the per-position costs")
+    ap.add_argument("--block-pages", type=int, default=None,
+                    help="pages per block of the blocked decode attention (default: the engine's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -51,7 +53,7 @@ def main() -> None:
                       max_position_embeddings=max_seq, dtype="float32", param_dtype="float32", model_type="qwen3")
     eng = factory.build_engine(factory.EngineConfig(
         max_concurrent_decodes=S, max_sequence_length=max_seq, max_prefill_length=-(-args.fill // 16) * 16, page_size=16,
-        num_pages=S * (max_seq // 16) + 1, decode_steps=K), cfg)
+        num_pages=S * (max_seq // 16) + 1, decode_steps=K), cfg, decode_block_pages=args.block_pages)
     params = eng.place_params(init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(0)
     reqs = [api.PrefillRequest(rng.integers(3, args.vocab, args.fill).tolist(),
