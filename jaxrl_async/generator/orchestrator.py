@@ -104,8 +104,6 @@ import threading
 import time
 from typing import Any, Sequence
 
-import numpy as np
-
 from jaxrl_async.generator.engine_api import Engine, OutOfPagesError, PrefillRequest, SamplingParams
 # the public request types live in generator/requests.py; re-exported here
 from jaxrl_async.generator.requests import (  # noqa: F401
@@ -631,56 +629,25 @@ class Generator:
         host = inflight.step.to_host()
         self._t_wait_iter += time.perf_counter() - t0
         emits: list = []
-        if host.routing is None and host.top_logprobs is None:
-            self._process_plain(inflight, host, emits)
-        else:
-            for row in host.rows():  # one per decode step of the dispatch, in order
-                self._process_row(inflight, row, emits)
+        # the slots owned at dispatch, found once per dispatch (issue 28: a row visits only these)
+        owned = [(slot, owner) for slot, owner in enumerate(inflight.owners) if owner is not None]
+        for row in host.rows():  # one per decode step of the dispatch, in order
+            self._process_row(inflight, row, owned, emits)
         if emits:  # one message per dispatch
             self._outbox.put((time.perf_counter(), emits))
 
-    def _process_plain(self, inflight: InFlight, host, emits: list) -> None:
-        """`_process_row` over every step of a dispatch without routing or top log-probs, the per-token host work
-        cut to what a token needs (issue 28: whole-row lists converted once, only the slots owned at dispatch
-        visited, the finish rule of `finish_reason_for` inlined); the same emits in the same order."""
-        tokens, logprobs, valid, done = (np.atleast_2d(a).tolist() for a in (host.tokens, host.logprobs, host.valid,
-                                                                              host.done))
-        version = inflight.version
-        owned = [(slot, owner) for slot, owner in enumerate(inflight.owners) if owner is not None]
-        n = 0
-        for row_t, row_l, row_v, row_d in zip(tokens, logprobs, valid, done):
-            for slot, owner in owned:
-                if not row_v[slot] or owner.finished or owner.slot != slot:
-                    continue
-                tok, lp = row_t[slot], row_l[slot]
-                owner.tokens.append(tok)
-                owner.logprobs.append(lp)
-                owner.versions.append(version)
-                n += 1
-                req = owner.request
-                if tok in req.sampling.stop_token_ids:
-                    reason = "stop"
-                elif row_d[slot] or len(owner.tokens) >= req.max_new:
-                    reason = "length"
-                else:
-                    reason = None
-                emits.append((owner, tok, lp, version, reason, ()))
-                if reason is not None:
-                    self._finish(owner)
-        self._n_tokens += n
-
-    def _process_row(self, inflight: InFlight, host, emits: list) -> None:
-        valid = host.valid
+    def _process_row(self, inflight: InFlight, host, owned: list, emits: list) -> None:
+        valid = host.valid.tolist()
         tokens = host.tokens.tolist()
         logprobs = host.logprobs.tolist()
         done = host.done.tolist()
         version = inflight.version
-        for slot, owner in enumerate(inflight.owners):
-            if owner is None or not valid[slot] or owner.finished or owner.slot != slot:
+        for slot, owner in owned:
+            if not valid[slot] or owner.finished or owner.slot != slot:
                 continue
             if host.routing is not None:  # the step fed the sample's last token (its position before the step)
                 owner.routing.append((len(owner.request.prompt) + len(owner.tokens) - 1, host.routing[slot][None]))
-            reason = self._append(owner, tokens[slot], logprobs[slot], version, bool(done[slot]))
+            reason = self._append(owner, tokens[slot], logprobs[slot], version, done[slot])
             k_top = owner.request.sampling.top_logprobs
             top = top_pairs(host.top_logprobs, host.top_ids, slot, k_top) if k_top else ()
             emits.append((owner, tokens[slot], logprobs[slot], version, reason, top))
