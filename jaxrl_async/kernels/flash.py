@@ -283,8 +283,6 @@ def blockwise_attention_stripes(stripes, k: jax.Array, v: jax.Array, seg_k: jax.
     return [out[:, m * npad: m * npad + n] for m in range(len(stripes))]
 
 
-
-
 def _non_causal(q, k, v, segment_ids, scale, block_q, block_k):
     """``blockwise_attention(causal=False)`` (self-attention, segments are contiguous runs)."""
     B, T, H, E = q.shape

@@ -133,7 +133,7 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
-def _device_bytes(abstract_leaves: Sequence[Any], shardings: Sequence[Any]) -> int:
+def device_bytes(abstract_leaves: Sequence[Any], shardings: Sequence[Any]) -> int:
     """Bytes one device holds of arrays ``abstract_leaves`` laid out by ``shardings`` (leaf-aligned).
     Shardings without a shape map (uncommitted arguments) count the whole array."""
     total = 0
@@ -185,7 +185,7 @@ class ExecutableMemory:
         return self.temp_bytes + max(0, self.output_bytes - self.alias_bytes)
 
 
-def _compile(name: str, fn, args: Sequence[Any], compute_dtype: str,
+def compile_executable(name: str, fn, args: Sequence[Any], compute_dtype: str,
              options: dict | None = None) -> tuple[Any, ExecutableMemory]:
     import jax
 
@@ -196,7 +196,7 @@ def _compile(name: str, fn, args: Sequence[Any], compute_dtype: str,
     if m is None:
         raise PlanError(f"{name}: this backend reports no memory analysis for compiled executables")
     shardings = _input_shardings(compiled, len(args), args)
-    accounted = sum(_device_bytes(jax.tree.leaves(a), s) for a, s in zip(args, shardings))
+    accounted = sum(device_bytes(jax.tree.leaves(a), s) for a, s in zip(args, shardings))
     return compiled, ExecutableMemory(name, compute_dtype, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                                       int(m.alias_size_in_bytes), int(m.temp_size_in_bytes), dt, accounted)
 
@@ -210,10 +210,6 @@ def _with_shardings(abstract, shardings):
 # =============================================================================================
 # The plan
 # =============================================================================================
-#: the byte accounting and compile helpers under public names, for the planners of other model families (plan/vl.py)
-compile_executable, device_bytes = _compile, _device_bytes
-
-
 def plan_model_config(cfg):
     """The model config a plan is made for: ``model.path``'s config.json, or the section's architecture with
     ``model.vocab_size`` (required then)."""
@@ -225,7 +221,7 @@ def plan_model_config(cfg):
     return cfg.model.model_config(vocab_size=cfg.model.vocab_size or 0)
 
 
-def _batch_shape(cfg, trainer) -> tuple[int, int, int, int]:
+def batch_shape(cfg, trainer) -> tuple[int, int, int, int]:
     """(n_micro, rows, row_len, num_seqs) of the largest packed minibatch: every sequence at
     rollout.engine.max_sequence_length tokens."""
     pk = trainer.cfg.packing
@@ -237,9 +233,6 @@ def _batch_shape(cfg, trainer) -> tuple[int, int, int, int]:
     rows_needed = math.ceil(seqs / per_row)
     n_micro = pk.n_micro_for(math.ceil(rows_needed / rows))
     return n_micro, rows, row_len, pk.num_seqs(row_len)
-
-
-batch_shape = _batch_shape
 
 
 def _abstract_batch(shape, sharding):
@@ -290,7 +283,7 @@ def _lora_push_plan(cfg, model_cfg, trainer, gen_mesh):
     ad_sh, base_sh = lora.split(gen_sh)
     base_copy = 0
     if model_cfg.lora.decode == "merged":
-        base_copy = _device_bytes(jax.tree.leaves(base_shapes), jax.tree.leaves(base_sh))
+        base_copy = device_bytes(jax.tree.leaves(base_shapes), jax.tree.leaves(base_sh))
     ad_trn = lora.split(jax.tree.map(lambda s, dt: jax.ShapeDtypeStruct(s.shape, dt), param_shapes(model_cfg),
                                      trainer.param_dtypes))[0]
     spec = model_cfg.lora
@@ -395,23 +388,23 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
                                devices=[tdevs[i] for i in trn_ids])
             trainer_c, trainer_compiled_for = build_trainer(cfg, model_cfg, t_mesh), described
     t_dtype = trainer_c.model_cfg.dtype
-    n_micro, rows, row_len, num_seqs = _batch_shape(cfg, trainer)
+    n_micro, rows, row_len, num_seqs = batch_shape(cfg, trainer)
     state = _abstract_state(trainer_c)
     batch = _abstract_batch((n_micro, rows, row_len), trainer_c.batch_sharding)
     scalar = lambda dt: _sds((), dt, trainer_c.replicated)  # noqa: E731
     step_args = (state, batch, scalar(jnp.float32), scalar(jnp.int32))
     t_options = aot.compiler_options(tdevs) if trainer_c is not trainer else None
-    step_c, step_mem = _compile("train_step", trainer_c._step_fn(num_seqs), step_args, t_dtype, t_options)
+    step_c, step_mem = compile_executable("train_step", trainer_c._step_fn(num_seqs), step_args, t_dtype, t_options)
     lp_args = (state.params, batch)
-    _, lp_mem = _compile("proximal_logprobs", trainer_c._jit_logprobs, lp_args, t_dtype, t_options)
+    _, lp_mem = compile_executable("proximal_logprobs", trainer_c._jit_logprobs, lp_args, t_dtype, t_options)
     st_sh = _input_shardings(step_c, len(step_args), step_args)
     # the trainer's arrays do not depend on the compute dtype (fp32 master weights, fp32/int32 batch)
     n_param_leaves = len(jax.tree.leaves(state.params))
     st_leaves = jax.tree.leaves(state)
-    trn_params = _device_bytes(st_leaves[:n_param_leaves], st_sh[0][:n_param_leaves])
-    trn_state_all = _device_bytes(st_leaves, st_sh[0])
+    trn_params = device_bytes(st_leaves[:n_param_leaves], st_sh[0][:n_param_leaves])
+    trn_state_all = device_bytes(st_leaves, st_sh[0])
     trn_opt = trn_state_all - trn_params
-    batch_bytes = _device_bytes(jax.tree.leaves(batch), st_sh[1])
+    batch_bytes = device_bytes(jax.tree.leaves(batch), st_sh[1])
     batches_resident = batch_bytes * cfg.trainer.ppo_n_minibatches
 
     # -- generator --------------------------------------------------------------------------------
@@ -443,21 +436,21 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     new_pages = _sds((S,), jnp.int32, engine_c.slot_sharding)
     dec_args = (gen_params_c, arrays_c, new_pages)
     gen_options = aot.compiler_options(engine_c.mesh.devices.flat) if tdevs is not None else None
-    dec_c, dec_mem = _compile("decode_step", engine_c._step, dec_args, compile_gen_cfg.dtype, gen_options)
+    dec_c, dec_mem = compile_executable("decode_step", engine_c._step, dec_args, compile_gen_cfg.dtype, gen_options)
     bucket = engine_c.buckets[-1]
     pre_args = (gen_params_c, _sds((1, bucket), jnp.int32), _sds((), jnp.int32))
-    _, pre_mem = _compile("prefill", engine_c._prefill, pre_args, compile_gen_cfg.dtype, gen_options)
+    _, pre_mem = compile_executable("prefill", engine_c._prefill, pre_args, compile_gen_cfg.dtype, gen_options)
     dec_sh = _input_shardings(dec_c, len(dec_args), dec_args)
     # resident generator bytes in the configured dtypes, laid out by the decode step's own shardings
-    gen_params = _device_bytes(jax.tree.leaves(param_shapes(gen_cfg)), dec_sh[0])
+    gen_params = device_bytes(jax.tree.leaves(param_shapes(gen_cfg)), dec_sh[0])
     # (compiled for the target: that engine's own state, e.g. the TPU kernel's combined K/V pool)
     engine_res = engine_c if compile_gen_cfg is model_cfg else engine_r
     pool_keys = tuple(engine_res.layout.keys)
     arrays_r = jax.eval_shape(engine_res._init_arrays)
     keys = sorted(arrays_r)  # dict pytrees flatten in sorted key order
     arr_sh = dict(zip(keys, dec_sh[1]))
-    kv_bytes = sum(_device_bytes([arrays_r[k]], [arr_sh[k]]) for k in pool_keys)
-    slot_bytes = sum(_device_bytes([arrays_r[k]], [arr_sh[k]]) for k in keys if k not in pool_keys)
+    kv_bytes = sum(device_bytes([arrays_r[k]], [arr_sh[k]]) for k in pool_keys)
+    slot_bytes = sum(device_bytes([arrays_r[k]], [arr_sh[k]]) for k in keys if k not in pool_keys)
     kv_shards = kv_cache.kv_head_shards(model_cfg.num_kv_heads, gen_mesh)
     kv_per_token = 2 * model_cfg.num_layers * (model_cfg.num_kv_heads // kv_shards) * model_cfg.head_dim * _itemsize(
         model_cfg.dtype)
@@ -485,15 +478,15 @@ def make_plan(cfg, *, num_devices: int | None = None, target: str | None = None,
     gen_dtype_differs = gen_cfg.param_dtype != "float32"
     for a, r, inter, dst, src in zip(gen_abs, route_leaves, inter_leaves, dst_leaves, trn_leaves):
         if r == "via_generator":
-            b = _device_bytes([a], [inter])
+            b = device_bytes([a], [inter])
             recv_per_dev += b
             gen_staging += b
         else:
-            recv_per_dev += _device_bytes([a], [dst])
+            recv_per_dev += device_bytes([a], [dst])
             if r == "via_trainer":
-                trn_staging += _device_bytes([a], [inter])
+                trn_staging += device_bytes([a], [inter])
         if gen_dtype_differs:
-            trn_staging += _device_bytes([a], [src])
+            trn_staging += device_bytes([a], [src])
     routes: dict[str, int] = {}
     for r in route_leaves:
         routes[r] = routes.get(r, 0) + 1
