@@ -295,9 +295,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
 def first_argmax(x: jax.Array) -> jax.Array:
     """argmax over the last axis, first index on ties (= jnp.argmax for non-NaN rows), as two plain
     reductions: XLA:CPU's variadic-reduce argmax is ~20x slower on [64, 16k] rows."""
-    m = jnp.max(x, axis=-1, keepdims=True)
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.min(jnp.where(x == m, iota, x.shape[-1]), axis=-1)
+    return _first_true(x == jnp.max(x, axis=-1, keepdims=True))
 
 
 def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
