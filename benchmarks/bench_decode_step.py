@@ -3,6 +3,7 @@ and multi-step dispatches over the same positions, and the matmul rate that impl
 
     python benchmarks/bench_decode_step.py [--hidden 512 --layers 6 --vocab 16384] [--slots 64] [--k 16]
         [--fill 48] [--warm-steps 32] [--steps 96] [--positions 48,112,176,240] [--block-pages N]
+        [--attention auto,blocked]
 
 Model: a random Qwen3-shaped model like `bench_generate_static.py`'s (heads of 64, hidden / 64 query and
 hidden / 128 KV heads, MLP 3 x hidden, tied embeddings), float32; the generator's default engine (page 16, the
@@ -10,6 +11,9 @@ platform's decode attention). Every slot gets a `--fill`-token prompt; then, for
 fill: `--warm-steps` steps untimed, `--steps` steps timed (dispatches of K), so both cover the same positions.
 GFLOP/s counts 2 x parameters x slots per step (the matmuls; attention not counted). `--positions`: the
 single-step cost measured in windows starting at these positions (the KV read grows with the position).
+`--attention`: the decode attentions to measure, one after the other in this process (e.g. ``cpu_paged,blocked``:
+the CPU kernel and the portable path side by side); the JSON has one entry per attention under "attention" and
+the first one's figures at the top level.
 """
 from __future__ import annotations
 
@@ -33,17 +37,13 @@ def main() -> None:
     ap.add_argument("--positions", default="", help="comma-separated start positions for the per-position costs")
     ap.add_argument("--block-pages", type=int, default=None,
                     help="pages per block of the blocked decode attention (default: the engine's)")
+    ap.add_argument("--attention", default="auto", help="comma-separated decode attentions (engine names or auto)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    import jax
-
-    from jaxrl_async.generator import engine_api as api
-    from jaxrl_async.generator import factory
     from jaxrl_async.models.config import ModelConfig
-    from jaxrl_async.models.transformer import init_params
 
-    H, S, K = args.hidden, args.slots, args.k
+    H = args.hidden
     positions = [int(p) for p in args.positions.split(",") if p]
     window = 16
     last = max([args.fill + args.warm_steps + args.steps] + [p + window for p in positions])
@@ -51,9 +51,30 @@ def main() -> None:
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=H, intermediate_size=3 * H, num_layers=args.layers,
                       num_heads=H // 64, num_kv_heads=max(H // 128, 1), head_dim=64, tie_word_embeddings=True,
                       max_position_embeddings=max_seq, dtype="float32", param_dtype="float32", model_type="qwen3")
+    res: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "attention": {}}
+    for attention in [a for a in args.attention.split(",") if a]:
+        r = measure(args, cfg, attention, max_seq, positions, window)
+        res["attention"][attention] = r
+        if len(res["attention"]) == 1:
+            res.update({k: v for k, v in r.items() if k != "attention"})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def measure(args, cfg, attention: str, max_seq: int, positions: list[int], window: int) -> dict:
+    """One attention's figures: ms per step at K = 1 and K = --k over the same positions, and per position."""
+    import jax
+
+    from jaxrl_async.generator import engine_api as api
+    from jaxrl_async.generator import factory
+    from jaxrl_async.models.transformer import init_params
+
+    H, S, K = args.hidden, args.slots, args.k
     eng = factory.build_engine(factory.EngineConfig(
         max_concurrent_decodes=S, max_sequence_length=max_seq, max_prefill_length=-(-args.fill // 16) * 16, page_size=16,
-        num_pages=S * (max_seq // 16) + 1, decode_steps=K), cfg, decode_block_pages=args.block_pages)
+        num_pages=S * (max_seq // 16) + 1, decode_steps=K), cfg, decode_block_pages=args.block_pages,
+        attention=attention)
     params = eng.place_params(init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(0)
     reqs = [api.PrefillRequest(rng.integers(3, args.vocab, args.fill).tolist(),
@@ -72,14 +93,14 @@ def main() -> None:
             np.asarray(st.tokens)
         return state
 
-    res: dict = {"args": vars(args), "params": nparams, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    res: dict = {"params": nparams, "attention": eng.attention}
     for k in (1, K):
         state = run(fill(), k, args.warm_steps)
         t = time.perf_counter()
         run(state, k, args.steps)
         ms = 1e3 * (time.perf_counter() - t) / (args.steps // k * k)
         res[f"K={k}"] = {"ms_per_step": ms, "tok_s": S / ms * 1e3, "gflop_s": 2 * nparams * S / ms / 1e6}
-        print(f"hidden {H}, {args.layers} layers, vocab {args.vocab}, {S} slots, K = {k}: {ms:.2f} ms per step "
+        print(f"{eng.attention}: hidden {H}, {args.layers} layers, vocab {args.vocab}, {S} slots, K = {k}: {ms:.2f} ms per step "
               f"(positions {args.fill + args.warm_steps}-{args.fill + args.warm_steps + args.steps}), "
               f"{S / ms * 1e3:.0f} tok/s, {2 * nparams * S / ms / 1e6:.1f} GFLOP/s", flush=True)
     if positions:
@@ -92,10 +113,8 @@ def main() -> None:
             ms = 1e3 * (time.perf_counter() - t) / window
             at = max(p, at) + window
             res["by_position"][p] = ms
-            print(f"  position {p}: {ms:.2f} ms per step", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+            print(f"  {eng.attention} position {p}: {ms:.2f} ms per step", flush=True)
+    return res
 
 
 if __name__ == "__main__":

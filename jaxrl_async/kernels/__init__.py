@@ -7,8 +7,9 @@
 * ``platform``: ``kernel_platform`` (the one copy) and ``at_precision``.
 
 * ``paged_attention``: decode attention over the paged KV pool (``PagedEngine(attention=...)``: gather, blocked,
-  tpu_ragged, gpu_paged, auto) and its ``resolve``, with the pool layout each implementation reads; the portable
-  implementations, the pool's spec and the prefill attention that fills the pool in ``paged``;
+  cpu_paged, tpu_ragged, gpu_paged, auto) and its ``resolve``, with the pool layout each implementation reads; the
+  portable implementations, the pool's spec and the prefill attention that fills the pool in ``paged``; the CPU
+  kernel (C++ behind an XLA FFI call, built on first use) in ``cpu_paged`` and ``cpu/paged_decode.cc``;
 * ``grouped_matmul``: the mixture-of-experts grouped matmul (``model.moe_kernel``: ragged, tiled, megablox,
   auto) and its ``grouped_matmul_impl``.
 """

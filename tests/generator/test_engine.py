@@ -320,8 +320,9 @@ def test_no_recompilation_after_warmup(fam):
     new_params = jax.tree.map(lambda x: x * 1.01, params)  # a weight swap
     run(engine, new_params, reqs[:3])
     assert engine.compile_counts() == before, (before, engine.compile_counts())
-    # the live-length decode loop (1..4 blocks here) is one program: its trip count is traced
-    assert engine.attention == "blocked" and before["generate"] == 1
+    # one decode program whatever the lengths (the CPU kernel reads each slot's own pages; the blocked loop's trip
+    # count is traced)
+    assert engine.attention == "cpu_paged" and before["generate"] == 1
 
 
 def test_warmup_compiles_each_program_once(fam):
@@ -373,15 +374,16 @@ def ragged_reference_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
 
 # the kernel paths on CPU: the Triton kernel in Pallas interpret mode, the TPU kernel's reference (the
 # engine's layout, page offsets per layer, lengths and shard_map are what these check)
-KERNEL_OPTIONS = {"blocked": None, "gpu_paged": {"interpret": True},
+KERNEL_OPTIONS = {"blocked": None, "cpu_paged": None, "gpu_paged": {"interpret": True},
                   "tpu_ragged": {"kernel": ragged_reference_kernel}}
 
 
 _GATHER_REFERENCE: dict[str, tuple] = {}  # family -> the gather engine's (tokens, log-probs) on the workload below
 
 
-@pytest.mark.parametrize("attention,mesh_shape", [("blocked", None), ("gpu_paged", None), ("tpu_ragged", None),
-                                                  ("gpu_paged", (2, 2)), ("tpu_ragged", (2, 2))])
+@pytest.mark.parametrize("attention,mesh_shape", [("cpu_paged", None), ("blocked", None), ("gpu_paged", None),
+                                                  ("tpu_ragged", None), ("cpu_paged", (2, 2)), ("gpu_paged", (2, 2)),
+                                                  ("tpu_ragged", (2, 2))])
 def test_decode_attention_paths_agree(fam, attention, mesh_shape):
     """Every decode attention equals the full-reservation gather in fp32: same tokens, log-probs within
     1e-5, on sampled requests that page, preempt and stop; the kernel paths also per shard of a data x
@@ -391,8 +393,8 @@ def test_decode_attention_paths_agree(fam, attention, mesh_shape):
         pytest.skip("engine-level property; one family suffices")
     mesh = None if mesh_shape is None else make_mesh({"data": mesh_shape[0], "tensor": mesh_shape[1]},
                                                      devices=jax.devices()[:4])
-    if attention == "blocked" and mesh is None:
-        other, p_other = engine, params  # the module's engine: "auto" is the blocked path on CPU (already compiled)
+    if attention == "cpu_paged" and mesh is None:
+        other, p_other = engine, params  # the module's engine: "auto" is the CPU kernel (already compiled)
     else:
         other = make_engine(cfg, attention=attention, mesh=mesh, kernel_options=KERNEL_OPTIONS[attention])
         p_other = other.place_params(params)
@@ -421,7 +423,7 @@ def test_auto_decode_attention_by_platform():
     from jaxrl_async.kernels import paged_attention
 
     assert [paged_attention.resolve("auto", p) for p in ("cpu", "tpu", "gpu", "cuda")] == [
-        "blocked", "tpu_ragged", "gpu_paged", "gpu_paged"]
+        "cpu_paged", "tpu_ragged", "gpu_paged", "gpu_paged"]
     assert paged_attention.resolve("gather", "tpu") == "gather"
     with pytest.raises(ValueError, match="decode attention"):
         paged_attention.resolve("flash", "cpu")

@@ -1,0 +1,266 @@
+// Paged decode attention for XLA:CPU (issue 28): one query token per slot attends over the slot's pages, read
+// in place from the pool. The portable `blocked` path (kernels/paged.py) has to gather every block of pages into a
+// contiguous copy before XLA's dots can read it, which on a CPU costs more than the attention's arithmetic
+// (NOTES, session 15); this kernel reads each page's keys and values once, where they lie.
+//
+// Operands (the ``page_heads`` pool layout, kernels/paged_attention.py):
+//   q       [S, H, E]           float32 or bfloat16
+//   k_pool  [L, P, K, page, E]  float32 or bfloat16 (the pool of every layer: no per-layer slice is copied)
+//   v_pool  [L, P, K, page, E]  same dtype as k_pool
+//   lens    [S]    int32        keys 0..lens[s]-1 of slot s are attended; lens[s] <= 0: the slot's output is 0
+//   pages   [S, maxp] int32     page ids of slot s; entries past its length are never read
+//   layer   []     int32        the layer whose pages are read
+// Attribute: scale (float). Result: [S, H, E] in q's dtype.
+// Query head h uses kv head h / (H / K) (grouped-query attention). Math: float32 scores and an online softmax
+// per page (running max, sum and weighted values), as the blocked path computes; the result equals it up to
+// summation order. Work items are (slot, kv head) pairs, shared between the calling thread and XLA's intra-op
+// thread pool through an atomic counter; the caller works too, so the call never waits on a task that has not
+// started.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline void from_float(float x, float* out) { *out = x; }
+inline void from_float(float x, uint16_t* out) {  // round to nearest even, NaN kept quiet
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *out = static_cast<uint16_t>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *out = static_cast<uint16_t>(bits >> 16);
+}
+
+// exp(x) for x <= 0 (the softmax's arguments), vectorizable: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p the
+// degree-6 Taylor polynomial (relative error < 2e-7, as std::exp's rounding on these arguments); below -87 (and
+// -inf): 0.
+inline float exp_approx(float x) {
+  const float xc = std::max(x, -87.f);
+  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+struct Dims {
+  int64_t S, H, E, K, G, page, P, maxp, layer;
+  float scale;
+};
+
+// One (slot, kv head) item: the G query heads of kv head `kh` of slot `s`. EC: the head dim when it is one of the
+// common sizes (a compile-time constant lets the compiler keep a head's accumulator in vector registers), else 0.
+template <typename QT, typename KT, int EC>
+void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, const int32_t* lens,
+                 const int32_t* pages, QT* out, int64_t item) {
+  const int64_t s = item / d.K, kh = item % d.K;
+  const int64_t G = d.G;
+  const int64_t E = EC > 0 ? EC : d.E;
+  QT* o = out + (s * d.H + kh * G) * E;
+  const int64_t len = lens[s];
+  if (len <= 0) {
+    for (int64_t i = 0; i < G * E; ++i) from_float(0.f, o + i);
+    return;
+  }
+  std::vector<float> qf(G * E), acc(G * E, 0.f), m(G, -INFINITY), l(G, 0.f), sc(G * d.page);
+  const QT* qs = q + (s * d.H + kh * G) * E;
+  for (int64_t i = 0; i < G * E; ++i) qf[i] = to_float(qs[i]);
+  const int64_t npages = std::min((len + d.page - 1) / d.page, d.maxp);
+  const int64_t page_stride = d.K * d.page * E;
+  const int64_t block = d.page * E;  // elements of one page of one kv head (contiguous)
+  auto base_of = [&](int64_t j) {
+    int64_t pid = pages[s * d.maxp + j];
+    pid = std::min(std::max<int64_t>(pid, 0), d.P - 1);
+    return (d.layer * d.P + pid) * page_stride + kh * block;
+  };
+  // The pages of a slot lie anywhere in the pool, and the hardware prefetchers stop at a page's end: the keys and
+  // values of the page two ahead are prefetched into L2, a row per token of this one (measured on a 2-core Zen 4:
+  // one ahead or three, or into L1, was 3-40% slower; none, 1.5x).
+  constexpr int64_t kLine = 64 / sizeof(KT);
+  int64_t base = base_of(0);
+  for (int64_t j = 0; j < npages; ++j) {
+    const int64_t nt = std::min(d.page, len - j * d.page);
+    const KT* kb = kpool + base;
+    const KT* vb = vpool + base;
+    const int64_t next = j + 1 < npages ? base_of(j + 1) : base;
+    const int64_t ahead = j + 2 < npages ? base_of(j + 2) : -1;
+    for (int64_t t = 0; t < nt; ++t) {
+      const KT* kt = kb + t * E;
+      if (ahead >= 0) {  // token t's key and value rows of the page two ahead
+        for (int64_t i = t * E; i < (t + 1) * E; i += kLine) {
+          __builtin_prefetch(kpool + ahead + i, 0, 2);
+          __builtin_prefetch(vpool + ahead + i, 0, 2);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf.data() + g * E;
+        float acc_s = 0.f;
+#pragma omp simd reduction(+ : acc_s)
+        for (int64_t e = 0; e < E; ++e) acc_s += qg[e] * to_float(kt[e]);
+        sc[g * d.page + t] = acc_s * d.scale;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = sc.data() + g * d.page;
+      float mx = m[g];
+      for (int64_t t = 0; t < nt; ++t) mx = std::max(mx, sg[t]);
+      const float corr = exp_approx(m[g] - mx);  // exp(-inf) = 0 on the first page
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < nt; ++t) {
+        sg[t] = exp_approx(sg[t] - mx);
+        sum += sg[t];
+      }
+      l[g] = l[g] * corr + sum;
+      m[g] = mx;
+      float* ag = acc.data() + g * E;
+      if constexpr (EC > 0) {  // the head's accumulator stays in registers over the page's tokens
+        float a[EC];
+        for (int64_t e = 0; e < EC; ++e) a[e] = ag[e] * corr;
+        for (int64_t t = 0; t < nt; ++t) {
+          const float pt = sg[t];
+          const KT* vt = vb + t * EC;
+          for (int64_t e = 0; e < EC; ++e) a[e] += pt * to_float(vt[e]);
+        }
+        for (int64_t e = 0; e < EC; ++e) ag[e] = a[e];
+      } else {
+#pragma omp simd
+        for (int64_t e = 0; e < E; ++e) ag[e] *= corr;
+        for (int64_t t = 0; t < nt; ++t) {
+          const float pt = sg[t];
+          const KT* vt = vb + t * E;
+#pragma omp simd
+          for (int64_t e = 0; e < E; ++e) ag[e] += pt * to_float(vt[e]);
+        }
+      }
+    }
+    base = next;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    for (int64_t e = 0; e < E; ++e) from_float(acc[g * E + e] * inv, o + g * E + e);
+  }
+}
+
+template <typename QT, typename KT>
+void attend_any(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, const int32_t* lens,
+                const int32_t* pages, QT* out, int64_t item) {
+  if (d.E == 64)
+    attend_item<QT, KT, 64>(d, q, kpool, vpool, lens, pages, out, item);
+  else if (d.E == 128)
+    attend_item<QT, KT, 128>(d, q, kpool, vpool, lens, pages, out, item);
+  else
+    attend_item<QT, KT, 0>(d, q, kpool, vpool, lens, pages, out, item);
+}
+
+struct Progress {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename QT, typename KT>
+void run(ffi::ThreadPool& pool, const Dims& d, const void* q, const void* kpool, const void* vpool,
+         const int32_t* lens, const int32_t* pages, void* out) {
+  const int64_t items = d.S * d.K;
+  auto progress = std::make_shared<Progress>();
+  const QT* qp = static_cast<const QT*>(q);
+  const KT* kp = static_cast<const KT*>(kpool);
+  const KT* vp = static_cast<const KT*>(vpool);
+  QT* op = static_cast<QT*>(out);
+  // Captures by value only: a helper task that starts after the call returned finds no item and touches nothing
+  // but `progress`, which it co-owns.
+  auto work = [progress, d, qp, kp, vp, lens, pages, op, items]() {
+    for (;;) {
+      const int64_t i = progress->next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= items) break;
+      attend_any<QT, KT>(d, qp, kp, vp, lens, pages, op, i);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  while (progress->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+}
+
+ffi::Error paged_decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                        ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> layer,
+                        ffi::Result<ffi::AnyBuffer> out, float scale) {
+  const auto qd = q.dimensions();
+  const auto kd = k_pool.dimensions();
+  const auto pd = pages.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || pd.size() != 2 || lens.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("paged_decode: q [S, H, E], pools [L, P, K, page, E], pages [S, maxp]");
+  Dims d;
+  d.S = qd[0];
+  d.H = qd[1];
+  d.E = qd[2];
+  d.P = kd[1];
+  d.K = kd[2];
+  d.page = kd[3];
+  d.maxp = pd[1];
+  d.scale = scale;
+  d.layer = layer.typed_data()[0];
+  if (kd[4] != d.E || d.K <= 0 || d.H % d.K != 0 || pd[0] != d.S || lens.dimensions()[0] != d.S ||
+      d.layer < 0 || d.layer >= kd[0] || k_pool.element_type() != v_pool.element_type() ||
+      out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("paged_decode: operand shapes or dtypes disagree");
+  d.G = d.H / d.K;
+  const bool q32 = q.element_type() == ffi::DataType::F32, qbf = q.element_type() == ffi::DataType::BF16;
+  const bool k32 = k_pool.element_type() == ffi::DataType::F32, kbf = k_pool.element_type() == ffi::DataType::BF16;
+  const int32_t* lp = lens.typed_data();
+  const int32_t* pp = pages.typed_data();
+  void* o = out->untyped_data();
+  if (q32 && k32)
+    run<float, float>(pool, d, q.untyped_data(), k_pool.untyped_data(), v_pool.untyped_data(), lp, pp, o);
+  else if (q32 && kbf)
+    run<float, uint16_t>(pool, d, q.untyped_data(), k_pool.untyped_data(), v_pool.untyped_data(), lp, pp, o);
+  else if (qbf && k32)
+    run<uint16_t, float>(pool, d, q.untyped_data(), k_pool.untyped_data(), v_pool.untyped_data(), lp, pp, o);
+  else if (qbf && kbf)
+    run<uint16_t, uint16_t>(pool, d, q.untyped_data(), k_pool.untyped_data(), v_pool.untyped_data(), lp, pp, o);
+  else
+    return ffi::Error::InvalidArgument("paged_decode: float32 or bfloat16 only");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlPagedDecode, paged_decode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale"));

@@ -1,0 +1,161 @@
+"""The CPU decode-attention kernel (`kernels/cpu_paged.py`, an XLA FFI call) against the reference paths.
+
+fp32: equal to the gather reference (`paged_decode_attend`) within 1e-6 for every slot that attends, over page
+tables scattered through the pool, partial last pages, grouped-query heads, several head dims (the kernel's
+compile-time 64 / 128 and the generic path), free slots (zeros, nothing read: NaN pages elsewhere would leak),
+inside a jitted scan over layers (the engine's use), with bf16 pools and queries too. The engine runs it by
+default on CPU ("auto"); the engine-level parity tests (transformers' greedy tokens, generator vs trainer
+log-probs) therefore run through it, and `test_engine.py` runs both CPU attentions side by side.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_async.generator import kv_cache
+from jaxrl_async.kernels import cpu_paged, paged_attention
+
+pytestmark = pytest.mark.skipif(not cpu_paged.available(), reason="no C++ compiler: cpu_paged cannot be built")
+
+
+def _case(rng, *, L=3, P=64, page=4, K=2, G=2, E=16, lens=(3, 13, 22, 9, 0), nan_free=True):
+    S = len(lens)
+    maxp = max(kv_cache.pages_for(n + 1, page) for n in lens) + 1
+    perm = rng.permutation(P - 8)  # pages P-8..P-1 hold NaN: never part of a live slot
+    page_table = np.full((S, maxp), P, np.int32)  # null entries past each length
+    for s, n in enumerate(lens):
+        c = kv_cache.pages_for(n + 1, page)
+        page_table[s, :c] = perm[s * maxp:s * maxp + c]
+    pool_k = rng.normal(size=(L, P, page, K, E)).astype(np.float32)
+    pool_v = rng.normal(size=(L, P, page, K, E)).astype(np.float32)
+    pool_k[:, P - 8:] = np.nan
+    pool_v[:, P - 8:] = np.nan
+    q = rng.normal(size=(S, 1, K * G, E)).astype(np.float32)
+    k, v = (rng.normal(size=(S, 1, K, E)).astype(np.float32) for _ in range(2))
+    return page_table, pool_k, pool_v, q, k, v
+
+
+def _page_heads(x):
+    return jnp.asarray(np.swapaxes(x, 2, 3))  # [L, P, page, K, E] -> [L, P, K, page, E]
+
+
+@pytest.mark.parametrize("E,G,page", [(16, 2, 4), (64, 2, 16), (128, 1, 8), (64, 4, 4)])
+def test_matches_the_gather_reference(E, G, page):
+    rng = np.random.default_rng(E + G)
+    lens = (3, 13, 22, 9, 0, page - 1, page)  # partial, whole and single pages; slot 4 free
+    page_table, pk, pv, q, k, v = _case(rng, page=page, G=G, E=E, lens=lens)
+    S = len(lens)
+    active = np.array([n > 0 for n in lens])
+    pos = jnp.asarray(lens, jnp.int32)
+    P = pk.shape[1]
+    write_pages = jnp.asarray(np.where(active, page_table[np.arange(S), np.asarray(lens) // page], P), jnp.int32)
+    ref, (rk, rv) = kv_cache.paged_decode_attend(jnp.asarray(page_table), pos, write_pages, page, 0.3)(
+        q, k, v, 1, (jnp.asarray(np.nan_to_num(pk)), jnp.asarray(np.nan_to_num(pv))))
+    attend = paged_attention.decode_attend("cpu_paged", jnp.asarray(page_table), pos, jnp.asarray(active),
+                                           write_pages, page, 0.3)
+    out, (ck, cv) = jax.jit(attend, static_argnums=3)(q, k, v, 1, (_page_heads(pk), _page_heads(pv)))
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[active], ref[active], atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(out[~active], 0)  # a free slot reads nothing
+    live = np.setdiff1d(np.arange(P), np.arange(P - 8, P))
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(ck), 2, 3)[:, live], np.asarray(rk)[:, live])
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(cv), 2, 3)[:, live], np.asarray(rv)[:, live])
+
+
+def test_in_a_scan_over_layers_equals_the_blocked_path():
+    """The engine's use: a traced layer index inside `lax.scan`, the pools carried; every layer's output equals
+    the portable blocked path's (same pool writes, bitwise)."""
+    rng = np.random.default_rng(3)
+    lens = (5, 31, 17, 2)
+    page = 4
+    page_table, pk, pv, q, k, v = _case(rng, L=4, page=page, G=3, E=64, lens=lens)
+    pk, pv = np.nan_to_num(pk), np.nan_to_num(pv)
+    S = len(lens)
+    pos = jnp.asarray(lens, jnp.int32)
+    active = jnp.ones(S, bool)
+    write_pages = jnp.asarray(page_table[np.arange(S), np.asarray(lens) // page])
+
+    def run(attention):
+        attend = paged_attention.decode_attend(attention, jnp.asarray(page_table), pos, active, write_pages, page,
+                                               0.125, block_pages=2)
+
+        def body(pools, layer):
+            out, pools = attend(q * (layer + 1), k, v, layer, pools)
+            return pools, out
+
+        return jax.jit(lambda pools: jax.lax.scan(body, pools, jnp.arange(4)))((_page_heads(pk), _page_heads(pv)))
+
+    (bk, bv), ref = run("blocked")
+    (ck, cv), out = run("cpu_paged")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(np.asarray(ck), np.asarray(bk))
+    np.testing.assert_array_equal(np.asarray(cv), np.asarray(bv))
+
+
+def test_bfloat16_pools_and_queries():
+    rng = np.random.default_rng(5)
+    lens = (7, 20, 1)
+    page_table, pk, pv, q, _, _ = _case(rng, page=4, G=2, E=64, lens=lens)
+    pk, pv = np.nan_to_num(pk), np.nan_to_num(pv)
+    pos = jnp.asarray(lens, jnp.int32)
+    lens1 = pos + 1
+    for q_dt, kv_dt in ((jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16)):
+        qa = jnp.asarray(q[:, 0], q_dt)
+        kp, vp = _page_heads(pk).astype(kv_dt), _page_heads(pv).astype(kv_dt)
+        out = jax.jit(lambda a, b, c: cpu_paged.paged_decode(a, b, c, lens1, jnp.asarray(page_table), 2, 0.125))(
+            qa, kp, vp)
+        assert out.dtype == q_dt
+        # the reference in float32 on the same (rounded) values
+        ref = cpu_paged.paged_decode(qa.astype(jnp.float32), kp.astype(jnp.float32), vp.astype(jnp.float32), lens1,
+                                     jnp.asarray(page_table), 2, 0.125)
+        tol = 1e-2 if q_dt == jnp.bfloat16 else 1e-6  # a bf16 output is the float32 result rounded once
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=tol, rtol=tol)
+
+
+def test_auto_resolves_to_the_kernel_on_cpu_and_explicit_requests_are_checked():
+    assert paged_attention.resolve("auto", "cpu") == "cpu_paged"
+    assert paged_attention.resolve("auto", "tpu") == "tpu_ragged"
+    assert paged_attention.layout_for("cpu_paged").name == paged_attention.layout_for("blocked").name
+    with pytest.raises(ValueError, match="CPU only"):
+        paged_attention.resolve("cpu_paged", "gpu")
+
+
+def test_no_compiler_means_blocked_with_a_logged_reason(tmp_path):
+    """Without a compiler (an empty PATH, CXX unset) and an empty kernel cache: `available()` is False with the
+    reason, logged once; "auto" runs the portable blocked attention and an explicit "cpu_paged" is refused."""
+    code = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
+        "from jaxrl_async.kernels import cpu_paged, paged_attention\n"
+        "print('AVAILABLE', cpu_paged.available())\n"
+        "print('AUTO', paged_attention.resolve('auto', 'cpu'))\n"
+        "try:\n"
+        "    paged_attention.resolve('cpu_paged', 'cpu')\n"
+        "except ValueError as e:\n"
+        "    print('REFUSED', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    env.update(PATH=str(tmp_path / "empty-bin"), JAXRL_ASYNC_KERNEL_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "AVAILABLE False" in out and "AUTO blocked" in out
+    assert "REFUSED decode attention 'cpu_paged' is not available here: RuntimeError: no C++ compiler" in out
+    assert out.count("the CPU decode-attention kernel is not available") == 1
+
+
+def test_build_is_cached_per_source_and_machine(tmp_path):
+    """A second process finds the library in the cache (no compiler run); the key covers the source."""
+    code = ("import logging, sys\nlogging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+            "from jaxrl_async.kernels import cpu_paged\nprint('AVAILABLE', cpu_paged.available())\n")
+    env = dict(os.environ, JAXRL_ASYNC_KERNEL_CACHE=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+            for _ in range(2)]
+    assert all(r.returncode == 0 and "AVAILABLE True" in r.stdout for r in runs), runs[0].stderr[-2000:]
+    assert "cpu_paged: built" in runs[0].stdout and "cpu_paged: built" not in runs[1].stdout
+    assert len(list(tmp_path.glob("paged_decode-*.so"))) == 1
