@@ -5,8 +5,8 @@ revision, side by side in one process.
 
 Model: `accelerator_suite.FIXED_MODEL` (1 layer, hidden 64, 2 / 1 heads of 32, MLP 128, vocab 1024, tied
 embeddings, random weights, float32), so the model's arithmetic is almost nothing and what a step costs is the
-step's fixed cost. Engine: 64 slots, page 16, `blocked` decode attention (the CPU default), temperature 1, no
-top-k / top-p (the lean sampling program).
+step's fixed cost. Engine: 64 slots, page 16, each tree's default decode attention on CPU ("auto": `cpu_paged` since
+session 16, `blocked` before), temperature 1, no top-k / top-p (the lean sampling program).
 
 The baseline is `git archive BASELINE jaxrl_async`, imported in this same process as the package
 `jaxrl_async_baseline` (its imports renamed), so both trees' engines run interleaved, chunk by chunk, in one
@@ -98,7 +98,7 @@ class Tree:
                                                param_dtype="float32")
         self.eng = factory.build_engine(factory.EngineConfig(
             max_concurrent_decodes=SLOTS, max_sequence_length=max_seq, max_prefill_length=64, page_size=16,
-            num_pages=SLOTS * (-(-max_seq // 16)) + 1, decode_steps=max(ks)), cfg, attention="blocked")
+            num_pages=SLOTS * (-(-max_seq // 16)) + 1, decode_steps=max(ks)), cfg, attention="auto")
         self.params = self.eng.place_params(jax.tree.map(jax.numpy.asarray, params_np))
         t = time.perf_counter()
         self.eng.warmup(self.params, max_samples=1, truncation=False)
