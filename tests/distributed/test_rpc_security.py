@@ -468,7 +468,13 @@ def test_silent_connections_are_dropped_after_the_first_bytes_deadline_and_conne
         client, server = _pair(lst)
         joined_s = time.monotonic() - t0
         assert joined_s < first_bytes_s + 1.5, joined_s  # refused at first, in after the silent ones were dropped
-        assert sum("sent nothing within 0.5 s" in d for d in lst.dropped) == 8, lst.dropped
+        # the client needs only one freed slot: the other silent ones may still be on their way out (a loaded
+        # machine's handshake threads run late; seen once under the full suite), so wait for all 8, bounded
+        silent = lambda: sum("sent nothing within 0.5 s" in d for d in lst.dropped)  # noqa: E731
+        deadline = time.monotonic() + 10
+        while silent() < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert silent() == 8, lst.dropped
         client.close()
         server.close()
     finally:
