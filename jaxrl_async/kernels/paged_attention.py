@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_async.kernels.platform import kernel_platform
-from jaxrl_async.kernels import paged
+from jaxrl_async.kernels import cpu_paged, paged
 from jaxrl_async.sharding.rules import logical_to_spec
 
 DECODE_ATTENTION = ("gather", "blocked", "cpu_paged", "tpu_ragged", "gpu_paged")
@@ -55,8 +55,6 @@ def resolve(attention: str, platform: str) -> str:
     """The decode attention for a platform: "auto" -> tpu_ragged on TPU, gpu_paged on GPU, cpu_paged on CPU
     (blocked where that kernel cannot be built: `cpu_paged.available`, its reason logged), blocked elsewhere.
     "cpu_paged" asked for where it cannot run is refused."""
-    from jaxrl_async.kernels import cpu_paged
-
     if attention == "auto":
         if platform == "cpu":
             return "cpu_paged" if cpu_paged.available() else "blocked"
@@ -188,8 +186,6 @@ def decode_attend(attention: str, page_table: jax.Array, positions: jax.Array, a
                 q, k, v, layer_idx, pools)
         pools = layout.write_token(pools, layer_idx, wp, pos % page_size, k[:, 0], v[:, 0])
         if attention == "cpu_paged":  # free slots read nothing (length 0: zeros, discarded)
-            from jaxrl_async.kernels import cpu_paged
-
             out = cpu_paged.paged_decode(q[:, 0], *pools, jnp.where(act, pos + 1, 0), pt, layer_idx, scale)
             return out[:, None], pools
         kv_lens = jnp.where(act, pos + 1, 1).astype(jnp.int32)
