@@ -3,7 +3,7 @@ and multi-step dispatches over the same positions, and the matmul rate that impl
 
     python benchmarks/bench_decode_step.py [--hidden 512 --layers 6 --vocab 16384] [--slots 64] [--k 16]
         [--fill 48] [--warm-steps 32] [--steps 96] [--positions 48,112,176,240] [--block-pages N]
-        [--attention auto,blocked]
+        [--attention auto,blocked] [--matmul-rows auto,0]
 
 Model: a random Qwen3-shaped model like `bench_generate_static.py`'s (heads of 64, hidden / 64 query and
 hidden / 128 KV heads, MLP 3 x hidden, tied embeddings), float32; the generator's default engine (page 16, the
@@ -13,7 +13,9 @@ GFLOP/s counts 2 x parameters x slots per step (the matmuls; attention not count
 single-step cost measured in windows starting at these positions (the KV read grows with the position).
 `--attention`: the decode attentions to measure, one after the other in this process (e.g. ``cpu_paged,blocked``:
 the CPU kernel and the portable path side by side); the JSON has one entry per attention under "attention" and
-the first one's figures at the top level.
+the first one's figures at the top level. `--matmul-rows`: the engine's `stacked_matmul_rows` (auto: its default;
+0: XLA's dots on the scanned weight slices; N: programs of at most N rows read the weights in place), each run with
+each attention (entries "ATTENTION/ROWS" when more than one is given).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--block-pages", type=int, default=None,
                     help="pages per block of the blocked decode attention (default: the engine's)")
     ap.add_argument("--attention", default="auto", help="comma-separated decode attentions (engine names or auto)")
+    ap.add_argument("--matmul-rows", default="auto", help="comma-separated stacked_matmul_rows (auto or ints)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -52,9 +55,11 @@ def main() -> None:
                       num_heads=H // 64, num_kv_heads=max(H // 128, 1), head_dim=64, tie_word_embeddings=True,
                       max_position_embeddings=max_seq, dtype="float32", param_dtype="float32", model_type="qwen3")
     res: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "attention": {}}
+    rows_opts = [r for r in args.matmul_rows.split(",") if r]
     for attention in [a for a in args.attention.split(",") if a]:
-        r = measure(args, cfg, attention, max_seq, positions, window)
-        res["attention"][attention] = r
+        for rows in rows_opts:
+            r = measure(args, cfg, attention, max_seq, positions, window, None if rows == "auto" else int(rows))
+            res["attention"][attention if len(rows_opts) == 1 else f"{attention}/{rows}"] = r
         if len(res["attention"]) == 1:
             res.update({k: v for k, v in r.items() if k != "attention"})
     if args.json:
@@ -62,7 +67,8 @@ def main() -> None:
             json.dump(res, f, indent=1)
 
 
-def measure(args, cfg, attention: str, max_seq: int, positions: list[int], window: int) -> dict:
+def measure(args, cfg, attention: str, max_seq: int, positions: list[int], window: int,
+            matmul_rows: int | None = None) -> dict:
     """One attention's figures: ms per step at K = 1 and K = --k over the same positions, and per position."""
     import jax
 
@@ -74,7 +80,7 @@ def measure(args, cfg, attention: str, max_seq: int, positions: list[int], windo
     eng = factory.build_engine(factory.EngineConfig(
         max_concurrent_decodes=S, max_sequence_length=max_seq, max_prefill_length=-(-args.fill // 16) * 16, page_size=16,
         num_pages=S * (max_seq // 16) + 1, decode_steps=K), cfg, decode_block_pages=args.block_pages,
-        attention=attention)
+        attention=attention, stacked_matmul_rows=matmul_rows)
     params = eng.place_params(init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(0)
     reqs = [api.PrefillRequest(rng.integers(3, args.vocab, args.fill).tolist(),
@@ -93,14 +99,15 @@ def measure(args, cfg, attention: str, max_seq: int, positions: list[int], windo
             np.asarray(st.tokens)
         return state
 
-    res: dict = {"params": nparams, "attention": eng.attention}
+    res: dict = {"params": nparams, "attention": eng.attention, "stacked_matmul_rows": eng.stacked_matmul_rows}
+    name = f"{eng.attention}/{eng.stacked_matmul_rows}"
     for k in (1, K):
         state = run(fill(), k, args.warm_steps)
         t = time.perf_counter()
         run(state, k, args.steps)
         ms = 1e3 * (time.perf_counter() - t) / (args.steps // k * k)
         res[f"K={k}"] = {"ms_per_step": ms, "tok_s": S / ms * 1e3, "gflop_s": 2 * nparams * S / ms / 1e6}
-        print(f"{eng.attention}: hidden {H}, {args.layers} layers, vocab {args.vocab}, {S} slots, K = {k}: {ms:.2f} ms per step "
+        print(f"{name}: hidden {H}, {args.layers} layers, vocab {args.vocab}, {S} slots, K = {k}: {ms:.2f} ms per step "
               f"(positions {args.fill + args.warm_steps}-{args.fill + args.warm_steps + args.steps}), "
               f"{S / ms * 1e3:.0f} tok/s, {2 * nparams * S / ms / 1e6:.1f} GFLOP/s", flush=True)
     if positions:
@@ -113,7 +120,7 @@ def measure(args, cfg, attention: str, max_seq: int, positions: list[int], windo
             ms = 1e3 * (time.perf_counter() - t) / window
             at = max(p, at) + window
             res["by_position"][p] = ms
-            print(f"  {eng.attention} position {p}: {ms:.2f} ms per step", flush=True)
+            print(f"  {name} position {p}: {ms:.2f} ms per step", flush=True)
     return res
 
 

@@ -39,7 +39,7 @@ if not _XLA_CACHE:
     _XLA_CACHE = tempfile.mkdtemp(prefix="jaxrl_async_test_xla_")
     os.environ["JAXRL_ASYNC_TEST_XLA_CACHE"] = _XLA_CACHE
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
-# The CPU decode-attention kernel (kernels/cpu_paged.py) is built once per session into a temporary cache the
+# The CPU decode-attention kernel (kernels/cpu_kernels.py) is built once per session into a temporary cache the
 # same way (workers and subprocesses inherit it), not into the user's ~/.cache.
 if not os.environ.get("JAXRL_ASYNC_KERNEL_CACHE"):
     os.environ["JAXRL_ASYNC_KERNEL_CACHE"] = os.path.join(_XLA_CACHE, "kernels")

@@ -144,6 +144,9 @@ def _truncates(sp: SamplingParams) -> bool:
 # Engine
 # ---------------------------------------------------------------------------------------
 DECODE_ATTENTION = paged_attention.DECODE_ATTENTION
+# decode programs of at most this many rows use the in-place layer matmul on CPU (`engine_steps.decode_step_fn`;
+# measured in NOTES, session 16: 1.4-2.3x cheaper projections at 4-16 rows, none at 32)
+STACKED_MATMUL_ROWS = 16
 DEFAULT_BLOCK_TOKENS = 32  # "blocked": tokens per block of the live-length loop (the fastest of 16-128 on XLA:CPU, NOTES)
 
 
@@ -191,6 +194,10 @@ class PagedEngine(Engine):
       max_top_logprobs: K > 0: prefill and every decode step also return the K largest log-probs of the distribution
           each token was sampled from and their ids (`Prefix.first_top_*`, `StepResult.top_*`; a request takes its
           `SamplingParams.top_logprobs` <= K of them). 0: no extra output is compiled (the programs are unchanged).
+      stacked_matmul_rows: decode programs of at most this many rows compute the layers' projections with the
+          in-place CPU matmul (`cpu_kernels.stacked_matmul`; `engine_steps.decode_step_fn`). None: `STACKED_MATMUL_ROWS`
+          where it applies (the `cpu_paged` attention, so the CPU kernels built, on one device, float32 dense layers
+          in a scan), else 0; 0: never. Asking for it where it does not apply is an error.
 
     Build engines with `generator.factory.build_engine` (the one sizing path and its one-line errors).
     """
@@ -203,7 +210,7 @@ class PagedEngine(Engine):
                  kernel_options: dict | None = None, max_prefill_pack: int = 8, record_routing: bool = False,
                  compact_decode: bool = False, compact_levels: int = 2, compact_min_rows: int = 8,
                  compact_in_background: bool = False, check_fit: bool = False, max_decode_steps: int = 1,
-                 max_top_logprobs: int = 0):
+                 max_top_logprobs: int = 0, stacked_matmul_rows: int | None = None):
         if max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
         if max_sequence_length < 2:
@@ -235,6 +242,7 @@ class PagedEngine(Engine):
         if not 0 <= max_top_logprobs <= cfg.vocab_size:
             raise ValueError(f"max_top_logprobs must be in [0, vocab_size={cfg.vocab_size}], got {max_top_logprobs}")
         self.max_top_logprobs = int(max_top_logprobs)
+        self._stacked_matmul_request = stacked_matmul_rows
         if record_routing and not tcfg.num_experts:
             raise ValueError("record_routing needs a mixture-of-experts model (num_experts > 0)")
         self.record_routing = bool(record_routing)
@@ -339,23 +347,34 @@ class PagedEngine(Engine):
                                                  slot_ints=self.slot_ints),
                                donate_argnums=0, out_shardings=ss)
         self._release = jax.jit(functools.partial(release_fn, null_page=null), donate_argnums=0, out_shardings=ss)
+        # decode programs of at most this many rows read the layers' projection matrices in place
+        # (`cpu_kernels.stacked_matmul`): on one CPU device with the CPU kernels, float32 dense layers in a scan
+        applies = (self.attention == "cpu_paged" and self.mesh.size == 1 and jnp.dtype(cfg.dtype) == jnp.float32
+                   and not cfg.num_experts and cfg.scan_layers)
+        requested = self._stacked_matmul_request
+        if requested and not applies:
+            raise ValueError("stacked_matmul_rows needs the 'cpu_paged' decode attention on one device and float32 "
+                             "dense layers in a scan")
+        self.stacked_matmul_rows = (STACKED_MATMUL_ROWS if applies else 0) if requested is None else int(requested)
         top_sh = (self._named(("batch", None), (self._S, K)),) * 2 if K else ()
         step_out = (ss, (self.slot_sharding,) * 4 + ((self.replicated,) if rec else ()) + top_sh)
         self._steps = {t: jax.jit(traced(functools.partial(
             decode_step_fn, cfg=cfg, page_size=self.page_size, max_seq=self._max_seq, null_page=null,
             attention=self.attention, block_pages=self.decode_block_pages, kernel_options=self.kernel_options,
-            pages_axis=self.pages_axis, truncation=t, record_routing=rec, top_logprobs=K)), donate_argnums=1,
+            pages_axis=self.pages_axis, truncation=t, record_routing=rec, top_logprobs=K,
+            stacked_matmul_rows=self.stacked_matmul_rows)), donate_argnums=1,
             out_shardings=step_out) for t in (True, False)}
         self._step = self._steps[True]  # the full decode step (any sampling parameters; what `plan` compiles)
         self._rows_steps = {t: jax.jit(traced(functools.partial(
             decode_rows_fn, pool_keys=self.layout.keys, cfg=cfg, page_size=self.page_size, max_seq=self._max_seq,
             null_page=null, attention=self.attention, block_pages=self.decode_block_pages,
             kernel_options=self.kernel_options, pages_axis=self.pages_axis, truncation=t, record_routing=rec,
-            top_logprobs=K)), donate_argnums=1, out_shardings=step_out) for t in (True, False)}
+            top_logprobs=K, stacked_matmul_rows=self.stacked_matmul_rows)), donate_argnums=1, out_shardings=step_out)
+            for t in (True, False)}
         self._multi_kw = dict(cfg=cfg, page_size=self.page_size, max_seq=self._max_seq, null_page=null,
                               attention=self.attention, block_pages=self.decode_block_pages,
                               kernel_options=self.kernel_options, pages_axis=self.pages_axis, record_routing=rec,
-                              top_logprobs=K)
+                              top_logprobs=K, stacked_matmul_rows=self.stacked_matmul_rows)
         self._multi_steps: dict = {}  # (truncation, K) -> jitted K-step program (built on first use)
         self._multi_out = (ss, (self.stacked_slot_sharding,) * 4 + ((self.replicated,) if rec else ())
                            + tuple(NamedSharding(self.mesh, P(None, *x.spec)) for x in top_sh))

@@ -6,14 +6,16 @@ are in `engine.py`'s module doc.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl_async.models.config import ModelConfig
-from jaxrl_async.models.transformer import Params, forward, logits_from_hidden
+from jaxrl_async.models.transformer import Params, forward, logits_from_hidden, stacked_layer_matmul
 from jaxrl_async.generator import kv_cache
-from jaxrl_async.kernels import paged_attention
+from jaxrl_async.kernels import cpu_kernels, paged_attention
 from jaxrl_async.generator import sampling
 
 SLOT_INTS = ("pos", "last_token", "num_generated", "max_new", "top_k", "sample_index", "done")
@@ -133,7 +135,7 @@ def release_fn(arrays, slot, *, null_page: int):
 def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int,
                    null_page: int, attention: str = "blocked", block_pages: int = 8, kernel_options=None,
                    pages_axis: str | None = None, truncation: bool = True, record_routing: bool = False,
-                   top_logprobs: int = 0):
+                   top_logprobs: int = 0, stacked_matmul_rows: int = 0):
     """One token for every slot. new_pages [S]: page to map at index pos // page_size (-1: none).
 
     attention: the decode attention (`paged_attention.DECODE_ATTENTION`; its pool layout names the pool
@@ -144,7 +146,9 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     (MoE): the step tuple has a fifth entry, the experts of the token each slot fed, [S, L, k] int16.
     `top_logprobs` = K > 0 (static): two more entries last, the K largest log-probs [S, K] of the distribution each
     slot's token was drawn from and their token ids (`sampling.top_logprobs`; zeros for inactive slots); 0: the
-    program is the one without them.
+    program is the one without them. `stacked_matmul_rows` (static): a program of at most this many slots computes
+    the layers' projections with `cpu_kernels.stacked_matmul`, reading each matrix in place from its stack
+    (`transformer.stacked_layer_matmul`; the engine sets it on one CPU device, else 0).
     """
     S, maxp = arrays["page_table"].shape
     null = null_page
@@ -161,8 +165,10 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     keys = paged_attention.layout_for(attention).keys
     # M-RoPE models (the state has ``rope_delta``): the token at index pos sits at rotary position pos + delta
     rope_pos = pos + arrays["rope_delta"] if "rope_delta" in arrays else pos
-    (hidden, pools), ids = _routed_forward(record_routing, params, cfg, arrays["last_token"][:, None],
-                                           rope_pos[:, None], attend, tuple(arrays[k] for k in keys))
+    in_place = S <= stacked_matmul_rows
+    with stacked_layer_matmul(cpu_kernels.stacked_matmul) if in_place else contextlib.nullcontext():
+        (hidden, pools), ids = _routed_forward(record_routing, params, cfg, arrays["last_token"][:, None],
+                                               rope_pos[:, None], attend, tuple(arrays[k] for k in keys))
     logits = logits_from_hidden(params, hidden[:, 0])
     tokens, logprobs = sampling.sample(logits, arrays["temperature"], arrays["top_k"], arrays["top_p"],
                                        arrays["seed"], arrays["sample_index"], pos + 1, truncation=truncation)

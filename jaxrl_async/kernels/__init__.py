@@ -9,7 +9,8 @@
 * ``paged_attention``: decode attention over the paged KV pool (``PagedEngine(attention=...)``: gather, blocked,
   cpu_paged, tpu_ragged, gpu_paged, auto) and its ``resolve``, with the pool layout each implementation reads; the
   portable implementations, the pool's spec and the prefill attention that fills the pool in ``paged``; the CPU
-  kernel (C++ behind an XLA FFI call, built on first use) in ``cpu_paged`` and ``cpu/paged_decode.cc``;
+  kernels (C++ behind XLA FFI calls, built on first use: the decode attention and the few-row layer matmul) in
+  ``cpu_kernels`` and ``cpu/*.cc``;
 * ``grouped_matmul``: the mixture-of-experts grouped matmul (``model.moe_kernel``: ragged, tiled, megablox,
   auto) and its ``grouped_matmul_impl``.
 """

@@ -9,7 +9,7 @@ attention         pool arrays (layout)                            reads per deco
                   (``page_heads``: a gathered block is laid out   slot, gathered into copies for XLA's dots
                   as its two dots read it)                        (`paged.blocked_decode_attend`; portable)
 ``cpu_paged``     k_pool, v_pool [L, P, K, page, E]               each active slot's own pages, in place: a C++
-                  (``page_heads``, as ``blocked``)                XLA FFI kernel (`cpu_paged`; CPU default,
+                  (``page_heads``, as ``blocked``)                XLA FFI kernel (`cpu_kernels`; CPU default,
                                                                   ``blocked`` where it cannot be built)
 ``tpu_ragged``    kv_pool [L, P, page, 2K, E] (``combined``:      each slot's own pages, Pallas/Mosaic
                   k at even, v at odd heads, the kernel's         `ragged_paged_attention` (TPU default)
@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_async.kernels.platform import kernel_platform
-from jaxrl_async.kernels import cpu_paged, paged
+from jaxrl_async.kernels import cpu_kernels, paged
 from jaxrl_async.sharding.rules import logical_to_spec
 
 DECODE_ATTENTION = ("gather", "blocked", "cpu_paged", "tpu_ragged", "gpu_paged")
@@ -53,19 +53,19 @@ _HEADS_FIRST_AXES = ("cache_kv_heads", "layers", "cache_pages", "cache_page", "h
 
 def resolve(attention: str, platform: str) -> str:
     """The decode attention for a platform: "auto" -> tpu_ragged on TPU, gpu_paged on GPU, cpu_paged on CPU
-    (blocked where that kernel cannot be built: `cpu_paged.available`, its reason logged), blocked elsewhere.
+    (blocked where that kernel cannot be built: `cpu_kernels.available`, its reason logged), blocked elsewhere.
     "cpu_paged" asked for where it cannot run is refused."""
     if attention == "auto":
         if platform == "cpu":
-            return "cpu_paged" if cpu_paged.available() else "blocked"
+            return "cpu_paged" if cpu_kernels.available() else "blocked"
         return {"tpu": "tpu_ragged", "gpu": "gpu_paged", "cuda": "gpu_paged"}.get(platform, "blocked")
     if attention not in DECODE_ATTENTION:
         raise ValueError(f"decode attention must be 'auto' or one of {DECODE_ATTENTION}, got {attention!r}")
     if attention == "cpu_paged":
         if platform != "cpu":
             raise ValueError(f"decode attention 'cpu_paged' runs on CPU only (platform {platform!r})")
-        if not cpu_paged.available():
-            raise ValueError(f"decode attention 'cpu_paged' is not available here: {cpu_paged.unavailable_reason()}")
+        if not cpu_kernels.available():
+            raise ValueError(f"decode attention 'cpu_paged' is not available here: {cpu_kernels.unavailable_reason()}")
     return attention
 
 
@@ -186,7 +186,7 @@ def decode_attend(attention: str, page_table: jax.Array, positions: jax.Array, a
                 q, k, v, layer_idx, pools)
         pools = layout.write_token(pools, layer_idx, wp, pos % page_size, k[:, 0], v[:, 0])
         if attention == "cpu_paged":  # free slots read nothing (length 0: zeros, discarded)
-            out = cpu_paged.paged_decode(q[:, 0], *pools, jnp.where(act, pos + 1, 0), pt, layer_idx, scale)
+            out = cpu_kernels.paged_decode(q[:, 0], *pools, jnp.where(act, pos + 1, 0), pt, layer_idx, scale)
             return out[:, None], pools
         kv_lens = jnp.where(act, pos + 1, 1).astype(jnp.int32)
         if attention == "tpu_ragged":

@@ -32,8 +32,10 @@ F intermediate (mlp), V vocab, L layers.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -285,13 +287,58 @@ LOGITS_HIDDEN_AXES = ("logits_batch", "length", "activation_embed")
 LOGITS_AXES = ("logits_batch", "length", "activation_vocab")
 
 
+_STACKED_MATMUL: contextvars.ContextVar = contextvars.ContextVar("stacked_layer_matmul", default=None)
+
+
+@contextlib.contextmanager
+def stacked_layer_matmul(fn):
+    """While a forward is traced under this scope, its scan over a dense layer stack leaves the float32 projection
+    matrices (q k v o gate up down without adapters) in their stacks: `_proj` computes x @ w[layer] as
+    ``fn(x2 [M, K], stack [L, K, N], layer) -> [M, N]`` (`kernels.cpu_kernels.stacked_matmul`, reading the layer's
+    matrix in place). Scanned slices are copied out of the stack by XLA:CPU before its dots, every step, which at a
+    few rows costs more than the dots (the generator's small decode programs; NOTES, session 16)."""
+    token = _STACKED_MATMUL.set(fn)
+    try:
+        yield
+    finally:
+        _STACKED_MATMUL.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StackedWeight:
+    """A layer's projection matrix left in its stack (`stacked_layer_matmul`): ``stack[layer]``, never sliced."""
+
+    stack: jax.Array
+    layer: jax.Array
+
+
+def _in_place_matrices(stack: dict, n: int) -> dict:
+    """The matrices of a dense layer stack that `stacked_layer_matmul` reads in place (none outside its scope)."""
+    from jaxrl_async.models.lora import TARGETS, adapter_keys
+
+    if _STACKED_MATMUL.get() is None or "router" in stack:
+        return {}
+    return {k: stack[k] for k in TARGETS if k in stack and adapter_keys(k)[0] not in stack
+            and stack[k].dtype == jnp.float32 and stack[k].shape[0] == n}
+
+
 def _proj(p: Params, name: str, x: jax.Array, x_sub: str, out_sub: str, cfg: ModelConfig) -> jax.Array:
     """x W_name in x's dtype, + (alpha / r) (x A) B when the layer carries LoRA adapters for `name`
     (`models/lora.py`; a generator holding merged weights has none, and computes x W alone)."""
     from jaxrl_async.models.lora import TARGETS, adapter_keys, delta
 
-    w_sub = TARGETS[name][0]
-    y = jnp.einsum(f"{x_sub},{w_sub}->{out_sub}", x, p[name].astype(x.dtype))
+    w_sub, nc = TARGETS[name]
+    w = p[name]
+    if isinstance(w, _StackedWeight) and x.dtype == jnp.float32 and x_sub[-nc:] == w_sub[:nc] and (
+            out_sub == x_sub[:-nc] + w_sub[nc:]):  # x [..., contracted] @ w [contracted, free]: one 2-D product
+        k_in = math.prod(x.shape[x.ndim - nc:])
+        stack = w.stack.reshape(w.stack.shape[0], k_in, -1)  # row-major: a free reshape
+        y = _STACKED_MATMUL.get()(x.reshape(-1, k_in), stack, w.layer)
+        y = y.reshape(*x.shape[:x.ndim - nc], *w.stack.shape[1 + nc:])
+    else:
+        if isinstance(w, _StackedWeight):
+            w = w.stack[w.layer]
+        y = jnp.einsum(f"{x_sub},{w_sub}->{out_sub}", x, w.astype(x.dtype))
     ka, kb = adapter_keys(name)
     if ka in p:
         if cfg.lora is None:
@@ -358,7 +405,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
 
     axes = logical_axes(cfg)
 
-    def make_body(layer_axes, routed_stack: bool):
+    def make_body(layer_axes, routed_stack: bool, in_place: dict | None = None):
         def body(carry, xs):
             x, state = carry
             p, i, j = xs
@@ -366,6 +413,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             # is used and its gradient reduce-scattered per layer (without this, GSPMD accumulated full-size
             # float32 gradients of every layer in the scan's backward: 7 GiB for one MLP matrix of 8B)
             p = {k: constrain(w, *layer_axes[k][1:]) if k in layer_axes else w for k, w in p.items()}
+            if in_place:  # `stacked_layer_matmul`: these matrices stay in their stacks, read at layer j
+                p.update({k: _StackedWeight(a, j) for k, a in in_place.items()})
             # LoRA dropout masks per layer (training steps only; else a no-op); the MoE routing outputs of a sparse
             # layer under a `moe.routing_scope`, indexed by its slice j of the sparse stack (None without a
             # scope: nothing extra is traced)
@@ -384,6 +433,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     # layers among its sparse ones), each scanned over its slice of its stack or unrolled
     for name, s0, n, i0 in cfg.layer_schedule():
         stack, body = params[name], bodies[name]
+        in_place = _in_place_matrices(stack, n) if cfg.scan_layers and s0 == 0 and isinstance(stack, dict) else {}
+        if in_place:  # the matrices read in place leave the scanned xs (nothing copies them out per layer)
+            body = make_body(axes[name], name == routed_name, in_place)
+            stack = {k: a for k, a in stack.items() if k not in in_place}
         if cfg.scan_layers:
             xs = stack if n == jax.tree.leaves(stack)[0].shape[0] else jax.tree.map(lambda a: a[s0:s0 + n], stack)  # noqa: B023 (used within this iteration)
             (x, state), routed = jax.lax.scan(body, (x, state), (xs, jnp.arange(i0, i0 + n), jnp.arange(s0, s0 + n)))

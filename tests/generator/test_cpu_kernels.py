@@ -1,11 +1,17 @@
-"""The CPU decode-attention kernel (`kernels/cpu_paged.py`, an XLA FFI call) against the reference paths.
+"""The CPU kernels (`kernels/cpu_kernels.py`, XLA FFI calls) against the reference paths.
 
+The decode attention:
 fp32: equal to the gather reference (`paged_decode_attend`) within 1e-6 for every slot that attends, over page
 tables scattered through the pool, partial last pages, grouped-query heads, several head dims (the kernel's
 compile-time 64 / 128 and the generic path), free slots (zeros, nothing read: NaN pages elsewhere would leak),
 inside a jitted scan over layers (the engine's use), with bf16 pools and queries too. The engine runs it by
 default on CPU ("auto"); the engine-level parity tests (transformers' greedy tokens, generator vs trainer
 log-probs) therefore run through it, and `test_engine.py` runs both CPU attentions side by side.
+
+The in-place layer matmul (`stacked_matmul`, `transformer.stacked_layer_matmul`): x @ w[layer] equal to XLA's dot
+within fp32 rounding for row counts around its 4-row groups and column widths around its 64-column blocks; a
+forward under the scope equals the plain one and calls it for every projection (no per-layer slice of those
+matrices); the engine's small decode programs use it (so does every engine test with <= 16 slots).
 """
 
 import os
@@ -18,9 +24,11 @@ import numpy as np
 import pytest
 
 from jaxrl_async.generator import kv_cache
-from jaxrl_async.kernels import cpu_paged, paged_attention
+from jaxrl_async.kernels import cpu_kernels, paged_attention
+from jaxrl_async.models import transformer
+from jaxrl_async.models.config import ModelConfig
 
-pytestmark = pytest.mark.skipif(not cpu_paged.available(), reason="no C++ compiler: cpu_paged cannot be built")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the CPU kernels cannot be built")
 
 
 def _case(rng, *, L=3, P=64, page=4, K=2, G=2, E=16, lens=(3, 13, 22, 9, 0), nan_free=True):
@@ -108,11 +116,11 @@ def test_bfloat16_pools_and_queries():
     for q_dt, kv_dt in ((jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16)):
         qa = jnp.asarray(q[:, 0], q_dt)
         kp, vp = _page_heads(pk).astype(kv_dt), _page_heads(pv).astype(kv_dt)
-        out = jax.jit(lambda a, b, c: cpu_paged.paged_decode(a, b, c, lens1, jnp.asarray(page_table), 2, 0.125))(
+        out = jax.jit(lambda a, b, c: cpu_kernels.paged_decode(a, b, c, lens1, jnp.asarray(page_table), 2, 0.125))(
             qa, kp, vp)
         assert out.dtype == q_dt
         # the reference in float32 on the same (rounded) values
-        ref = cpu_paged.paged_decode(qa.astype(jnp.float32), kp.astype(jnp.float32), vp.astype(jnp.float32), lens1,
+        ref = cpu_kernels.paged_decode(qa.astype(jnp.float32), kp.astype(jnp.float32), vp.astype(jnp.float32), lens1,
                                      jnp.asarray(page_table), 2, 0.125)
         tol = 1e-2 if q_dt == jnp.bfloat16 else 1e-6  # a bf16 output is the float32 result rounded once
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=tol, rtol=tol)
@@ -132,8 +140,8 @@ def test_no_compiler_means_blocked_with_a_logged_reason(tmp_path):
     code = (
         "import logging, sys\n"
         "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
-        "from jaxrl_async.kernels import cpu_paged, paged_attention\n"
-        "print('AVAILABLE', cpu_paged.available())\n"
+        "from jaxrl_async.kernels import cpu_kernels, paged_attention\n"
+        "print('AVAILABLE', cpu_kernels.available())\n"
         "print('AUTO', paged_attention.resolve('auto', 'cpu'))\n"
         "try:\n"
         "    paged_attention.resolve('cpu_paged', 'cpu')\n"
@@ -146,16 +154,80 @@ def test_no_compiler_means_blocked_with_a_logged_reason(tmp_path):
     out = proc.stdout
     assert "AVAILABLE False" in out and "AUTO blocked" in out
     assert "REFUSED decode attention 'cpu_paged' is not available here: RuntimeError: no C++ compiler" in out
-    assert out.count("the CPU decode-attention kernel is not available") == 1
+    assert out.count("the CPU kernels are not available") == 1
 
 
 def test_build_is_cached_per_source_and_machine(tmp_path):
     """A second process finds the library in the cache (no compiler run); the key covers the source."""
     code = ("import logging, sys\nlogging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-            "from jaxrl_async.kernels import cpu_paged\nprint('AVAILABLE', cpu_paged.available())\n")
+            "from jaxrl_async.kernels import cpu_kernels\nprint('AVAILABLE', cpu_kernels.available())\n")
     env = dict(os.environ, JAXRL_ASYNC_KERNEL_CACHE=str(tmp_path))
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
             for _ in range(2)]
     assert all(r.returncode == 0 and "AVAILABLE True" in r.stdout for r in runs), runs[0].stderr[-2000:]
-    assert "cpu_paged: built" in runs[0].stdout and "cpu_paged: built" not in runs[1].stdout
-    assert len(list(tmp_path.glob("paged_decode-*.so"))) == 1
+    assert "cpu_kernels: built" in runs[0].stdout and "cpu_kernels: built" not in runs[1].stdout
+    assert len(list(tmp_path.glob("cpu_kernels-*.so"))) == 1
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 32, 64), (3, 48, 100), (4, 64, 128), (5, 40, 130), (16, 96, 200)])
+def test_stacked_matmul_equals_the_dot(M, K, N):
+    rng = np.random.default_rng(M * N)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, K, N)), jnp.float32)
+
+    def scan(fn):
+        return jax.jit(lambda x, w: jax.lax.scan(lambda c, l: (c, fn(x, w, l)), 0, jnp.arange(3))[1])(x, w)
+
+    out = scan(cpu_kernels.stacked_matmul)
+    ref = np.einsum("mk,lkn->lmn", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    xla = scan(lambda x, w, l: x @ w[l])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(xla), rtol=0, atol=2e-6 * np.abs(ref).max())
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.stacked_matmul(x.astype(jnp.bfloat16), w, 0)
+
+
+def test_forward_under_the_scope_reads_every_projection_in_place():
+    cfg = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", param_dtype="float32")
+    params = transformer.init_params(cfg, jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (5, 7)), jnp.int32)
+    apply = jax.jit(lambda p, t: transformer.apply(p, cfg, t))
+    ref = apply(params, tokens)
+
+    def scoped(p, t):
+        with transformer.stacked_layer_matmul(cpu_kernels.stacked_matmul):
+            return transformer.apply(p, cfg, t)
+
+    out = jax.jit(scoped)(params, tokens)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=2e-5)
+    hlo = jax.jit(scoped).lower(params, tokens).as_text()
+    assert hlo.count("jaxrl_async_stacked_matmul") == 7  # q k v o gate up down, once in the scan's body
+    assert "jaxrl_async_stacked_matmul" not in jax.jit(lambda p, t: transformer.apply(p, cfg, t)).lower(
+        params, tokens).as_text()
+
+
+def test_in_place_matrices_leave_adapted_and_non_float32_ones_to_xla():
+    stack = {"q": jnp.zeros((2, 4, 2, 2)), "k": jnp.zeros((2, 4, 1, 2)), "q_lora_a": jnp.zeros((2, 4, 1)),
+             "up": jnp.zeros((2, 4, 8), jnp.bfloat16), "attn_norm": jnp.zeros((2, 4))}
+    assert transformer._in_place_matrices(stack, 2) == {}  # outside the scope: none
+    with transformer.stacked_layer_matmul(cpu_kernels.stacked_matmul):
+        assert list(transformer._in_place_matrices(stack, 2)) == ["k"]  # q has adapters, up is bf16
+        assert transformer._in_place_matrices(stack, 1) == {}  # a run over part of the stack
+        assert transformer._in_place_matrices({**stack, "router": jnp.zeros((2, 4, 3))}, 2) == {}
+
+
+def test_engine_uses_the_in_place_matmul_for_small_programs_only_on_one_cpu_device():
+    from jaxrl_async.generator.engine import STACKED_MATMUL_ROWS, PagedEngine
+    from jaxrl_async.sharding.mesh import make_mesh
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", param_dtype="float32")
+    kw = dict(max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,), page_size=8, num_pages=40)
+    assert PagedEngine(cfg, **kw).stacked_matmul_rows == STACKED_MATMUL_ROWS
+    assert PagedEngine(cfg, attention="blocked", **kw).stacked_matmul_rows == 0
+    mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
+    assert PagedEngine(cfg, mesh=mesh, **kw).stacked_matmul_rows == 0
+    assert PagedEngine(cfg, stacked_matmul_rows=0, **kw).stacked_matmul_rows == 0
+    with pytest.raises(ValueError, match="stacked_matmul_rows needs"):
+        PagedEngine(cfg, attention="blocked", stacked_matmul_rows=16, **kw)

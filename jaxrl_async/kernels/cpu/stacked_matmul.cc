@@ -1,0 +1,108 @@
+// y = x @ w[layer] for XLA:CPU (issue 28): a decode step's projections at a few rows, reading the layer's matrix in
+// place from the stacked [L, K, N] weights. Inside the scan over layers XLA:CPU copies every layer's matrices out of
+// the stack before its dots (a dynamic slice each), which at a few rows costs more than the dots (NOTES, session
+// 16); this kernel streams each matrix once from where it lies.
+//
+// Operands: x [M, K] float32, w [L, K, N] float32, layer [] int32. Result: y [M, N] float32.
+// Work: column blocks of 64 (the last one narrower), shared by the calling thread and XLA's intra-op thread pool
+// through an atomic counter (the caller works too, so it never waits on a task that has not started). Within a
+// block, groups of 4 rows accumulate in registers over k, in order (one float32 multiply-add chain per output);
+// w's rows 32 ahead are prefetched into L2 (the block's rows are N floats apart: the hardware prefetchers lose them
+// at every 4 KiB page).
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kCols = 64;
+constexpr int64_t kRows = 4;
+constexpr int64_t kAhead = 32;
+
+struct MatmulDims {
+  int64_t M, K, N;
+};
+
+// rows [m0, m0 + R) x columns [n0, n0 + width) of y; W == kCols: a compile-time width (accumulators in registers)
+template <int64_t R, int64_t W>
+inline void tile(const MatmulDims& d, const float* x, const float* w, float* y, int64_t m0, int64_t n0,
+                 int64_t width) {
+  const int64_t cols = W > 0 ? W : width;
+  float acc[R][kCols] = {};
+  for (int64_t k = 0; k < d.K; ++k) {
+    const float* wk = w + k * d.N + n0;
+    if (k + kAhead < d.K)
+      for (int64_t c = 0; c < cols; c += 16) __builtin_prefetch(wk + kAhead * d.N + c, 0, 2);
+    for (int64_t r = 0; r < R; ++r) {
+      const float xv = x[(m0 + r) * d.K + k];
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) acc[r][c] += xv * wk[c];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < cols; ++c) y[(m0 + r) * d.N + n0 + c] = acc[r][c];
+}
+
+template <int64_t W>
+void column_block(const MatmulDims& d, const float* x, const float* w, float* y, int64_t n0, int64_t width) {
+  int64_t m = 0;
+  for (; m + kRows <= d.M; m += kRows) tile<kRows, W>(d, x, w, y, m, n0, width);
+  for (; m < d.M; ++m) tile<1, W>(d, x, w, y, m, n0, width);
+}
+
+struct Progress {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+ffi::Error stacked_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[2])
+    return ffi::Error::InvalidArgument("stacked_matmul: x [M, K], w [L, K, N], y [M, N]");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("stacked_matmul: layer out of range");
+  const MatmulDims d{xd[0], xd[1], wd[2]};
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data() + l * d.K * d.N;
+  float* yp = y->typed_data();
+  const int64_t blocks = (d.N + kCols - 1) / kCols;
+  auto progress = std::make_shared<Progress>();
+  // Captures by value only: a helper that starts after the call returned finds no block and touches only
+  // `progress`, which it co-owns.
+  auto work = [progress, d, xp, wp, yp, blocks]() {
+    for (;;) {
+      const int64_t b = progress->next.fetch_add(1, std::memory_order_relaxed);
+      if (b >= blocks) break;
+      const int64_t n0 = b * kCols, width = std::min(kCols, d.N - n0);
+      if (width == kCols)
+        column_block<kCols>(d, xp, wp, yp, n0, width);
+      else
+        column_block<0>(d, xp, wp, yp, n0, width);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), blocks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  while (progress->done.load(std::memory_order_acquire) < blocks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlStackedMatmul, stacked_matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,146 @@
+"""The CPU kernels, C++ behind XLA FFI calls (issue 28): what XLA:CPU's own code generation pays for in copies.
+
+* ``paged_decode`` (``cpu/paged_decode.cc``): the decode attention ``cpu_paged``, the CPU default. XLA:CPU's dots
+  read contiguous operands, so the portable ``blocked`` path copies every block of a slot's pages out of the pool
+  before it attends: on a 2-core CPU those copies were ~40% of a decode step (NOTES, session 15). The kernel reads
+  each page's keys and values in place, once, on XLA's intra-op thread pool, and skips free slots. Same contract and
+  result as ``paged.blocked_decode_attend`` (float32 scores, online softmax; equal up to summation order), on the
+  same ``page_heads`` pool layout, so the engine switches between them with nothing else changed.
+* ``stacked_matmul`` (``cpu/stacked_matmul.cc``): ``x @ w[layer]`` reading the layer's matrix in place from the
+  stacked ``[L, K, N]`` weights, for decode programs of a few rows (`models.transformer.stacked_layer_matmul`):
+  inside the scan over layers XLA:CPU copies every layer's matrices out of the stack each step.
+
+The kernels are compiled on first use with the machine's compiler (``$CXX``, else ``c++`` / ``g++`` / ``clang++``)
+against the headers jaxlib ships (``jax.ffi.include_dir()``), for this CPU (``-march=native``), into one library
+cached under ``$JAXRL_ASYNC_KERNEL_CACHE`` (default ``~/.cache/jaxrl_async/kernels``), keyed by the sources, the
+headers, the compiler and the CPU's flags (a few seconds once per machine). Where they cannot be built (no
+compiler), `available()` is False, `unavailable_reason()` says why (logged once), and the engine's "auto" picks
+``blocked`` and XLA's dots; asking for ``cpu_paged`` explicitly is then an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from importlib import resources
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+TARGETS = {"jaxrl_async_paged_decode": "JaxrlPagedDecode", "jaxrl_async_stacked_matmul": "JaxrlStackedMatmul"}
+_SOURCES = ("paged_decode.cc", "stacked_matmul.cc")
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
+_BUILD_TIMEOUT_S = 300
+
+_lock = threading.Lock()
+_state: dict = {}  # "ok": bool, "reason": str, "path": Path, "lib": ctypes.CDLL
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("JAXRL_ASYNC_KERNEL_CACHE", "").strip()
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "jaxrl_async" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX", "").strip(), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() + platform.processor()
+
+
+def _build() -> Path:
+    sources = {name: resources.files("jaxrl_async.kernels").joinpath("cpu", name).read_bytes() for name in _SOURCES}
+    include = Path(jax.ffi.include_dir())
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256()
+    for part in (*sources.values(), (include / "xla/ffi/api/ffi.h").read_bytes(), (include / "xla/ffi/api/api.h").read_bytes(),
+                 version.encode(), _cpu_flags().encode(), " ".join(_FLAGS).encode()):
+        key.update(hashlib.sha256(part).digest())
+    out_dir = cache_dir()
+    out = out_dir / f"cpu_kernels-{key.hexdigest()[:20]}.so"
+    if out.exists():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        srcs = []
+        for name, text in sources.items():
+            srcs.append(Path(tmp) / name)
+            srcs[-1].write_bytes(text)
+        lib = Path(tmp) / out.name
+        proc = subprocess.run([cxx, *_FLAGS, f"-I{include}", "-o", str(lib), *map(str, srcs)], capture_output=True,
+                              text=True, timeout=_BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"{cxx} failed ({proc.returncode}): {' | '.join(tail)}")
+        os.replace(lib, out)  # atomic: concurrent builders (processes of one run) agree on the result
+    logger.info("cpu_kernels: built %s with %s", out, cxx)
+    return out
+
+
+def available() -> bool:
+    """Build (once per machine), load and register the kernels; False with a logged reason where that fails."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                path = _build()
+                lib = ctypes.cdll.LoadLibrary(str(path))
+                for target, symbol in TARGETS.items():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                _state.update(ok=True, reason="", path=path, lib=lib)
+            except Exception as e:  # noqa: BLE001 - any failure to build or load means: not available, said once
+                _state.update(ok=False, reason=f"{type(e).__name__}: {e}")
+                logger.warning("cpu_kernels: the CPU kernels are not available (%s); the portable 'blocked' "
+                               "decode attention and XLA's dots run instead", _state["reason"])
+        return _state["ok"]
+
+
+def unavailable_reason() -> str:
+    available()
+    return _state["reason"]
+
+
+def paged_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, lens: jax.Array, pages: jax.Array,
+                 layer_idx, scale: float) -> jax.Array:
+    """q [S, H, E] attends over keys 0..lens[s]-1 of slot s, read from pages[s] of layer `layer_idx` of the pools
+    [L, P, K, page, E] (``page_heads``); lens[s] <= 0: zeros. -> [S, H, E] in q's dtype."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+    call = jax.ffi.ffi_call("jaxrl_async_paged_decode", jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k_pool, v_pool, lens.astype(jnp.int32), pages.astype(jnp.int32),
+                jnp.asarray(layer_idx, jnp.int32), scale=np.float32(scale))
+
+
+def stacked_matmul(x: jax.Array, w: jax.Array, layer_idx) -> jax.Array:
+    """x [M, K] @ w[layer_idx] with w [L, K, N] read in place (float32 only) -> [M, N] float32."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"stacked_matmul: float32 x [M, K] and w [L, K, N], got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
+    call = jax.ffi.ffi_call("jaxrl_async_stacked_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
+    return call(x, w, jnp.asarray(layer_idx, jnp.int32))
