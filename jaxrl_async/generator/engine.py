@@ -145,7 +145,7 @@ def _truncates(sp: SamplingParams) -> bool:
 # ---------------------------------------------------------------------------------------
 DECODE_ATTENTION = paged_attention.DECODE_ATTENTION
 # decode programs of at most this many rows use the in-place layer matmul on CPU (`engine_steps.decode_step_fn`;
-# measured in NOTES, session 16: 1.4-2.3x cheaper projections at 4-16 rows, none at 32)
+# measured in NOTES, session 16: 1.4-2.2x cheaper projections at 4-16 rows, none at 32)
 STACKED_MATMUL_ROWS = 16
 DEFAULT_BLOCK_TOKENS = 32  # "blocked": tokens per block of the live-length loop (the fastest of 16-128 on XLA:CPU, NOTES)
 
