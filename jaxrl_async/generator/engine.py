@@ -242,7 +242,6 @@ class PagedEngine(Engine):
         if not 0 <= max_top_logprobs <= cfg.vocab_size:
             raise ValueError(f"max_top_logprobs must be in [0, vocab_size={cfg.vocab_size}], got {max_top_logprobs}")
         self.max_top_logprobs = int(max_top_logprobs)
-        self._stacked_matmul_request = stacked_matmul_rows
         if record_routing and not tcfg.num_experts:
             raise ValueError("record_routing needs a mixture-of-experts model (num_experts > 0)")
         self.record_routing = bool(record_routing)
@@ -250,6 +249,15 @@ class PagedEngine(Engine):
         self.mesh = mesh if mesh is not None else make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
         self.attention = paged_attention.resolve(attention, self.mesh.devices.flat[0].platform)
         self.layout = paged_attention.layout_for(self.attention)
+        # decode programs of at most this many rows read the layers' projection matrices in place
+        # (`cpu_kernels.stacked_matmul`): on one CPU device with the CPU kernels, float32 dense layers in a scan
+        applies = (self.attention == "cpu_paged" and self.mesh.size == 1 and jnp.dtype(tcfg.dtype) == jnp.float32
+                   and not tcfg.num_experts and tcfg.scan_layers)
+        if stacked_matmul_rows and not applies:
+            raise ValueError("stacked_matmul_rows needs the 'cpu_paged' decode attention on one device and float32 "
+                             "dense layers in a scan")
+        self.stacked_matmul_rows = (STACKED_MATMUL_ROWS if applies else 0) if stacked_matmul_rows is None else int(
+            stacked_matmul_rows)
         self.kernel_options = dict(kernel_options or {})
         if max_prefill_pack < 1:
             raise ValueError(f"max_prefill_pack must be >= 1, got {max_prefill_pack}")
@@ -347,15 +355,6 @@ class PagedEngine(Engine):
                                                  slot_ints=self.slot_ints),
                                donate_argnums=0, out_shardings=ss)
         self._release = jax.jit(functools.partial(release_fn, null_page=null), donate_argnums=0, out_shardings=ss)
-        # decode programs of at most this many rows read the layers' projection matrices in place
-        # (`cpu_kernels.stacked_matmul`): on one CPU device with the CPU kernels, float32 dense layers in a scan
-        applies = (self.attention == "cpu_paged" and self.mesh.size == 1 and jnp.dtype(cfg.dtype) == jnp.float32
-                   and not cfg.num_experts and cfg.scan_layers)
-        requested = self._stacked_matmul_request
-        if requested and not applies:
-            raise ValueError("stacked_matmul_rows needs the 'cpu_paged' decode attention on one device and float32 "
-                             "dense layers in a scan")
-        self.stacked_matmul_rows = (STACKED_MATMUL_ROWS if applies else 0) if requested is None else int(requested)
         top_sh = (self._named(("batch", None), (self._S, K)),) * 2 if K else ()
         step_out = (ss, (self.slot_sharding,) * 4 + ((self.replicated,) if rec else ()) + top_sh)
         self._steps = {t: jax.jit(traced(functools.partial(

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 TARGETS = {"jaxrl_async_paged_decode": "JaxrlPagedDecode", "jaxrl_async_stacked_matmul": "JaxrlStackedMatmul"}
 _SOURCES = ("paged_decode.cc", "stacked_matmul.cc")
+_HEADERS = ("parallel.h",)
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 _BUILD_TIMEOUT_S = 300
 
@@ -72,7 +73,8 @@ def _cpu_flags() -> str:
 
 
 def _build() -> Path:
-    sources = {name: resources.files("jaxrl_async.kernels").joinpath("cpu", name).read_bytes() for name in _SOURCES}
+    sources = {name: resources.files("jaxrl_async.kernels").joinpath("cpu", name).read_bytes()
+               for name in _SOURCES + _HEADERS}
     include = Path(jax.ffi.include_dir())
     cxx = _compiler()
     if cxx is None:
@@ -93,7 +95,8 @@ def _build() -> Path:
             srcs.append(Path(tmp) / name)
             srcs[-1].write_bytes(text)
         lib = Path(tmp) / out.name
-        proc = subprocess.run([cxx, *_FLAGS, f"-I{include}", "-o", str(lib), *map(str, srcs)], capture_output=True,
+        units = [str(f) for f in srcs if f.suffix == ".cc"]  # the headers beside them are found by #include "..."
+        proc = subprocess.run([cxx, *_FLAGS, f"-I{include}", "-o", str(lib), *units], capture_output=True,
                               text=True, timeout=_BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]

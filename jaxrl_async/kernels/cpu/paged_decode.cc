@@ -13,18 +13,14 @@
 // Attribute: scale (float). Result: [S, H, E] in q's dtype.
 // Query head h uses kv head h / (H / K) (grouped-query attention). Math: float32 scores and an online softmax
 // per page (running max, sum and weighted values), as the blocked path computes; the result equals it up to
-// summation order. Work items are (slot, kv head) pairs, shared between the calling thread and XLA's intra-op
-// thread pool through an atomic counter; the caller works too, so the call never waits on a task that has not
-// started.
+// summation order. Work items are (slot, kv head) pairs, shared with XLA's intra-op thread pool (parallel.h).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -104,12 +100,11 @@ void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, c
   // values of the page two ahead are prefetched into L2, a row per token of this one (measured on a 2-core Zen 4:
   // one ahead or three, or into L1, was 3-40% slower; none, 1.5x).
   constexpr int64_t kLine = 64 / sizeof(KT);
-  int64_t base = base_of(0);
   for (int64_t j = 0; j < npages; ++j) {
     const int64_t nt = std::min(d.page, len - j * d.page);
+    const int64_t base = base_of(j);
     const KT* kb = kpool + base;
     const KT* vb = vpool + base;
-    const int64_t next = j + 1 < npages ? base_of(j + 1) : base;
     const int64_t ahead = j + 2 < npages ? base_of(j + 2) : -1;
     for (int64_t t = 0; t < nt; ++t) {
       const KT* kt = kb + t * E;
@@ -161,7 +156,6 @@ void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, c
         }
       }
     }
-    base = next;
   }
   for (int64_t g = 0; g < G; ++g) {
     const float inv = 1.f / l[g];
@@ -180,34 +174,16 @@ void attend_any(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, co
     attend_item<QT, KT, 0>(d, q, kpool, vpool, lens, pages, out, item);
 }
 
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 template <typename QT, typename KT>
 void run(ffi::ThreadPool& pool, const Dims& d, const void* q, const void* kpool, const void* vpool,
          const int32_t* lens, const int32_t* pages, void* out) {
-  const int64_t items = d.S * d.K;
-  auto progress = std::make_shared<Progress>();
   const QT* qp = static_cast<const QT*>(q);
   const KT* kp = static_cast<const KT*>(kpool);
   const KT* vp = static_cast<const KT*>(vpool);
   QT* op = static_cast<QT*>(out);
-  // Captures by value only: a helper task that starts after the call returned finds no item and touches nothing
-  // but `progress`, which it co-owns.
-  auto work = [progress, d, qp, kp, vp, lens, pages, op, items]() {
-    for (;;) {
-      const int64_t i = progress->next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= items) break;
-      attend_any<QT, KT>(d, qp, kp, vp, lens, pages, op, i);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
-  work();
-  while (progress->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+  jaxrl_cpu::parallel_for(pool, d.S * d.K, [d, qp, kp, vp, lens, pages, op](int64_t i) {
+    attend_any<QT, KT>(d, qp, kp, vp, lens, pages, op, i);
+  });
 }
 
 ffi::Error paged_decode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,

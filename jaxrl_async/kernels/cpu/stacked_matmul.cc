@@ -4,17 +4,14 @@
 // 16); this kernel streams each matrix once from where it lies.
 //
 // Operands: x [M, K] float32, w [L, K, N] float32, layer [] int32. Result: y [M, N] float32.
-// Work: column blocks of 64 (the last one narrower), shared by the calling thread and XLA's intra-op thread pool
-// through an atomic counter (the caller works too, so it never waits on a task that has not started). Within a
+// Work: column blocks of 64 (the last one narrower), shared with XLA's intra-op thread pool (parallel.h). Within a
 // block, groups of 4 rows accumulate in registers over k, in order (one float32 multiply-add chain per output);
 // w's rows 32 ahead are prefetched into L2 (the block's rows are N floats apart: the hardware prefetchers lose them
 // at every 4 KiB page).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -56,11 +53,6 @@ void column_block(const MatmulDims& d, const float* x, const float* w, float* y,
   for (; m < d.M; ++m) tile<1, W>(d, x, w, y, m, n0, width);
 }
 
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 ffi::Error stacked_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -75,25 +67,13 @@ ffi::Error stacked_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const float* wp = w.typed_data() + l * d.K * d.N;
   float* yp = y->typed_data();
   const int64_t blocks = (d.N + kCols - 1) / kCols;
-  auto progress = std::make_shared<Progress>();
-  // Captures by value only: a helper that starts after the call returned finds no block and touches only
-  // `progress`, which it co-owns.
-  auto work = [progress, d, xp, wp, yp, blocks]() {
-    for (;;) {
-      const int64_t b = progress->next.fetch_add(1, std::memory_order_relaxed);
-      if (b >= blocks) break;
-      const int64_t n0 = b * kCols, width = std::min(kCols, d.N - n0);
-      if (width == kCols)
-        column_block<kCols>(d, xp, wp, yp, n0, width);
-      else
-        column_block<0>(d, xp, wp, yp, n0, width);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), blocks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
-  work();
-  while (progress->done.load(std::memory_order_acquire) < blocks) std::this_thread::yield();
+  jaxrl_cpu::parallel_for(pool, blocks, [d, xp, wp, yp](int64_t b) {
+    const int64_t n0 = b * kCols, width = std::min(kCols, d.N - n0);
+    if (width == kCols)
+      column_block<kCols>(d, xp, wp, yp, n0, width);
+    else
+      column_block<0>(d, xp, wp, yp, n0, width);
+  });
   return ffi::Error::Success();
 }
 
