@@ -191,3 +191,20 @@ def test_the_checker_sees_underscore_imports(tmp_path, monkeypatch):
                  "import jaxrl_async.rewards._seccomp\n")
     monkeypatch.setitem(MODULES, f"{PKG}.loop.m", str(f))
     assert len(_underscore_imports(f"{PKG}.loop.m", str(f))) == 3
+
+
+def test_generation_does_not_import_the_dataset_stack():
+    """`jaxrl_async.data` loads its names on first use: the generation CLIs import ``data.tokenizer`` and the engine,
+    and grain (~0.7 s of a `generate` process's start on a CPU) stays out of their processes."""
+    import subprocess
+    import sys
+
+    code = ("import sys, jaxrl_async.cli.generate, jaxrl_async.cli.serve, jaxrl_async.generator.engine, "
+            "jaxrl_async.generator.orchestrator; print(sorted(m for m in sys.modules if m.split('.')[0] == 'grain'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+    import jaxrl_async.data as data  # the package's names still resolve
+
+    assert all(hasattr(data, n) for n in data.__all__)
+    assert data.build_tokenizer.__module__ == "jaxrl_async.data.tokenizer"

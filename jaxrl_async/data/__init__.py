@@ -1,46 +1,37 @@
 """Data layer: local tokenizers, prompt datasets on grain (text, and rows with images for Qwen2.5-VL), built-in
-formats, a synthetic arithmetic task."""
+formats, a synthetic arithmetic task.
+
+The names below load on first use (PEP 562): importing one submodule (the CLIs' ``data.tokenizer``) does not import
+grain and the dataset stack with it (~0.7 s of a `generate` process on a CPU)."""
+import importlib as _importlib
 import os as _os
 
-from jaxrl_async.data.arithmetic import (
-    ArithmeticConfig,
-    ArithmeticProblem,
-    build_splits,
-    sft_example,
-    write_arithmetic_dataset,
-)
-from jaxrl_async.data.datasets import (
-    BOXED_INSTRUCTION,
-    DataFormatError,
-    DatasetConfig,
-    DataStats,
-    PromptDataset,
-    PromptIterator,
-    PromptRecord,
-    iter_eval_batches,
-    load_prompt_dataset,
-    make_train_iterator,
-    read_prompt_records,
-    shard_dataset,
-)
-from jaxrl_async.data.formats import FORMATS, gsm8k_final_answer, parse_row
-from jaxrl_async.data.images import (
-    ImageProcessorConfig,
-    VLPromptRecord,
-    batch_vision_inputs,
-    load_vl_prompt_dataset,
-    read_vl_prompt_records,
-)
-from jaxrl_async.data.tokenizer import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, build_tokenizer
+_EXPORTS = {
+    "arithmetic": ("ArithmeticConfig", "ArithmeticProblem", "build_splits", "sft_example", "write_arithmetic_dataset"),
+    "datasets": ("BOXED_INSTRUCTION", "DataFormatError", "DatasetConfig", "DataStats", "PromptDataset",
+                 "PromptIterator", "PromptRecord", "iter_eval_batches", "load_prompt_dataset", "make_train_iterator",
+                 "read_prompt_records", "shard_dataset"),
+    "formats": ("FORMATS", "gsm8k_final_answer", "parse_row"),
+    "images": ("ImageProcessorConfig", "VLPromptRecord", "batch_vision_inputs", "load_vl_prompt_dataset",
+               "read_vl_prompt_records"),
+    "tokenizer": ("CHAT_TEMPLATE", "EOS_TOKEN", "PAD_TOKEN", "SPECIAL_TOKENS", "build_tokenizer"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 SAMPLES_DIR = _os.path.join(_os.path.dirname(__file__), "samples")
 GSM8K_SAMPLE_PATH = _os.path.join(SAMPLES_DIR, "gsm8k_sample.jsonl")
 
-__all__ = [
-    "ArithmeticConfig", "ArithmeticProblem", "build_splits", "sft_example", "write_arithmetic_dataset",
-    "BOXED_INSTRUCTION", "DataFormatError", "DatasetConfig", "DataStats", "PromptDataset", "PromptIterator",
-    "PromptRecord", "iter_eval_batches", "load_prompt_dataset", "make_train_iterator", "read_prompt_records",
-    "shard_dataset", "ImageProcessorConfig", "VLPromptRecord", "batch_vision_inputs", "load_vl_prompt_dataset",
-    "read_vl_prompt_records", "FORMATS", "gsm8k_final_answer", "parse_row", "CHAT_TEMPLATE", "EOS_TOKEN", "PAD_TOKEN",
-    "SPECIAL_TOKENS", "build_tokenizer", "SAMPLES_DIR", "GSM8K_SAMPLE_PATH",
-]
+__all__ = [*_MODULE_OF, "SAMPLES_DIR", "GSM8K_SAMPLE_PATH"]
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
