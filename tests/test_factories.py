@@ -63,6 +63,26 @@ def test_for_prompts_sizes_a_one_shot_job():
     assert for_prompts([5], 8, model_cfg, max_concurrent=4, max_prompt=20).max_sequence_length == 28
 
 
+def test_reusable_one_shot_geometry_follows_the_settings_not_the_job():
+    """`reusable=True` (the generate CLI): jobs of other sizes and prompt lengths within one power-of-two bucket get
+    the same engine (so one job's compiled programs serve the next), slots = max_concurrent."""
+    from jaxrl_async.generator.factory import PACK_ROW_TOKENS, for_prompts
+
+    model_cfg = _model_cfg(_cfg())
+    a = for_prompts([5, 12, 30], 40, model_cfg, max_concurrent=32, samples_per_prompt=2, reusable=True)
+    b = for_prompts([17] * 50, 40, model_cfg, max_concurrent=32, samples_per_prompt=2, reusable=True)
+    assert a == b
+    assert a.max_concurrent_decodes == 32 and a.max_sequence_length == 32 + 40
+    assert a.prefill_buckets == (min(PACK_ROW_TOKENS, 71),)
+    assert for_prompts([5], 40, model_cfg, max_concurrent=2, samples_per_prompt=4,
+                       reusable=True).max_concurrent_decodes == 4  # at least one request's samples
+    assert for_prompts([33], 40, model_cfg, max_concurrent=4, reusable=True).max_sequence_length == 64 + 40
+    assert for_prompts([5], 8, model_cfg, max_concurrent=4, max_prompt=20, reusable=True).max_sequence_length == 28
+    top = model_cfg.max_position_embeddings
+    near = for_prompts([top - 10], 40, model_cfg, max_concurrent=4, reusable=True)  # the bucket would pass the end
+    assert near.max_sequence_length == top and near.max_prefill_length >= top - 10
+
+
 def _limit(monkeypatch, limit):
     from jaxrl_async.generator import kv_cache
 

@@ -275,6 +275,35 @@ def test_compile_cache_serves_a_second_process(model_dir, tmp_path):
         jax.config.update("jax_compilation_cache_dir", session_cache)
 
 
+def test_a_smaller_job_compiles_the_programs_of_a_later_bigger_one(model_dir, tmp_path):
+    """The engine's shapes follow the flags and the prompts' length bucket, not the job (`for_prompts(reusable=True)`):
+    after a job of 2 short prompts, a job of 4 others (other lengths, same bucket, same flags) finds every program
+    in the compilation cache: no program is compiled for other shapes."""
+    import os
+
+    from jaxrl_async.cli import compile_cache
+
+    cache = tmp_path / "xla"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    env.update({compile_cache.ENV: str(cache), "TQDM_DISABLE": "1"})
+    jobs = [[{"prompt_ids": [5, 6, 7]}, {"prompt_ids": [9]}],
+            [{"prompt_ids": list(range(3, 3 + n))} for n in (11, 2, 7, 16)]]
+    entries = []
+    for k, rows in enumerate(jobs):
+        inp = write_jsonl(tmp_path / f"in{k}.jsonl", rows)
+        r = subprocess.run([sys.executable, "-m", "jaxrl_async.generate", "--model", model_dir, "--input", inp,
+                            "--output", str(tmp_path / f"out{k}.jsonl"), "--max-new-tokens", "6", "--temperature",
+                            "1", "--max-concurrent", "4"], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        entries.append(sorted(p.name for p in cache.iterdir()))
+        assert len(read_jsonl(tmp_path / f"out{k}.jsonl")) == len(rows)
+    program = lambda name: name.rsplit("-", 2)[0]  # noqa: E731  (jit_<name>-<hash>-cache)
+    first = {program(n) for n in entries[0]}
+    assert {"jit_decode_step_fn", "jit_prefill_fn"} <= first
+    # no entry of another hash for a program the first job cached (see the test above for the threshold caveat)
+    assert [n for n in entries[1] if program(n) in first] == entries[0]
+
+
 def test_cut_at_stop():
     assert generate.cut_at_stop("x = 1\n\nso", ["\n\n", "="]) == ("x ", "=")  # the earliest
     assert generate.cut_at_stop("ab</a>c", ["</", "</a>"]) == ("ab", "</a>")  # of two starting there, the longer

@@ -266,14 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     # 512 tokens saves a compilation per smaller bucket, seconds on a CPU, for little padding)
     spec = for_prompts([len(r.prompt_ids) for r in rows], args.max_new_tokens, cfg, max_concurrent=args.max_concurrent,
                        samples_per_prompt=args.n, page_size=args.page_size, num_pages=args.num_pages,
-                       compact_decode=args.compact_decode, max_prompt=max_prompt, decode_steps=args.decode_steps)
+                       compact_decode=args.compact_decode, decode_steps=args.decode_steps, reusable=True,
+                       max_prompt=max_prompt if args.max_prompt_length else None)
     engine = build_engine(spec, cfg, fields=CLI_FLAGS)
     params = engine.place_params(params)
     # compile up front, every program at once ahead of time (instead of one after the other at first use); a packed
     # prefill row holds up to max_prefill_pack prompts x n samples
     t_compile = time.perf_counter()
     engine.warmup(params, max_samples=engine.max_prefill_pack * args.n,
-                  truncation=args.temperature > 0 and (args.top_k > 0 or args.top_p < 1))
+                  truncation=args.temperature > 0 and (args.top_k > 0 or args.top_p < 1),
+                  max_live=min(engine.max_concurrent_decodes, len(rows) * args.n))
     t_compile = time.perf_counter() - t_compile
     stops = () if args.ignore_eos else stop_token_ids(cfg, tokenizer, args.model)
 

@@ -91,12 +91,19 @@ class CompactSteps:
                     "full" if trunc else "lean", " in the background" if self.in_background else "")
         self._programs[key] = self._pool.submit(lambda: fn.lower(*args, rows).compile())
 
-    def start_all(self, params: Any, arrays: Any, new_pages: Any, variants: tuple[bool, ...]) -> None:
+    def start_all(self, params: Any, arrays: Any, new_pages: Any, variants: tuple[bool, ...],
+                  max_live: int | None = None) -> None:
         """Start every size's compile (each sampler in ``variants``) not started yet: the first step that needs
-        one waits for it (compacting never depends on compile timing)."""
+        one waits for it (compacting never depends on compile timing). ``max_live``: the most live slots per
+        replica the job will have; the sizes it can use compile first (the one that holds ``max_live``, then the
+        smaller ones), the larger ones after them (for later jobs, through the compilation cache)."""
         sig = params_signature(params)
+        sizes = self.sizes
+        if max_live is not None:
+            used = [b for b in sizes if b >= max_live][-1:] + [b for b in sizes if b < max_live]
+            sizes = tuple(used) + tuple(sorted(set(sizes) - set(used)))
         for t in variants:
-            for b in self.sizes:
+            for b in sizes:
                 if (sig, t, b) not in self._programs:
                     self.start(params, arrays, new_pages, (sig, t, b))
 

@@ -735,9 +735,12 @@ class PagedEngine(Engine):
 
     # -- warm-up --------------------------------------------------------------------------
     def warmup(self, params: Params, max_samples: int | None = None, parallel: bool = True,
-               truncation: bool = True) -> None:
+               truncation: bool = True, max_live: int | None = None) -> None:
         """Compile every bucket's prefill/insert, sample_first up to `max_samples` (default
         max_concurrent_decodes) and generate/release, on scratch states.
+
+        max_live: the most slots the job will hold at once (a one-shot job of fewer requests than slots): the
+        compacted steps it can use compile first (`CompactSteps.start_all`); every program still compiles.
 
         truncation: also compile the sampling programs with the top-k/top-p machinery (False: only the lean
         ones, for runs whose requests never truncate; a truncating request then compiles them at first use).
@@ -751,7 +754,7 @@ class PagedEngine(Engine):
         sample_rows = sorted({self._sample_rows(n)
                               for n in [1 << i for i in range((max_samples - 1).bit_length())] + [max_samples]})
         if parallel:
-            self._compile_ahead(params, variants, sample_rows)
+            self._compile_ahead(params, variants, sample_rows, max_live)
         state = self.init_decode_state()
         arrays = state.arrays
         no_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
@@ -770,14 +773,18 @@ class PagedEngine(Engine):
             for nb in sample_rows:  # one sample_first program per padded row count
                 self.prefill(params, [1], sp, num_samples=nb)
         # the compacted steps compile while generation starts (already started by `_compile_ahead` when parallel)
-        self._compacts.start_all(params, state.arrays, no_pages, variants)
+        self._compacts.start_all(params, state.arrays, no_pages, variants, self._live_per_replica(max_live))
 
     def _sample_rows(self, n: int) -> int:
         """Rows of the `sample_first` call for n samples of one prefill row: a power of two >= n, at least
         `max_prefill_pack` (one compilation for up to a pack's worth)."""
         return max(1 << (n - 1).bit_length(), self.max_prefill_pack)
 
-    def _compile_ahead(self, params: Params, variants: tuple[bool, ...], sample_rows: list[int]) -> None:
+    def _live_per_replica(self, max_live: int | None) -> int | None:
+        return None if max_live is None else -(-int(max_live) // self.kv_replicas)
+
+    def _compile_ahead(self, params: Params, variants: tuple[bool, ...], sample_rows: list[int],
+                       max_live: int | None = None) -> None:
         """Compile the programs `warmup` runs from abstract arguments, all at once on a pool of threads (the
         decode step first: the largest), and start the compacted steps' compiles after them. The later calls
         with concrete arguments of the same shapes and shardings reuse these compilations (JAX's in-memory
@@ -820,4 +827,4 @@ class PagedEngine(Engine):
             for f in futures:
                 f.result(timeout=3600)  # re-raises a compile error
         # then the compacted steps, on their own thread, beside the rest of warmup and generation
-        self._compacts.start_all(params, arrays_a, new_pages_a, variants)
+        self._compacts.start_all(params, arrays_a, new_pages_a, variants, self._live_per_replica(max_live))

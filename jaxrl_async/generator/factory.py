@@ -8,6 +8,11 @@ is this class) and call :func:`build_engine`.
   positions), the slots never more than the work needs, and short prompts share ONE packed prefill bucket
   (several prompts per row: one compilation, and a CPU runs a [256, D] row at about twice the rate of a
   [63, D] one).
+  ``reusable=True`` (the ``generate`` CLI): the engine's shapes follow the job's settings and its prompts' length
+  bucket only (slots = ``max_concurrent``, the longest prompt rounded up to a power of two, a fixed packed row), not
+  the number of prompts or their exact lengths, so the programs one job compiles serve the next job of the same
+  model and flags from the persistent compilation cache (``cli/compile_cache.py``), as a serving engine's fixed
+  geometry does.
 * Sizing failures are the user's to fix, so they are one line naming the caller's own flags or config fields
   (``--num-pages`` for a CLI, ``rollout.engine.num_pages`` for the run) with the largest values that fit
   (:class:`EngineSizingError`, exit 2 in every CLI and in ``main``).
@@ -158,24 +163,32 @@ def prefill_row_tokens(prompt_lengths: Sequence[int], max_prompt: int, max_seq: 
 def for_prompts(prompt_lengths: Sequence[int], max_new_tokens: int, model_cfg: "ModelConfig", *,
                 max_concurrent: int, samples_per_prompt: int = 1, page_size: int = 16,
                 num_pages: int | None = None, compact_decode: bool = False,
-                max_prompt: int | None = None, decode_steps: int = 1) -> EngineConfig:
+                max_prompt: int | None = None, decode_steps: int = 1, reusable: bool = False) -> EngineConfig:
     """The engine of a one-shot job over prompts of ``prompt_lengths`` tokens, each generating up to
     ``max_new_tokens`` (``samples_per_prompt`` samples each): sequence = longest prompt + new tokens (at most the
     model's ``max_position_embeddings``), slots = ``max_concurrent`` but never more than the job can use (and at
     least one request's samples), one packed prefill bucket for prompts up to SINGLE_BUCKET_MAX tokens.
-    ``max_prompt``: the longest prompt the engine must take (default: the longest of ``prompt_lengths``)."""
+    ``max_prompt``: the longest prompt the engine must take (default: the longest of ``prompt_lengths``).
+    ``reusable``: shapes from the settings, not the job (module docstring): slots = ``max_concurrent`` (at least
+    one request's samples), the longest prompt rounded up to a power of two (>= 16; not past the model's positions)
+    unless ``max_prompt`` is given, and the packed row PACK_ROW_TOKENS whatever the prompts add up to."""
     if not prompt_lengths:
         raise ValueError("for_prompts: no prompts")
-    max_prompt = max(max(prompt_lengths), max_prompt or 0)
     max_pos = getattr(model_cfg, "text", model_cfg).max_position_embeddings  # (a VLConfig: its text model's)
+    longest = max(prompt_lengths)
+    if reusable and max_prompt is None:
+        bucket = max(16, 1 << (longest - 1).bit_length())
+        max_prompt = bucket if bucket < max_pos else longest
+    max_prompt = max(longest, max_prompt or 0)
     max_seq = min(max_prompt + max_new_tokens, max_pos)
     if max_prompt >= max_seq:
         raise ValueError(f"for_prompts: a prompt of {max_prompt} tokens leaves no room to generate within the "
                          f"model's {max_pos} positions")
     n = max(1, samples_per_prompt)
-    slots = max(n, min(max_concurrent, len(prompt_lengths) * n))
+    slots = max(n, max_concurrent if reusable else min(max_concurrent, len(prompt_lengths) * n))
     if max_prompt <= SINGLE_BUCKET_MAX:
-        row = prefill_row_tokens(prompt_lengths, max_prompt, max_seq)
+        row = (max(max_prompt, min(PACK_ROW_TOKENS, max_seq - 1)) if reusable
+               else prefill_row_tokens(prompt_lengths, max_prompt, max_seq))
         return EngineConfig(max_concurrent_decodes=slots, max_sequence_length=max_seq, max_prefill_length=row,
                             prefill_buckets=(row,), max_prefill_pack=PACK_PROMPTS, page_size=page_size,
                             num_pages=num_pages, compact_decode=compact_decode, decode_steps=decode_steps)
