@@ -145,8 +145,9 @@ def _truncates(sp: SamplingParams) -> bool:
 # ---------------------------------------------------------------------------------------
 DECODE_ATTENTION = paged_attention.DECODE_ATTENTION
 # decode programs of at most this many rows use the in-place layer matmul on CPU (`engine_steps.decode_step_fn`;
-# measured in NOTES, session 16: 1.4-2.2x cheaper projections at 4-16 rows, none at 32)
-STACKED_MATMUL_ROWS = 16
+# measured in NOTES: 1.4-2.2x cheaper projections at 4-16 rows (session 16); the whole engine step at 32 rows of
+# shape A 1.13-1.16x cheaper, at 64 rows no gain (session 17, `bench_decode_step.py --matmul-rows 0,64`))
+STACKED_MATMUL_ROWS = 32
 DEFAULT_BLOCK_TOKENS = 32  # "blocked": tokens per block of the live-length loop (the fastest of 16-128 on XLA:CPU, NOTES)
 
 
