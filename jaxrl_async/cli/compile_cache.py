@@ -49,3 +49,17 @@ def enable(setting: str | None = None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
     logger.info("compilation cache: %s (%s=off disables it)", path, ENV)
     return path
+
+
+def program_cache(cache_dir: str | None):
+    """The engine's program cache (``generator/program_cache.py``: executables found without tracing) under
+    ``cache_dir/programs``, or None when the compilation cache is off."""
+    if not cache_dir:
+        return None
+    from jaxrl_async.generator.program_cache import ProgramCache
+
+    try:
+        return ProgramCache(os.path.join(cache_dir, "programs"))
+    except OSError as err:
+        logger.warning("program cache off: %s", err)
+        return None

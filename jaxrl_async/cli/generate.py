@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--seed must be in [0, 2**32)")
     from jaxrl_async.cli import compile_cache
 
-    compile_cache.enable()
+    cache_dir = compile_cache.enable()
     if args.chat:
         note(TOOL, "--chat is deprecated and has no effect: the chat template is used by default "
                    "(--no-chat-template turns it off)")
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                        samples_per_prompt=args.n, page_size=args.page_size, num_pages=args.num_pages,
                        compact_decode=args.compact_decode, decode_steps=args.decode_steps, reusable=True,
                        max_prompt=max_prompt if args.max_prompt_length else None)
-    engine = build_engine(spec, cfg, fields=CLI_FLAGS)
+    engine = build_engine(spec, cfg, fields=CLI_FLAGS, program_cache=compile_cache.program_cache(cache_dir))
     params = engine.place_params(params)
     # compile up front, every program at once ahead of time (instead of one after the other at first use); a packed
     # prefill row holds up to max_prefill_pack prompts x n samples

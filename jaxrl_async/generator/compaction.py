@@ -39,12 +39,14 @@ class CompactSteps:
       replicas: decode replicas (KV pools); ``num_slots`` slots in all.
       rows_sharding: the sharding of the rows argument.
       in_background: see the module docstring.
+      program_cache, program_context: the engine's `program_cache.ProgramCache` (None: none) and its settings' key.
     """
 
     def __init__(self, rows_steps: dict[bool, Callable], sizes: tuple[int, ...], replicas: int, num_slots: int,
-                 rows_sharding: Any, in_background: bool):
+                 rows_sharding: Any, in_background: bool, program_cache: Any = None, program_context: str | None = None):
         self.rows_steps, self.sizes, self.replicas, self.num_slots = rows_steps, tuple(sizes), replicas, num_slots
         self.rows_sharding, self.in_background = rows_sharding, bool(in_background)
+        self.program_cache, self.program_context = program_cache, program_context  # (program_cache.py)
         self._programs: dict = {}  # (params signature, truncation, rows per replica) -> Future / Compiled / None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -89,7 +91,11 @@ class CompactSteps:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-compact")
         logger.info("PagedEngine: compiling the compacted decode step (%d rows per replica, %s sampler)%s", b,
                     "full" if trunc else "lean", " in the background" if self.in_background else "")
-        self._programs[key] = self._pool.submit(lambda: fn.lower(*args, rows).compile())
+        if self.program_cache is not None:
+            self._programs[key] = self._pool.submit(self.program_cache.compile, f"decode_rows_{b}_{trunc}", fn,
+                                                    (*args, rows), self.program_context)
+        else:
+            self._programs[key] = self._pool.submit(lambda: fn.lower(*args, rows).compile())
 
     def start_all(self, params: Any, arrays: Any, new_pages: Any, variants: tuple[bool, ...],
                   max_live: int | None = None) -> None:

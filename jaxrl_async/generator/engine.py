@@ -89,6 +89,7 @@ from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params
 from jaxrl_async.generator import kv_cache
 from jaxrl_async.generator.compaction import CompactSteps
+from jaxrl_async.generator.program_cache import Program, ProgramCache
 from jaxrl_async.generator.host_slots import HostSlots, advance, allocate_pages, need_ahead, need_now
 from jaxrl_async.kernels import paged_attention
 from jaxrl_async.generator import sampling
@@ -211,7 +212,8 @@ class PagedEngine(Engine):
                  kernel_options: dict | None = None, max_prefill_pack: int = 8, record_routing: bool = False,
                  compact_decode: bool = False, compact_levels: int = 2, compact_min_rows: int = 8,
                  compact_in_background: bool = False, check_fit: bool = False, max_decode_steps: int = 1,
-                 max_top_logprobs: int = 0, stacked_matmul_rows: int | None = None):
+                 max_top_logprobs: int = 0, stacked_matmul_rows: int | None = None,
+                 program_cache: "ProgramCache | None" = None):
         if max_concurrent_decodes < 1:
             raise ValueError(f"max_concurrent_decodes must be >= 1, got {max_concurrent_decodes}")
         if max_sequence_length < 2:
@@ -307,10 +309,11 @@ class PagedEngine(Engine):
                                    if compact_decode and per >> i >= max(compact_min_rows, 1))
         self.compact_in_background = bool(compact_in_background)
         self.compact_steps = 0  # decode steps that ran compacted (for tests and stats)
+        self.program_cache = program_cache
         self._build_shardings()
         self._build_functions()
         self._compacts = CompactSteps(self._rows_steps, self.compact_sizes, self.kv_replicas, self._S, self.replicated,
-                                      self.compact_in_background)
+                                      self.compact_in_background, program_cache, self._program_context)
 
     # -- shardings and compiled functions -------------------------------------------------
     def _named(self, axes, shape) -> NamedSharding:
@@ -379,6 +382,22 @@ class PagedEngine(Engine):
         self._multi_out = (ss, (self.stacked_slot_sharding,) * 4 + ((self.replicated,) if rec else ())
                            + tuple(NamedSharding(self.mesh, P(None, *x.spec)) for x in top_sh))
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
+        if self.program_cache is not None:  # calls run the executables `_compile_ahead` installs (program_cache.py)
+            self._prefill, self._insert, self._release, self._init = (
+                Program(n, f) for n, f in (("prefill", self._prefill), ("insert", self._insert),
+                                           ("release", self._release), ("init", self._init)))
+            self._sample_firsts = {t: Program(f"sample_first_{t}", f) for t, f in self._sample_firsts.items()}
+            self._steps = {t: Program(f"decode_step_{t}", f) for t, f in self._steps.items()}
+            self._step = self._steps[True]
+            self._program_context = repr((
+                self.vl_cfg if self.vl_cfg is not None else self.text_cfg, self._S, self._max_seq, self.buckets,
+                self.page_size, self.cache_spec, self.max_stop_tokens, self.attention, self.decode_block_pages,
+                self.kernel_options, self.max_prefill_pack, self.record_routing, self.max_decode_steps,
+                self.max_top_logprobs, self.stacked_matmul_rows, self.pages_axis, self.kv_replicas, self.null_page,
+                self.slot_ints, type(self.layout).__name__, getattr(self.layout, "keys", None), self.state_shardings,
+                self._kv_sharding, tuple(d.id for d in self.mesh.devices.flat), self.mesh.axis_names))
+        else:
+            self._program_context = None
         self._no_new_pages = None  # put on the devices at the first step (the engine builds on compile-only meshes)
         self.vision = None if self.vl_cfg is None else VisionPrefill(self.vl_cfg, traced, kv_sh, self.replicated)
 
@@ -781,6 +800,28 @@ class PagedEngine(Engine):
         `max_prefill_pack` (one compilation for up to a pack's worth)."""
         return max(1 << (n - 1).bit_length(), self.max_prefill_pack)
 
+    def _compile_job(self, fn, args: tuple) -> None:
+        """Compile one of `_compile_ahead`'s programs: with a program cache, an engine `Program` gets its executable
+        from the cache (or compiles and stores it) and runs it from now on; else JAX's in-memory cache keeps it for
+        the jitted function's first call."""
+        if self.program_cache is not None and isinstance(fn, Program):
+            fn.install(self.program_cache.compile(fn.name, fn.jitted, args, self._program_context))
+        else:
+            fn.lower(*args).compile()
+
+    def _prefill_shapes(self, params_a, tokens_a, lengths_a):
+        """(k, logits) abstract outputs of the prefill program (with a program cache, remembered beside its
+        executables: tracing the prefill costs ~0.1 s)."""
+        fn = self._prefill.jitted if isinstance(self._prefill, Program) else self._prefill
+        shapes = lambda: tuple((tuple(x.shape), x.dtype) for x in jax.eval_shape(fn, params_a, tokens_a,  # noqa: E731
+                                                                                  lengths_a)[:3:2])
+        if self.program_cache is None:
+            shapes = shapes()
+        else:
+            shapes = self.program_cache.memo("prefill_shapes", shapes, (params_a, tokens_a, lengths_a),
+                                             self._program_context)
+        return tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes)
+
     def _live_per_replica(self, max_live: int | None) -> int | None:
         return None if max_live is None else -(-int(max_live) // self.kv_replicas)
 
@@ -806,7 +847,7 @@ class PagedEngine(Engine):
         N = self.max_prefill_pack
         for b in self.buckets:
             tokens_a, lengths_a = host((1, b), np.int32), host((N,), np.int32)
-            k_a, _, logits_a, *_ = jax.eval_shape(self._prefill, params_a, tokens_a, lengths_a)
+            k_a, logits_a = self._prefill_shapes(params_a, tokens_a, lengths_a)
             kv_a = sds(k_a.shape, k_a.dtype, sharding=self._kv_sharding)
             jobs.append((self._prefill, (params_a, tokens_a, lengths_a)) if self.vision is None else
                         self.vision.prefill_job(params_a, tokens_a, lengths_a, b))  # VL: its own prefill program
@@ -824,7 +865,7 @@ class PagedEngine(Engine):
         jobs.append((self._release, (arrays_a, host((), np.int32))))
         workers = max(2, min(len(jobs), os.cpu_count() or 2))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engine-compile") as pool:
-            futures = [pool.submit(lambda fn=fn, a=a: fn.lower(*a).compile()) for fn, a in jobs]
+            futures = [pool.submit(self._compile_job, fn, a) for fn, a in jobs]
             for f in futures:
                 f.result(timeout=3600)  # re-raises a compile error
         # then the compacted steps, on their own thread, beside the rest of warmup and generation
