@@ -9,6 +9,8 @@
 * ``stacked_matmul`` (``cpu/stacked_matmul.cc``): ``x @ w[layer]`` reading the layer's matrix in place from the
   stacked ``[L, K, N]`` weights, for decode programs of a few rows (`models.transformer.stacked_layer_matmul`):
   inside the scan over layers XLA:CPU copies every layer's matrices out of the stack each step.
+* ``matmul_nt`` (same file): ``x @ w.T`` for a row-major ``w`` [N, K], the tied embedding as the LM head of those
+  programs (XLA:CPU's transposed dot at a few rows runs at about half the rate).
 
 The kernels are compiled on first use with the machine's compiler (``$CXX``, else ``c++`` / ``g++`` / ``clang++``)
 against the headers jaxlib ships (``jax.ffi.include_dir()``), for this CPU (``-march=native``), into one library
@@ -37,7 +39,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-TARGETS = {"jaxrl_async_paged_decode": "JaxrlPagedDecode", "jaxrl_async_stacked_matmul": "JaxrlStackedMatmul"}
+TARGETS = {"jaxrl_async_paged_decode": "JaxrlPagedDecode", "jaxrl_async_stacked_matmul": "JaxrlStackedMatmul",
+           "jaxrl_async_matmul_nt": "JaxrlMatmulNt"}
 _SOURCES = ("paged_decode.cc", "stacked_matmul.cc")
 _HEADERS = ("parallel.h",)
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -147,3 +150,14 @@ def stacked_matmul(x: jax.Array, w: jax.Array, layer_idx) -> jax.Array:
         raise ValueError(f"stacked_matmul: float32 x [M, K] and w [L, K, N], got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
     call = jax.ffi.ffi_call("jaxrl_async_stacked_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
     return call(x, w, jnp.asarray(layer_idx, jnp.int32))
+
+
+def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] @ w.T with w [N, K] read in place (float32, M <= 64) -> [M, N] float32."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+    if (x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]
+            or x.shape[0] > 64):
+        raise ValueError(f"matmul_nt: float32 x [M <= 64, K] and w [N, K], got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
+    call = jax.ffi.ffi_call("jaxrl_async_matmul_nt", jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), jnp.float32))
+    return call(x.T, w).T

@@ -231,3 +231,62 @@ def test_engine_uses_the_in_place_matmul_for_small_programs_only_on_one_cpu_devi
     assert PagedEngine(cfg, stacked_matmul_rows=0, **kw).stacked_matmul_rows == 0
     with pytest.raises(ValueError, match="stacked_matmul_rows needs"):
         PagedEngine(cfg, attention="blocked", stacked_matmul_rows=16, **kw)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 32, 64), (5, 40, 130), (8, 64, 100), (16, 48, 200), (32, 96, 70)])
+def test_matmul_nt_equals_the_dot(M, K, N):
+    """x @ w.T with w [N, K] read in place (the tied LM head): equal to float64 and to XLA's dot (at the row
+    counts the engine uses it for, the same order of sums: bitwise here)."""
+    rng = np.random.default_rng(M * N + K)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(N, K)), jnp.float32)
+    out = np.asarray(jax.jit(cpu_kernels.matmul_nt)(x, w))
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_allclose(out, np.asarray(jax.jit(lambda x, w: x @ w.T)(x, w)), rtol=0,
+                               atol=2e-6 * np.abs(ref).max())
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.matmul_nt(x.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="64"):
+        cpu_kernels.matmul_nt(jnp.zeros((65, K), jnp.float32), w)
+
+
+def test_decode_programs_of_8_to_32_rows_read_the_tied_embedding_in_place():
+    """The decode step at NT_LOGITS_ROWS slots computes a tied float32 LM head with `matmul_nt`; its tokens and
+    log-probs equal the XLA path's (stacked_matmul_rows=0) over a few steps of sampled and greedy slots."""
+    from jaxrl_async.generator.engine import PagedEngine
+    from jaxrl_async.generator.engine_api import SamplingParams
+    from jaxrl_async.generator.engine_steps import NT_LOGITS_ROWS
+    from jaxrl_async.models.transformer import init_params
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", param_dtype="float32",
+                      tie_word_embeddings=True)
+    kw = dict(max_concurrent_decodes=8, max_sequence_length=48, prefill_buckets=(16,), page_size=8, num_pages=48)
+    assert 8 in NT_LOGITS_ROWS and 4 not in NT_LOGITS_ROWS
+    fast, plain = PagedEngine(cfg, **kw), PagedEngine(cfg, stacked_matmul_rows=0, **kw)
+    params = fast.place_params(init_params(cfg, jax.random.key(3)))
+    no_pages = np.full(8, -1, np.int32)
+    hlo = fast._steps[False].lower(params, fast.init_decode_state().arrays, no_pages).as_text()
+    assert "jaxrl_async_matmul_nt" in hlo
+    assert "jaxrl_async_matmul_nt" not in plain._steps[False].lower(params, plain.init_decode_state().arrays,
+                                                                    no_pages).as_text()
+    four = PagedEngine(cfg, **{**kw, "max_concurrent_decodes": 4, "num_pages": 24})
+    assert "jaxrl_async_matmul_nt" not in four._steps[False].lower(params, four.init_decode_state().arrays,
+                                                                   np.full(4, -1, np.int32)).as_text()
+    rng = np.random.default_rng(0)
+    runs = []
+    for eng in (fast, plain):
+        state, toks, lps = eng.init_decode_state(), [], []
+        for s in range(8):
+            sp = SamplingParams(temperature=0.0 if s % 2 else 1.0, max_new_tokens=12, seed=s)
+            state = eng.insert(eng.prefill(params, rng.integers(3, 300, 4 + s).tolist(), sp), state, s)
+        rng = np.random.default_rng(0)
+        for _ in range(8):
+            state, step = eng.generate(params, state)
+            step = step.to_host()
+            toks.append(np.asarray(step.tokens))
+            lps.append(np.asarray(step.logprobs))
+        runs.append((np.stack(toks), np.stack(lps)))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=0, atol=1e-5)
