@@ -116,14 +116,22 @@ def available() -> bool:
             try:
                 path = _build()
                 lib = ctypes.cdll.LoadLibrary(str(path))
+                tag = path.stem.rsplit("-", 1)[-1]  # the build's key: two builds (trees) in one process coexist
                 for target, symbol in TARGETS.items():
-                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-                _state.update(ok=True, reason="", path=path, lib=lib)
+                    jax.ffi.register_ffi_target(f"{target}_{tag}", jax.ffi.pycapsule(getattr(lib, symbol)),
+                                                platform="cpu")
+                _state.update(ok=True, reason="", path=path, lib=lib, tag=tag)
             except Exception as e:  # noqa: BLE001 - any failure to build or load means: not available, said once
                 _state.update(ok=False, reason=f"{type(e).__name__}: {e}")
                 logger.warning("cpu_kernels: the CPU kernels are not available (%s); the portable 'blocked' "
                                "decode attention and XLA's dots run instead", _state["reason"])
         return _state["ok"]
+
+
+def _target(name: str) -> str:
+    """The FFI target `name` as this process registered it (suffixed with the library's build key, so that the
+    kernels of two source trees, e.g. a benchmark's baseline beside the current tree, never collide)."""
+    return f"{name}_{_state['tag']}"
 
 
 def unavailable_reason() -> str:
@@ -137,7 +145,7 @@ def paged_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, lens: jax.A
     [L, P, K, page, E] (``page_heads``); lens[s] <= 0: zeros. -> [S, H, E] in q's dtype."""
     if not available():
         raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
-    call = jax.ffi.ffi_call("jaxrl_async_paged_decode", jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(_target("jaxrl_async_paged_decode"), jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pool, v_pool, lens.astype(jnp.int32), pages.astype(jnp.int32),
                 jnp.asarray(layer_idx, jnp.int32), scale=np.float32(scale))
 
@@ -148,7 +156,8 @@ def stacked_matmul(x: jax.Array, w: jax.Array, layer_idx) -> jax.Array:
         raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
     if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"stacked_matmul: float32 x [M, K] and w [L, K, N], got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
-    call = jax.ffi.ffi_call("jaxrl_async_stacked_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
+    call = jax.ffi.ffi_call(_target("jaxrl_async_stacked_matmul"),
+                            jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
     return call(x, w, jnp.asarray(layer_idx, jnp.int32))
 
 
@@ -159,5 +168,6 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     if (x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]
             or x.shape[0] > 64):
         raise ValueError(f"matmul_nt: float32 x [M <= 64, K] and w [N, K], got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
-    call = jax.ffi.ffi_call("jaxrl_async_matmul_nt", jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), jnp.float32))
+    call = jax.ffi.ffi_call(_target("jaxrl_async_matmul_nt"),
+                            jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), jnp.float32))
     return call(x.T, w).T
