@@ -208,3 +208,5 @@ def test_generation_does_not_import_the_dataset_stack():
 
     assert all(hasattr(data, n) for n in data.__all__)
     assert data.build_tokenizer.__module__ == "jaxrl_async.data.tokenizer"
+    assert data.formats.parse_row is data.parse_row  # submodules as attributes too
+    assert not hasattr(data, "no_such_name")

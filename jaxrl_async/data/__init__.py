@@ -27,6 +27,12 @@ __all__ = [*_MODULE_OF, "SAMPLES_DIR", "GSM8K_SAMPLE_PATH"]
 def __getattr__(name: str):
     module = _MODULE_OF.get(name)
     if module is None:
+        if not name.startswith("_"):  # a submodule not imported yet, e.g. `jaxrl_async.data.datasets`
+            try:
+                return _importlib.import_module(f"{__name__}.{name}")
+            except ModuleNotFoundError as err:
+                if err.name != f"{__name__}.{name}":
+                    raise
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value

@@ -62,11 +62,15 @@ def source_digest() -> str:
 
 
 def _process_identity() -> str:
-    import jaxlib
+    from importlib import metadata
 
+    try:
+        jaxlib_version = metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        jaxlib_version = None
     devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
     config = sorted((k, repr(v)) for k, v in jax.config.values.items())
-    return repr((sys.version_info[:3], jax.__version__, jaxlib.__version__, devices, os.environ.get("XLA_FLAGS", ""),
+    return repr((sys.version_info[:3], jax.__version__, jaxlib_version, devices, os.environ.get("XLA_FLAGS", ""),
                  config, source_digest()))
 
 
