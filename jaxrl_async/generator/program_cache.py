@@ -7,8 +7,9 @@ more than loading the executables, and the compacted steps' lowering competes wi
 GIL. This cache keys each program by what determines it before tracing: the program's name, the engine's settings
 (``context``: model config, slots, sequence length, buckets, attention, shardings, ...), the abstract arguments
 (tree structure, shapes, dtypes, weak types, shardings with their devices), and the process (jax and jaxlib
-versions, the devices, ``XLA_FLAGS``, JAX's configuration, and a digest of this package's sources, so any change
-of the code that traces the programs is a different key). A hit deserializes the executable
+versions, the devices, ``XLA_FLAGS``, JAX's configuration, a digest of this package's sources, so any change of the
+code that traces the programs is a different key, and on a CPU the CPU kernels' build, which names the machine's
+CPU flags and compiler). A hit deserializes the executable
 (`jax.experimental.serialize_executable`) and the engine calls it directly (`engine._Program`); a miss lowers and
 compiles (itself served by JAX's cache where it has the entry) and writes the entry (atomically).
 
@@ -70,8 +71,13 @@ def _process_identity() -> str:
         jaxlib_version = None
     devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
     config = sorted((k, repr(v)) for k, v in jax.config.values.items())
+    machine = None
+    if devices[0][0] == "cpu":  # XLA:CPU code is built for this CPU, and names the CPU kernels' build (FFI targets)
+        from jaxrl_async.kernels import cpu_kernels
+
+        machine = cpu_kernels.machine_key()
     return repr((sys.version_info[:3], jax.__version__, jaxlib_version, devices, os.environ.get("XLA_FLAGS", ""),
-                 config, source_digest()))
+                 config, source_digest(), machine))
 
 
 def _sharding_key(s: Any) -> Any:

@@ -128,6 +128,14 @@ def available() -> bool:
         return _state["ok"]
 
 
+def machine_key() -> str:
+    """What compiled CPU code of this process is specific to: the kernels' build key (sources, compiler, CPU flags)
+    when they are built, else a hash of the CPU's flags (`generator/program_cache.py` keys executables with it)."""
+    if available():
+        return f"kernels-{_state['tag']}"
+    return "cpu-" + hashlib.sha256(_cpu_flags().encode()).hexdigest()[:20]
+
+
 def _target(name: str) -> str:
     """The FFI target `name` as this process registered it (suffixed with the library's build key, so that the
     kernels of two source trees, e.g. a benchmark's baseline beside the current tree, never collide)."""
