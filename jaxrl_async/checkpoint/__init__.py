@@ -9,28 +9,14 @@ only) does not import Orbax/JAX, so `main` can install its signal handler before
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from jaxrl_async.lazy_exports import lazy_exports as _lazy_exports
 
-_CODEC = ("from_jsonable", "pack_records", "rng_from_json", "rng_to_json", "to_jsonable", "unpack_records")
-_FAILURES = ("NonFiniteTracker", "SignalHandler", "StopRequested", "TrainingDivergedError", "all_finite",
-             "handle_signals")
-_MANAGER = ("HOST", "CheckpointConfig", "CheckpointCorruptError", "CheckpointError", "CheckpointIncompatibleError",
-            "CheckpointNotFoundError", "Checkpointer", "Restored", "SaveStats", "TrainMeta", "abstract_like",
-            "copy_tokenizer_once", "model_config_from_json", "model_config_to_json")
-_WHERE = {**{n: "codec" for n in _CODEC}, **{n: "failures" for n in _FAILURES}, **{n: "manager" for n in _MANAGER}}
-
-__all__ = [*_MANAGER, *_CODEC, *_FAILURES]
-
-
-def __getattr__(name: str) -> Any:
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__, __all__ = _lazy_exports(__name__, globals(), {
+    "manager": ("HOST", "CheckpointConfig", "CheckpointCorruptError", "CheckpointError",
+                "CheckpointIncompatibleError", "CheckpointNotFoundError", "Checkpointer", "Restored", "SaveStats",
+                "TrainMeta", "abstract_like", "copy_tokenizer_once", "model_config_from_json",
+                "model_config_to_json"),
+    "codec": ("from_jsonable", "pack_records", "rng_from_json", "rng_to_json", "to_jsonable", "unpack_records"),
+    "failures": ("NonFiniteTracker", "SignalHandler", "StopRequested", "TrainingDivergedError", "all_finite",
+                 "handle_signals"),
+})

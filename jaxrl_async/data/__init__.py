@@ -3,10 +3,11 @@ formats, a synthetic arithmetic task.
 
 The names below load on first use (PEP 562): importing one submodule (the CLIs' ``data.tokenizer``) does not import
 grain and the dataset stack with it (~0.7 s of a `generate` process on a CPU)."""
-import importlib as _importlib
 import os as _os
 
-_EXPORTS = {
+from jaxrl_async.lazy_exports import lazy_exports as _lazy_exports
+
+__getattr__, __dir__, __all__ = _lazy_exports(__name__, globals(), {
     "arithmetic": ("ArithmeticConfig", "ArithmeticProblem", "build_splits", "sft_example", "write_arithmetic_dataset"),
     "datasets": ("BOXED_INSTRUCTION", "DataFormatError", "DatasetConfig", "DataStats", "PromptDataset",
                  "PromptIterator", "PromptRecord", "iter_eval_batches", "load_prompt_dataset", "make_train_iterator",
@@ -15,29 +16,8 @@ _EXPORTS = {
     "images": ("ImageProcessorConfig", "VLPromptRecord", "batch_vision_inputs", "load_vl_prompt_dataset",
                "read_vl_prompt_records"),
     "tokenizer": ("CHAT_TEMPLATE", "EOS_TOKEN", "PAD_TOKEN", "SPECIAL_TOKENS", "build_tokenizer"),
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+}, submodules=True)
 
 SAMPLES_DIR = _os.path.join(_os.path.dirname(__file__), "samples")
 GSM8K_SAMPLE_PATH = _os.path.join(SAMPLES_DIR, "gsm8k_sample.jsonl")
-
-__all__ = [*_MODULE_OF, "SAMPLES_DIR", "GSM8K_SAMPLE_PATH"]
-
-
-def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
-        if not name.startswith("_"):  # a submodule not imported yet, e.g. `jaxrl_async.data.datasets`
-            try:
-                return _importlib.import_module(f"{__name__}.{name}")
-            except ModuleNotFoundError as err:
-                if err.name != f"{__name__}.{name}":
-                    raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__ += ["SAMPLES_DIR", "GSM8K_SAMPLE_PATH"]
