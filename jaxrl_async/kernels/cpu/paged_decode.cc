@@ -20,6 +20,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -66,6 +70,44 @@ inline float exp_approx(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
+#if defined(__AVX512F__)
+// Scores of 16 consecutive tokens for one query head, with AVX-512: the head dim EC (a multiple of 16) is reduced
+// as 16-lane partial sums per token (EC / 16 FMAs), and the 16 partial vectors are summed across lanes together
+// (a transpose-and-add tree: 15 adds and 30 shuffles for 16 scores) instead of one horizontal reduction per score,
+// which cost more than the products (NOTES, session 18). Lane i of the result is token i's score (unscaled).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // bfloat16 -> float32: the 16 bits on top
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 pair_lo_hi(__m512 x, __m512 y) {  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+  return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+}
+inline __m512 pair_pd(__m512 a, __m512 b) {  // per 128-bit lane: [a's two sums, b's two sums]
+  const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+}
+inline __m512 pair_lanes(__m512 a, __m512 b) {  // 128-bit lanes: [a0+a1, a2+a3, b0+b1, b2+b3]
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+template <int EC, typename KT>
+inline __m512 partial(const __m512* qv, const KT* kt) {
+  __m512 a = _mm512_mul_ps(qv[0], load16(kt));
+  for (int c = 1; c < EC / 16; ++c) a = _mm512_fmadd_ps(qv[c], load16(kt + c * 16), a);
+  return a;
+}
+template <int EC, typename KT>
+inline __m512 scores16(const __m512* qv, const KT* k) {  // k: 16 rows of EC
+  __m512 b[4];
+  for (int i = 0; i < 4; ++i) {
+    const KT* r = k + i * 4 * EC;
+    b[i] = pair_pd(pair_lo_hi(partial<EC>(qv, r), partial<EC>(qv, r + EC)),
+                   pair_lo_hi(partial<EC>(qv, r + 2 * EC), partial<EC>(qv, r + 3 * EC)));
+  }
+  return pair_lanes(pair_lanes(b[0], b[1]), pair_lanes(b[2], b[3]));
+}
+#endif
+
 struct Dims {
   int64_t S, H, E, K, G, page, P, maxp, layer;
   float scale;
@@ -85,9 +127,18 @@ void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, c
     for (int64_t i = 0; i < G * E; ++i) from_float(0.f, o + i);
     return;
   }
-  std::vector<float> qf(G * E), acc(G * E, 0.f), m(G, -INFINITY), l(G, 0.f), sc(G * d.page);
+  // scratch of this thread, sized once (no allocation per item)
+  thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>(G * E * 2 + G * 2 + G * d.page);
+  if (scratch.size() < need) scratch.resize(need);
+  float* qf = scratch.data();
+  float* acc = qf + G * E;
+  float* m = acc + G * E;
+  float* l = m + G;
+  float* sc = l + G;
   const QT* qs = q + (s * d.H + kh * G) * E;
-  for (int64_t i = 0; i < G * E; ++i) qf[i] = to_float(qs[i]);
+  for (int64_t i = 0; i < G * E; ++i) qf[i] = to_float(qs[i]), acc[i] = 0.f;
+  for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY, l[g] = 0.f;
   const int64_t npages = std::min((len + d.page - 1) / d.page, d.maxp);
   const int64_t page_stride = d.K * d.page * E;
   const int64_t block = d.page * E;  // elements of one page of one kv head (contiguous)
@@ -106,16 +157,31 @@ void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, c
     const KT* kb = kpool + base;
     const KT* vb = vpool + base;
     const int64_t ahead = j + 2 < npages ? base_of(j + 2) : -1;
-    for (int64_t t = 0; t < nt; ++t) {
-      const KT* kt = kb + t * E;
-      if (ahead >= 0) {  // token t's key and value rows of the page two ahead
-        for (int64_t i = t * E; i < (t + 1) * E; i += kLine) {
-          __builtin_prefetch(kpool + ahead + i, 0, 2);
-          __builtin_prefetch(vpool + ahead + i, 0, 2);
-        }
+    if (ahead >= 0) {  // the key and value rows of the page two ahead, a row per token of this one
+      for (int64_t i = 0; i < nt * E; i += kLine) {
+        __builtin_prefetch(kpool + ahead + i, 0, 2);
+        __builtin_prefetch(vpool + ahead + i, 0, 2);
       }
+    }
+    bool scored = false;
+#if defined(__AVX512F__)
+    if constexpr (EC > 0 && EC % 16 == 0 && EC <= 128) {
+      if (d.page % 16 == 0) {  // groups of 16 tokens; rows past nt lie in this page and their scores are unused
+        const __m512 scale = _mm512_set1_ps(d.scale);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 qv[EC / 16];
+          for (int c = 0; c < EC / 16; ++c) qv[c] = _mm512_loadu_ps(qf + g * EC + c * 16);
+          for (int64_t t0 = 0; t0 < nt; t0 += 16)
+            _mm512_storeu_ps(sc + g * d.page + t0, _mm512_mul_ps(scores16<EC>(qv, kb + t0 * EC), scale));
+        }
+        scored = true;
+      }
+    }
+#endif
+    for (int64_t t = 0; t < nt && !scored; ++t) {
+      const KT* kt = kb + t * E;
       for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qf.data() + g * E;
+        const float* qg = qf + g * E;
         float acc_s = 0.f;
 #pragma omp simd reduction(+ : acc_s)
         for (int64_t e = 0; e < E; ++e) acc_s += qg[e] * to_float(kt[e]);
@@ -123,7 +189,7 @@ void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, c
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      float* sg = sc.data() + g * d.page;
+      float* sg = sc + g * d.page;
       float mx = m[g];
       for (int64_t t = 0; t < nt; ++t) mx = std::max(mx, sg[t]);
       const float corr = exp_approx(m[g] - mx);  // exp(-inf) = 0 on the first page
@@ -135,7 +201,7 @@ void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, c
       }
       l[g] = l[g] * corr + sum;
       m[g] = mx;
-      float* ag = acc.data() + g * E;
+      float* ag = acc + g * E;
       if constexpr (EC > 0) {  // the head's accumulator stays in registers over the page's tokens
         float a[EC];
         for (int64_t e = 0; e < EC; ++e) a[e] = ag[e] * corr;
