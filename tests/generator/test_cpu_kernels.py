@@ -1,9 +1,10 @@
 """The CPU kernels (`kernels/cpu_kernels.py`, XLA FFI calls) against the reference paths.
 
 The decode attention:
-fp32: equal to the gather reference (`paged_decode_attend`) within 1e-6 (+ 1e-6 relative) for every slot that attends, over page
-tables scattered through the pool, partial last pages, grouped-query heads, several head dims (the kernel's
-compile-time 64 / 128 and the generic path), free slots (zeros, nothing read: NaN pages elsewhere would leak),
+fp32: equal to the gather reference (`paged_decode_attend`) within 1e-6 (+ 1e-6 relative) for every slot that
+attends, over page tables scattered through the pool, partial last pages (rows past the length never used), grouped-
+query heads, several head dims (the kernel's compile-time 64 / 128, on AVX-512 with pages of 16 / 32 the scores of 16
+tokens at once, and the generic path), free slots (zeros, nothing read: NaN pages elsewhere would leak),
 inside a jitted scan over layers (the engine's use), with bf16 pools and queries too. The engine runs it by
 default on CPU ("auto"); the engine-level parity tests (transformers' greedy tokens, generator vs trainer
 log-probs) therefore run through it, and `test_engine.py` runs both CPU attentions side by side.

@@ -14,8 +14,8 @@
 // Query head h uses kv head h / (H / K) (grouped-query attention). Math: float32 scores and an online softmax
 // per page (running max, sum and weighted values), as the blocked path computes; the result equals it up to
 // summation order. Work items are (slot, kv head) pairs, shared with XLA's intra-op thread pool (parallel.h).
-// On AVX-512 builds, pages of a multiple of 16 tokens and head dims of 16-128 (multiples of 16), the scores of 16
-// tokens are computed together (`scores16`); elsewhere one dot product per score.
+// On AVX-512 builds, with pages of a multiple of 16 tokens and head dims of 64 or 128 (the compile-time sizes), the
+// scores of 16 tokens are computed together (`scores16`); elsewhere one dot product per score.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
