@@ -180,14 +180,16 @@ void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, c
       }
     }
 #endif
-    for (int64_t t = 0; t < nt && !scored; ++t) {
-      const KT* kt = kb + t * E;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qf + g * E;
-        float acc_s = 0.f;
+    if (!scored) {  // one dot product per score
+      for (int64_t t = 0; t < nt; ++t) {
+        const KT* kt = kb + t * E;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf + g * E;
+          float acc_s = 0.f;
 #pragma omp simd reduction(+ : acc_s)
-        for (int64_t e = 0; e < E; ++e) acc_s += qg[e] * to_float(kt[e]);
-        sc[g * d.page + t] = acc_s * d.scale;
+          for (int64_t e = 0; e < E; ++e) acc_s += qg[e] * to_float(kt[e]);
+          sc[g * d.page + t] = acc_s * d.scale;
+        }
       }
     }
     for (int64_t g = 0; g < G; ++g) {
