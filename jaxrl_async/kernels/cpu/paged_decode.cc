@@ -14,8 +14,8 @@
 // Query head h uses kv head h / (H / K) (grouped-query attention). Math: float32 scores and an online softmax
 // per page (running max, sum and weighted values), as the blocked path computes; the result equals it up to
 // summation order. Work items are (slot, kv head) pairs, shared with XLA's intra-op thread pool (parallel.h).
-// On AVX-512 builds, with pages of a multiple of 16 tokens and head dims of 64 or 128 (the compile-time sizes), the
-// scores of 16 tokens are computed together (`scores16`); elsewhere one dot product per score.
+// On AVX-512 builds, with pages of a multiple of 16 tokens and head dims of 32, 64 or 128 (the compile-time
+// sizes), the scores of 16 tokens are computed together (`scores16`); elsewhere one dot product per score.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -236,7 +236,9 @@ void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, c
 template <typename QT, typename KT>
 void attend_any(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, const int32_t* lens,
                 const int32_t* pages, QT* out, int64_t item) {
-  if (d.E == 64)
+  if (d.E == 32)
+    attend_item<QT, KT, 32>(d, q, kpool, vpool, lens, pages, out, item);
+  else if (d.E == 64)
     attend_item<QT, KT, 64>(d, q, kpool, vpool, lens, pages, out, item);
   else if (d.E == 128)
     attend_item<QT, KT, 128>(d, q, kpool, vpool, lens, pages, out, item);
