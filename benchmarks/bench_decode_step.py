@@ -16,6 +16,13 @@ the CPU kernel and the portable path side by side); the JSON has one entry per a
 the first one's figures at the top level. `--matmul-rows`: the engine's `stacked_matmul_rows` (auto: its default;
 0: XLA's dots on the scanned weight slices; N: programs of at most N rows read the weights in place), each run with
 each attention (entries "ATTENTION/ROWS" when more than one is given).
+
+`--baseline REV`: instead, this tree against `git archive REV` (imported beside it in this process as
+`jaxrl_async_baseline`, `bench_decode_fixed_cost.load_baseline`), both engines filled alike and stepped in
+alternating chunks of `--chunk` steps (dispatches of K = `--k`) over `--rounds` rounds, so each baseline chunk has
+a current one measured next to it at the same positions; reported: the median per-round ratio (baseline ms /
+current ms; > 1: this tree is faster), by wall clock and by process CPU time, and whether the two trees sampled the
+same tokens.
 """
 from __future__ import annotations
 
@@ -41,8 +48,25 @@ def main() -> None:
                     help="pages per block of the blocked decode attention (default: the engine's)")
     ap.add_argument("--attention", default="auto", help="comma-separated decode attentions (engine names or auto)")
     ap.add_argument("--matmul-rows", default="auto", help="comma-separated stacked_matmul_rows (auto or ints)")
+    ap.add_argument("--baseline", default=None, help="git revision to compare against, side by side (see above)")
+    ap.add_argument("--rounds", type=int, default=8, help="--baseline: alternations")
+    ap.add_argument("--chunk", type=int, default=32, help="--baseline: steps per tree per round")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.baseline:
+        import os
+        import tempfile
+
+        from bench_decode_fixed_cost import load_baseline
+
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with tempfile.TemporaryDirectory() as d:
+            res = compare(args, load_baseline(repo, args.baseline, d))
+        print(json.dumps({k: v for k, v in res.items() if k != "rounds"}, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
 
     from jaxrl_async.models.config import ModelConfig
 
@@ -65,6 +89,72 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def compare(args, base_dir: str) -> dict:
+    """`--baseline`: both trees' engines at this shape, stepped in alternating chunks (see the module doc)."""
+    import importlib
+    import os
+    import statistics
+    import sys
+
+    import jax
+
+    sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), base_dir]
+    H, S, K = args.hidden, args.slots, args.k
+    max_seq = -(-(args.fill + args.warm_steps + args.rounds * args.chunk + 2 * K + 8) // 16) * 16
+    shape = dict(vocab_size=args.vocab, hidden_size=H, intermediate_size=3 * H, num_layers=args.layers,
+                 num_heads=H // 64, num_kv_heads=max(H // 128, 1), head_dim=64, tie_word_embeddings=True,
+                 max_position_embeddings=max_seq, dtype="float32", param_dtype="float32", model_type="qwen3")
+    params_np = None
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, args.vocab, args.fill).tolist() for _ in range(S)]
+    trees: dict = {}
+    for name, pkg in (("baseline", "jaxrl_async_baseline"), ("current", "jaxrl_async")):
+        mod = lambda m, pkg=pkg: importlib.import_module(f"{pkg}.{m}")  # noqa: E731
+        api, factory = mod("generator.engine_api"), mod("generator.factory")
+        cfg = mod("models.config").ModelConfig(**shape)
+        if params_np is None:
+            params_np = jax.tree.map(np.asarray, mod("models.transformer").init_params(cfg, jax.random.key(0)))
+        eng = factory.build_engine(factory.EngineConfig(
+            max_concurrent_decodes=S, max_sequence_length=max_seq, max_prefill_length=-(-args.fill // 16) * 16,
+            page_size=16, num_pages=S * (max_seq // 16) + 1, decode_steps=K), cfg, attention=args.attention)
+        params = eng.place_params(jax.tree.map(jax.numpy.asarray, params_np))
+        state = eng.init_decode_state()
+        reqs = [api.PrefillRequest(p, api.SamplingParams(temperature=1.0, max_new_tokens=10**6, seed=s))
+                for s, p in enumerate(prompts)]
+        for s, pre in enumerate(eng.prefill_many(params, reqs)):
+            state = eng.insert(pre, state, s)
+        trees[name] = {"eng": eng, "params": params, "state": state, "tokens": [], "wall": [], "cpu": [],
+                       "attention": eng.attention, "stacked_matmul_rows": eng.stacked_matmul_rows}
+
+    def run(t, steps: int, timed: bool):
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(steps // K):
+            t["state"], st = t["eng"].generate(t["params"], t["state"], K) if K > 1 else t["eng"].generate(
+                t["params"], t["state"])
+            t["tokens"].append(np.asarray(st.tokens))
+        if timed:
+            n = steps // K * K
+            t["wall"].append(1e3 * (time.perf_counter() - t0) / n)
+            t["cpu"].append(1e3 * (time.process_time() - c0) / n)
+
+    for t in trees.values():
+        run(t, args.warm_steps, False)
+    for r in range(args.rounds):  # alternate which tree goes first
+        for name in (("baseline", "current") if r % 2 == 0 else ("current", "baseline")):
+            run(trees[name], args.chunk, True)
+    b, c = trees["baseline"], trees["current"]
+    med = statistics.median
+    same = float(np.mean([np.array_equal(x, y) for x, y in zip(b["tokens"], c["tokens"])]))
+    res = {"baseline_rev": args.baseline, "slots": S, "K": K, "hidden": H, "layers": args.layers, "vocab": args.vocab,
+           "positions": [args.fill + args.warm_steps, args.fill + args.warm_steps + args.rounds * args.chunk],
+           **{f"{n}_{k}": trees[n][k] for n in trees for k in ("attention", "stacked_matmul_rows")},
+           "baseline_ms": med(b["wall"]), "current_ms": med(c["wall"]),
+           "ratio_wall": med([x / y for x, y in zip(b["wall"], c["wall"])]),
+           "ratio_cpu": med([x / y for x, y in zip(b["cpu"], c["cpu"])]), "same_token_dispatches": same,
+           "rounds": {n: {"wall_ms": trees[n]["wall"], "cpu_ms": trees[n]["cpu"]} for n in trees}}
+    return res
 
 
 def measure(args, cfg, attention: str, max_seq: int, positions: list[int], window: int,
