@@ -8,7 +8,9 @@
 // block, groups of 4 rows accumulate in registers over k, in order (one float32 multiply-add chain per output);
 // w's rows 32 ahead are prefetched into L2 (the block's rows are N floats apart: the hardware prefetchers lose them
 // at every 4 KiB page). AVX-512 builds write the full-width tile with 512-bit intrinsics (`tile_avx512`; the same
-// multiply-adds in the same order, so the same bits).
+// multiply-adds in the same order, so the same bits) and walk a block in slices of 128 rows of w (32 KiB), every
+// group of 4 rows of x over one slice before the next (the sums stored and picked up again exactly), so the groups
+// after the first read the slice from L1 instead of L2 (NOTES, session 19).
 #include <algorithm>
 #include <cstdint>
 
@@ -26,6 +28,7 @@ namespace {
 constexpr int64_t kCols = 64;
 constexpr int64_t kRows = 4;
 constexpr int64_t kAhead = 32;
+constexpr int64_t kSlice = 128;
 
 struct MatmulDims {
   int64_t M, K, N;
@@ -55,14 +58,16 @@ inline void tile(const MatmulDims& d, const float* x, const float* w, float* y, 
 // The same tile at the full width with 512-bit vectors written out: GCC's tuning for Intel's AVX-512 cores prefers
 // 256-bit vectors, and 4 rows x 64 columns then need all 32 ymm registers for the accumulators alone (spills).
 template <int64_t R>
-inline void tile_avx512(const MatmulDims& d, const float* x, const float* w, float* y, int64_t m0, int64_t n0) {
+inline void tile_avx512(const MatmulDims& d, const float* x, const float* w, float* y, int64_t m0, int64_t n0,
+                        int64_t k0, int64_t k1, bool prefetch) {
   constexpr int C = kCols / 16;
   __m512 acc[R][C];
-  for (int64_t r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < d.K; ++k) {
+  float* yr = y + m0 * d.N + n0;
+  for (int64_t r = 0; r < R; ++r)  // a later slice of k continues the sums where the last one stored them
+    for (int c = 0; c < C; ++c) acc[r][c] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yr + r * d.N + 16 * c);
+  for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * d.N + n0;
-    if (k + kAhead < d.K)
+    if (prefetch && k + kAhead < d.K)
       for (int c = 0; c < C; ++c) __builtin_prefetch(wk + kAhead * d.N + 16 * c, 0, 2);
     __m512 wv[C];
     for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(wk + 16 * c);
@@ -72,7 +77,7 @@ inline void tile_avx512(const MatmulDims& d, const float* x, const float* w, flo
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + (m0 + r) * d.N + n0 + 16 * c, acc[r][c]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(yr + r * d.N + 16 * c, acc[r][c]);
 }
 #endif
 
@@ -80,9 +85,12 @@ template <int64_t W>
 void column_block(const MatmulDims& d, const float* x, const float* w, float* y, int64_t n0, int64_t width) {
   int64_t m = 0;
 #if defined(__AVX512F__)
-  if constexpr (W == kCols) {
-    for (; m + kRows <= d.M; m += kRows) tile_avx512<kRows>(d, x, w, y, m, n0);
-    for (; m < d.M; ++m) tile_avx512<1>(d, x, w, y, m, n0);
+  if constexpr (W == kCols) {  // slices of kSlice rows of the block (32 KiB) read by every group of rows in turn
+    for (int64_t k0 = 0; k0 < d.K; k0 += kSlice) {
+      const int64_t k1 = std::min(d.K, k0 + kSlice);
+      for (m = 0; m + kRows <= d.M; m += kRows) tile_avx512<kRows>(d, x, w, y, m, n0, k0, k1, m == 0);
+      for (; m < d.M; ++m) tile_avx512<1>(d, x, w, y, m, n0, k0, k1, m == 0);
+    }
     return;
   }
 #endif
