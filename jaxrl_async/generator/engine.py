@@ -91,7 +91,7 @@ from jaxrl_async.generator import kv_cache
 from jaxrl_async.generator.compaction import CompactSteps
 from jaxrl_async.generator.program_cache import Program, ProgramCache
 from jaxrl_async.generator.host_slots import HostSlots, advance, allocate_pages, need_ahead, need_now
-from jaxrl_async.kernels import paged_attention
+from jaxrl_async.kernels import cpu_kernels, paged_attention
 from jaxrl_async.generator import sampling
 from jaxrl_async.generator.engine_api import Engine, Prefix, PrefillRequest, SamplingParams, StepResult
 from jaxrl_async.generator.vision_prefill import VisionPrefill, vl_sequences
@@ -147,8 +147,18 @@ def _truncates(sp: SamplingParams) -> bool:
 DECODE_ATTENTION = paged_attention.DECODE_ATTENTION
 # decode programs of at most this many rows use the in-place layer matmul on CPU (`engine_steps.decode_step_fn`;
 # measured in NOTES: 1.4-2.2x cheaper projections at 4-16 rows (session 16); the whole engine step at 32 rows of
-# shape A 1.13-1.16x cheaper, at 64 rows no gain (session 17, `bench_decode_step.py --matmul-rows 0,64`))
+# shape A 1.13-1.16x cheaper, at 64 rows no gain (session 17, `bench_decode_step.py --matmul-rows 0,64`)). With
+# AVX-512 the kernel's 512-bit tiles over slices of k (session 19) also win at 64 rows: the 64-slot step of shape A
+# 1.10x cheaper than with XLA's dots (`bench_decode_step.py --baseline`, Intel AVX-512).
 STACKED_MATMUL_ROWS = 32
+STACKED_MATMUL_ROWS_AVX512 = 64
+
+
+def default_stacked_matmul_rows() -> int:
+    """`STACKED_MATMUL_ROWS`, or `STACKED_MATMUL_ROWS_AVX512` on a CPU with AVX-512 (where the kernel has its
+    intrinsics path)."""
+    return STACKED_MATMUL_ROWS_AVX512 if cpu_kernels.has_avx512() else STACKED_MATMUL_ROWS
+
 DEFAULT_BLOCK_TOKENS = 32  # "blocked": tokens per block of the live-length loop (the fastest of 16-128 on XLA:CPU, NOTES)
 
 
@@ -197,7 +207,7 @@ class PagedEngine(Engine):
           each token was sampled from and their ids (`Prefix.first_top_*`, `StepResult.top_*`; a request takes its
           `SamplingParams.top_logprobs` <= K of them). 0: no extra output is compiled (the programs are unchanged).
       stacked_matmul_rows: decode programs of at most this many rows compute the layers' projections with the
-          in-place CPU matmul (`cpu_kernels.stacked_matmul`; `engine_steps.decode_step_fn`). None: `STACKED_MATMUL_ROWS`
+          in-place CPU matmul (`cpu_kernels.stacked_matmul`; `engine_steps.decode_step_fn`). None: `default_stacked_matmul_rows()`
           where it applies (the `cpu_paged` attention, so the CPU kernels built, on one device, float32 dense layers
           in a scan), else 0; 0: never. Asking for it where it does not apply is an error.
 
@@ -259,8 +269,8 @@ class PagedEngine(Engine):
         if stacked_matmul_rows and not applies:
             raise ValueError("stacked_matmul_rows needs the 'cpu_paged' decode attention on one device and float32 "
                              "dense layers in a scan")
-        self.stacked_matmul_rows = (STACKED_MATMUL_ROWS if applies else 0) if stacked_matmul_rows is None else int(
-            stacked_matmul_rows)
+        self.stacked_matmul_rows = (default_stacked_matmul_rows() if applies else 0) if (
+            stacked_matmul_rows is None) else int(stacked_matmul_rows)
         self.kernel_options = dict(kernel_options or {})
         if max_prefill_pack < 1:
             raise ValueError(f"max_prefill_pack must be >= 1, got {max_prefill_pack}")

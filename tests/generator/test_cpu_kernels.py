@@ -243,13 +243,15 @@ def test_in_place_matrices_leave_adapted_and_non_float32_ones_to_xla():
 
 
 def test_engine_uses_the_in_place_matmul_for_small_programs_only_on_one_cpu_device():
-    from jaxrl_async.generator.engine import STACKED_MATMUL_ROWS, PagedEngine
+    from jaxrl_async.generator.engine import (STACKED_MATMUL_ROWS, STACKED_MATMUL_ROWS_AVX512, PagedEngine,
+                                              default_stacked_matmul_rows)
     from jaxrl_async.sharding.mesh import make_mesh
 
     cfg = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", param_dtype="float32")
     kw = dict(max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,), page_size=8, num_pages=40)
-    assert PagedEngine(cfg, **kw).stacked_matmul_rows == STACKED_MATMUL_ROWS
+    assert PagedEngine(cfg, **kw).stacked_matmul_rows == default_stacked_matmul_rows() == (
+        STACKED_MATMUL_ROWS_AVX512 if cpu_kernels.has_avx512() else STACKED_MATMUL_ROWS)
     assert PagedEngine(cfg, attention="blocked", **kw).stacked_matmul_rows == 0
     mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
     assert PagedEngine(cfg, mesh=mesh, **kw).stacked_matmul_rows == 0
