@@ -20,8 +20,9 @@ from jaxrl_async.generator import sampling
 
 # decode programs of these row counts (with the in-place layer matmul) compute a tied LM head with
 # `cpu_kernels.matmul_nt`: 1.24-1.41x XLA's dot at 8-32 rows of a [16384, 512] embedding, 1.4-2.4x of [4096, 384]
-# (session 17); other counts run a generic path slower than XLA's
-NT_LOGITS_ROWS = (8, 16, 32)
+# (session 17); other counts run a generic path slower than XLA's. With AVX-512 also 64 rows (the 512-bit tile:
+# 1.07-1.21x XLA's dot on [1024, 64] to [16384, 512], session 19)
+NT_LOGITS_ROWS = (8, 16, 32) + ((64,) if cpu_kernels.has_avx512() else ())
 
 SLOT_INTS = ("pos", "last_token", "num_generated", "max_new", "top_k", "sample_index", "done")
 STEP_WRITES = ("page_table", "pos", "num_generated", "last_token", "done")  # the slot state a decode step changes

@@ -188,5 +188,5 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
             or x.shape[0] > 64):
         raise ValueError(f"matmul_nt: float32 x [M <= 64, K] and w [N, K], got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
     call = jax.ffi.ffi_call(_target("jaxrl_async_matmul_nt"),
-                            jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), jnp.float32))
-    return call(x.T, w).T
+                            jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x.T, w)

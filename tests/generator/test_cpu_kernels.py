@@ -260,7 +260,8 @@ def test_engine_uses_the_in_place_matmul_for_small_programs_only_on_one_cpu_devi
         PagedEngine(cfg, attention="blocked", stacked_matmul_rows=16, **kw)
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 32, 64), (5, 40, 130), (8, 64, 100), (16, 48, 200), (32, 96, 70)])
+@pytest.mark.parametrize("M,K,N", [(1, 32, 64), (5, 40, 130), (8, 64, 100), (16, 48, 200), (32, 96, 70),
+                                   (64, 48, 70)])
 def test_matmul_nt_equals_the_dot(M, K, N):
     """x @ w.T with w [N, K] read in place (the tied LM head): equal to float64 and to XLA's dot (at the row
     counts the engine uses it for, the same order of sums: bitwise here)."""

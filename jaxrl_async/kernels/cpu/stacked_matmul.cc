@@ -122,12 +122,15 @@ ffi::Error stacked_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return ffi::Error::Success();
 }
 
-// yt = (x @ w.T).T = w @ xt for w [N, K] row-major (a tied embedding as the LM head: logits = hidden @ embed.T) and
-// xt = x.T [K, M], M <= 64, reading w in place. XLA:CPU's transposed dot runs this at a few rows at ~95 GFLOP/s
+// y = x @ w.T (per block yt = w @ xt) for w [N, K] row-major (a tied embedding as the LM head: logits =
+// hidden @ embed.T) and xt = x.T [K, M], M <= 64, reading w in place. XLA:CPU's transposed dot runs this at a few rows at ~95 GFLOP/s
 // (16 rows of shape A's [16384, 512] embedding: 2.8 ms, the largest single op of a compacted decode step; session
 // 17). Work: blocks of 64 rows of w shared with the thread pool; within a block, 8 rows of w at a time, each row's
 // M outputs accumulated in registers over k in order (per k: the M values of xt[k] loaded once, 8 broadcasts of
-// w[n, k], 8 x M / 16 multiply-adds); the result is yt [N, M] (its rows stored whole).
+// w[n, k], 8 x M / 16 multiply-adds) into the block's [64, M] outputs, which are then stored as y's [M, 64]
+// columns (y [M, N] directly: XLA's transpose of a [N, M] result cost more than the 512-bit tile saved at 64 rows,
+// session 19). AVX-512 builds write the tile for M = 16 / 32 / 64 with 512-bit intrinsics (6 rows of w at a time
+// at 64).
 constexpr int64_t kNtBlock = 64;
 constexpr int64_t kNtRows = 8;
 
@@ -156,35 +159,84 @@ void tile_nt_rows(const float* xt, const float* w, float* yt, int64_t K, int64_t
   }
 }
 
+#if defined(__AVX512F__)
+// The tile with 512-bit intrinsics for M = 16 x C (the same multiply-adds in the same order): GCC's Intel tuning
+// prefers 256-bit vectors, and 8 rows x 32 outputs then need all 32 ymm registers for the accumulators.
+template <int64_t R, int C>
+void tile_nt_avx512(const float* xt, const float* w, float* yt, int64_t K, int64_t n0) {
+  constexpr int64_t M = 16 * C;
+  __m512 acc[R][C];
+  for (int64_t r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const float* wr = w + n0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_ps(xt + k * M + 16 * c);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_set1_ps(wr[r * K + k]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(wv, xv[c], acc[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(yt + (n0 + r) * M + 16 * c, acc[r][c]);
+}
+
+template <int C, int64_t R>
+void tile_nt_rows_avx512(const float* xt, const float* w, float* yt, int64_t K, int64_t n0, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows < R) return tile_nt_rows_avx512<C, R - 1>(xt, w, yt, K, n0, rows);
+    tile_nt_avx512<R, C>(xt, w, yt, K, n0);
+  }
+}
+#endif
+
 template <int64_t MC>
 void block_nt(const float* xt, const float* w, float* yt, int64_t K, int64_t M, int64_t n0, int64_t end) {
+#if defined(__AVX512F__)
+  if constexpr (MC >= 16 && MC % 16 == 0) {  // 6 rows of w at 64 outputs (24 accumulators), else 8
+    constexpr int C = MC / 16;
+    constexpr int64_t R = C >= 4 ? 6 : kNtRows;
+    for (int64_t n = n0; n < end; n += R) tile_nt_rows_avx512<C, R>(xt, w, yt, K, n, std::min(R, end - n));
+    return;
+  }
+#endif
   for (int64_t n = n0; n < end; n += kNtRows)
     tile_nt_rows<MC>(xt, w, yt, K, M, n, std::min(kNtRows, end - n));
 }
 
 ffi::Error matmul_nt(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xt, ffi::Buffer<ffi::F32> w,
-                     ffi::ResultBuffer<ffi::F32> yt) {
+                     ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = xt.dimensions();
   const auto wd = w.dimensions();
-  const auto yd = yt->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[1] != xd[0] || yd[0] != wd[0] || yd[1] != xd[1])
-    return ffi::Error::InvalidArgument("matmul_nt: xt [K, M], w [N, K], yt [N, M]");
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[1] != xd[0] || yd[0] != xd[1] || yd[1] != wd[0])
+    return ffi::Error::InvalidArgument("matmul_nt: xt [K, M], w [N, K], y [M, N]");
   const int64_t K = xd[0], M = xd[1], N = wd[0];
   if (M > 64) return ffi::Error::InvalidArgument("matmul_nt: at most 64 rows of x");
   const float* xp = xt.typed_data();
   const float* wp = w.typed_data();
-  float* yp = yt->typed_data();
+  float* yp = y->typed_data();
   const int64_t blocks = (N + kNtBlock - 1) / kNtBlock;
   jaxrl_cpu::parallel_for(pool, blocks, [M, K, N, xp, wp, yp](int64_t b) {
-    const int64_t n0 = b * kNtBlock, end = std::min(N, n0 + kNtBlock);
+    const int64_t n0 = b * kNtBlock, rows = std::min(N, n0 + kNtBlock) - n0;
+    // the block's [rows, M] outputs (yt's layout) in a per-thread buffer, then stored as y's columns
+    // [n0, n0 + rows) of each of the M rows: no transposed copy of the whole result after the call
+    alignas(64) thread_local float block[kNtBlock * 64];
+    const float* wb = wp + n0 * K;
     if (M == 16)
-      block_nt<16>(xp, wp, yp, K, M, n0, end);
+      block_nt<16>(xp, wb, block, K, M, 0, rows);
     else if (M == 32)
-      block_nt<32>(xp, wp, yp, K, M, n0, end);
+      block_nt<32>(xp, wb, block, K, M, 0, rows);
     else if (M == 8)
-      block_nt<8>(xp, wp, yp, K, M, n0, end);
+      block_nt<8>(xp, wb, block, K, M, 0, rows);
+    else if (M == 64)
+      block_nt<64>(xp, wb, block, K, M, 0, rows);
     else
-      block_nt<0>(xp, wp, yp, K, M, n0, end);
+      block_nt<0>(xp, wb, block, K, M, 0, rows);
+    for (int64_t m = 0; m < M; ++m) {
+      float* ym = yp + m * N + n0;
+      for (int64_t j = 0; j < rows; ++j) ym[j] = block[j * M + m];
+    }
   });
   return ffi::Error::Success();
 }
