@@ -122,15 +122,14 @@ ffi::Error stacked_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return ffi::Error::Success();
 }
 
-// y = x @ w.T (per block yt = w @ xt) for w [N, K] row-major (a tied embedding as the LM head: logits =
-// hidden @ embed.T) and xt = x.T [K, M], M <= 64, reading w in place. XLA:CPU's transposed dot runs this at a few
-// rows at ~95 GFLOP/s (16 rows of shape A's [16384, 512] embedding: 2.8 ms, the largest single op of a compacted
-// decode step; session 17). Work: blocks of 64 rows of w shared with the thread pool; within a block, 8 rows of
-// w at a time, each row's M outputs accumulated in registers over k in order (per k: the M values of xt[k] loaded
-// once, 8 broadcasts of w[n, k], 8 x M / 16 multiply-adds) into the block's [64, M] outputs, which are then stored as y's [M, 64]
-// columns (y [M, N] directly: XLA's transpose of a [N, M] result cost more than the 512-bit tile saved at 64 rows,
-// session 19). AVX-512 builds write the tile for M = 16 / 32 / 64 with 512-bit intrinsics (6 rows of w at a time
-// at 64).
+// y = x @ w.T (per block yt = w @ xt) for w [N, K] row-major (a tied embedding as the LM head: logits = hidden @
+// embed.T) and xt = x.T [K, M], M <= 64, reading w in place. XLA:CPU's transposed dot runs this at a few rows at ~95
+// GFLOP/s (16 rows of shape A's [16384, 512] embedding: 2.8 ms, the largest single op of a compacted decode step;
+// session 17). Work: blocks of 64 rows of w shared with the thread pool; within a block, 8 rows of w at a time, each
+// row's M outputs accumulated in registers over k in order (per k: the M values of xt[k] loaded once, 8 broadcasts of
+// w[n, k], 8 x M / 16 multiply-adds) into the block's [64, M] outputs, which are then stored as y's [M, 64] columns (y
+// [M, N] directly: XLA's transpose of a [N, M] result cost more than the 512-bit tile saved at 64 rows, session 19).
+// AVX-512 builds write the tile for M = 16 / 32 / 64 with 512-bit intrinsics (6 rows of w at a time at 64).
 constexpr int64_t kNtBlock = 64;
 constexpr int64_t kNtRows = 8;
 
