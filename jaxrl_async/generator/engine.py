@@ -208,8 +208,9 @@ class PagedEngine(Engine):
           `SamplingParams.top_logprobs` <= K of them). 0: no extra output is compiled (the programs are unchanged).
       stacked_matmul_rows: decode programs of at most this many rows compute the layers' projections with the
           in-place CPU matmul (`cpu_kernels.stacked_matmul`; `engine_steps.decode_step_fn`). None:
-          `default_stacked_matmul_rows()` where it applies (the `cpu_paged` attention, so the CPU kernels built, on
-          one device, float32 dense layers in a scan), else 0; 0: never. Asking for it where it does not apply is an error.
+          `default_stacked_matmul_rows()` where it applies (the `cpu_paged` attention, so the CPU kernels built,
+          on one device, float32 dense layers in a scan), else 0; 0: never. Asking for it where it does not apply
+          is an error.
 
     Build engines with `generator.factory.build_engine` (the one sizing path and its one-line errors).
     """
