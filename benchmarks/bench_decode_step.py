@@ -70,14 +70,11 @@ def main() -> None:
 
     from jaxrl_async.models.config import ModelConfig
 
-    H = args.hidden
     positions = [int(p) for p in args.positions.split(",") if p]
     window = 16
     last = max([args.fill + args.warm_steps + args.steps] + [p + window for p in positions])
     max_seq = -(-(last + 8) // 16) * 16
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=H, intermediate_size=3 * H, num_layers=args.layers,
-                      num_heads=H // 64, num_kv_heads=max(H // 128, 1), head_dim=64, tie_word_embeddings=True,
-                      max_position_embeddings=max_seq, dtype="float32", param_dtype="float32", model_type="qwen3")
+    cfg = ModelConfig(**model_kwargs(args, max_seq))
     res: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "attention": {}}
     rows_opts = [r for r in args.matmul_rows.split(",") if r]
     for attention in [a for a in args.attention.split(",") if a]:
@@ -89,6 +86,21 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def model_kwargs(args, max_seq: int) -> dict:
+    """The benchmark's model (`ModelConfig` fields): Qwen3-shaped, heads of 64, tied embeddings, float32."""
+    H = args.hidden
+    return dict(vocab_size=args.vocab, hidden_size=H, intermediate_size=3 * H, num_layers=args.layers,
+                num_heads=H // 64, num_kv_heads=max(H // 128, 1), head_dim=64, tie_word_embeddings=True,
+                max_position_embeddings=max_seq, dtype="float32", param_dtype="float32", model_type="qwen3")
+
+
+def engine_config(factory, args, max_seq: int):
+    """The engine's sizing: every slot can reach `max_seq`, pages of 16, dispatches of up to `--k` steps."""
+    return factory.EngineConfig(
+        max_concurrent_decodes=args.slots, max_sequence_length=max_seq, max_prefill_length=-(-args.fill // 16) * 16,
+        page_size=16, num_pages=args.slots * (max_seq // 16) + 1, decode_steps=args.k)
 
 
 def compare(args, base_dir: str) -> dict:
@@ -103,9 +115,6 @@ def compare(args, base_dir: str) -> dict:
     sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), base_dir]
     H, S, K = args.hidden, args.slots, args.k
     max_seq = -(-(args.fill + args.warm_steps + args.rounds * args.chunk + 2 * K + 8) // 16) * 16
-    shape = dict(vocab_size=args.vocab, hidden_size=H, intermediate_size=3 * H, num_layers=args.layers,
-                 num_heads=H // 64, num_kv_heads=max(H // 128, 1), head_dim=64, tie_word_embeddings=True,
-                 max_position_embeddings=max_seq, dtype="float32", param_dtype="float32", model_type="qwen3")
     params_np = None
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, args.vocab, args.fill).tolist() for _ in range(S)]
@@ -113,12 +122,10 @@ def compare(args, base_dir: str) -> dict:
     for name, pkg in (("baseline", "jaxrl_async_baseline"), ("current", "jaxrl_async")):
         mod = lambda m, pkg=pkg: importlib.import_module(f"{pkg}.{m}")  # noqa: E731
         api, factory = mod("generator.engine_api"), mod("generator.factory")
-        cfg = mod("models.config").ModelConfig(**shape)
+        cfg = mod("models.config").ModelConfig(**model_kwargs(args, max_seq))
         if params_np is None:
             params_np = jax.tree.map(np.asarray, mod("models.transformer").init_params(cfg, jax.random.key(0)))
-        eng = factory.build_engine(factory.EngineConfig(
-            max_concurrent_decodes=S, max_sequence_length=max_seq, max_prefill_length=-(-args.fill // 16) * 16,
-            page_size=16, num_pages=S * (max_seq // 16) + 1, decode_steps=K), cfg, attention=args.attention)
+        eng = factory.build_engine(engine_config(factory, args, max_seq), cfg, attention=args.attention)
         params = eng.place_params(jax.tree.map(jax.numpy.asarray, params_np))
         state = eng.init_decode_state()
         reqs = [api.PrefillRequest(p, api.SamplingParams(temperature=1.0, max_new_tokens=10**6, seed=s))
@@ -167,10 +174,8 @@ def measure(args, cfg, attention: str, max_seq: int, positions: list[int], windo
     from jaxrl_async.models.transformer import init_params
 
     H, S, K = args.hidden, args.slots, args.k
-    eng = factory.build_engine(factory.EngineConfig(
-        max_concurrent_decodes=S, max_sequence_length=max_seq, max_prefill_length=-(-args.fill // 16) * 16, page_size=16,
-        num_pages=S * (max_seq // 16) + 1, decode_steps=K), cfg, decode_block_pages=args.block_pages,
-        attention=attention, stacked_matmul_rows=matmul_rows)
+    eng = factory.build_engine(engine_config(factory, args, max_seq), cfg, decode_block_pages=args.block_pages,
+                               attention=attention, stacked_matmul_rows=matmul_rows)
     params = eng.place_params(init_params(cfg, jax.random.key(0)))
     rng = np.random.default_rng(0)
     reqs = [api.PrefillRequest(rng.integers(3, args.vocab, args.fill).tolist(),
