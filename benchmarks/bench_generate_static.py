@@ -33,7 +33,10 @@ decode-only figure is the `generate` call alone. Run with each of `--hf-threads`
 the faster is the baseline.
 
 The two run alternately in one invocation (`--repeats` pairs), so machine load hits both alike; the ratio
-is ours / transformers of useful tokens per whole-process second.
+is ours / transformers of useful tokens per whole-process second. Every system's figures carry `host_steal_pct`:
+the share of the host's CPU time (all CPUs, /proc/stat) taken by the hypervisor for other guests while it ran (on a
+shared VM the same program runs up to ~1.7x slower in phases of high steal: compare systems measured at similar
+steal).
 """
 
 from __future__ import annotations
@@ -119,6 +122,33 @@ def vllm_worker(argv) -> None:
     print("RESULT " + json.dumps({"useful_tokens": useful, "generate_s": t_gen, "init_s": t_init}), flush=True)
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(steal, total) jiffies of all CPUs since boot (/proc/stat; None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def with_steal(run):
+    """`run`'s result dict plus host_steal_pct: the hypervisor's share of the host's CPU time while it ran."""
+    def wrapped(*a, **kw):
+        before = _cpu_times()
+        r = run(*a, **kw)
+        after = _cpu_times()
+        if before is not None and after is not None and after[1] > before[1]:
+            r["host_steal_pct"] = 100.0 * (after[0] - before[0]) / (after[1] - before[1])
+        return r
+    return wrapped
+
+
+def _steal(r: dict) -> str:
+    return f", host steal {r['host_steal_pct']:.0f}%" if "host_steal_pct" in r else ""
+
+
+@with_steal
 def run_vllm(model_dir, prompts_path, args) -> dict:
     t0 = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX", "XLA", "PYTHONPATH"))}
@@ -133,6 +163,7 @@ def run_vllm(model_dir, prompts_path, args) -> dict:
             **r}
 
 
+@with_steal
 def run_ours(model_dir, prompts_path, out_path, args, cache_dir: str) -> dict:
     cmd = [sys.executable, "-m", "jaxrl_async.generate", "--model", model_dir, "--input", prompts_path,
            "--output", out_path, "--max-concurrent", str(args.num_prompts), "--temperature", "1",
@@ -151,6 +182,7 @@ def run_ours(model_dir, prompts_path, out_path, args, cache_dir: str) -> dict:
             "compile_s": compile_s, "line": line}
 
 
+@with_steal
 def run_hf(model_dir, prompts_path, args, threads: int) -> dict:
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, __file__, "--hf-worker", model_dir, prompts_path, str(args.max_new),
@@ -232,18 +264,18 @@ def main() -> None:
             for m, o in ours.items():
                 print(f"ours ({m} compilation cache): {o['useful_tokens']} useful tokens, {o['wall_s']:.1f} s whole "
                       f"process ({o['tok_s']:.0f} tok/s; compilation {o['compile_s']:.1f} s), decode "
-                      f"{o['decode_tok_s']:.0f} tok/s | whole-process ratio {run['ratio'][m]:.2f}x, decode ratio "
-                      f"{run['decode_ratio'][m]:.2f}x", flush=True)
+                      f"{o['decode_tok_s']:.0f} tok/s{_steal(o)} | whole-process ratio {run['ratio'][m]:.2f}x, "
+                      f"decode ratio {run['decode_ratio'][m]:.2f}x", flush=True)
             if vl is not None:
                 run["vllm_decode_ratio"] = {m: o["decode_tok_s"] / vl["decode_tok_s"] for m, o in ours.items()}
                 run["vllm_ratio"] = {m: o["tok_s"] / vl["tok_s"] for m, o in ours.items()}
                 print(f"vLLM CPU: {vl['useful_tokens']} tokens, {vl['wall_s']:.1f} s whole process ({vl['tok_s']:.0f} "
                       f"tok/s; engine start {vl['init_s']:.1f} s), generate() {vl['generate_s']:.1f} s "
-                      f"({vl['decode_tok_s']:.0f} tok/s) | ours / vLLM decode "
+                      f"({vl['decode_tok_s']:.0f} tok/s{_steal(vl)}) | ours / vLLM decode "
                       + ", ".join(f"{m} {r:.2f}x" for m, r in run["vllm_decode_ratio"].items()), flush=True)
             print(f"transformers one batch: {hf['useful_tokens']} tokens, {hf['threads']} threads, {hf['wall_s']:.1f} s "
                   f"({hf['tok_s']:.0f} tok/s), generate() {hf['generate_s']:.1f} s ({hf['decode_tok_s']:.0f} tok/s), "
-                  f"{hf['steps']} steps | load {os.getloadavg()[0]:.1f}", flush=True)
+                  f"{hf['steps']} steps{_steal(hf)} | load {os.getloadavg()[0]:.1f}", flush=True)
     res = {"args": vars(args), "runs": runs, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "load_avg": os.getloadavg()}
     if args.json:

@@ -272,6 +272,8 @@ class PagedEngine(Engine):
                              "dense layers in a scan")
         self.stacked_matmul_rows = (default_stacked_matmul_rows() if applies else 0) if (
             stacked_matmul_rows is None) else int(stacked_matmul_rows)
+        # the decode steps' sampler as one CPU kernel (`cpu_kernels.sample_rows`) where the kernels run: one CPU device
+        self.cpu_sampler = self.attention == "cpu_paged" and self.mesh.size == 1
         self.kernel_options = dict(kernel_options or {})
         if max_prefill_pack < 1:
             raise ValueError(f"max_prefill_pack must be >= 1, got {max_prefill_pack}")
@@ -376,19 +378,20 @@ class PagedEngine(Engine):
             decode_step_fn, cfg=cfg, page_size=self.page_size, max_seq=self._max_seq, null_page=null,
             attention=self.attention, block_pages=self.decode_block_pages, kernel_options=self.kernel_options,
             pages_axis=self.pages_axis, truncation=t, record_routing=rec, top_logprobs=K,
-            stacked_matmul_rows=self.stacked_matmul_rows)), donate_argnums=1,
+            stacked_matmul_rows=self.stacked_matmul_rows, cpu_sampler=self.cpu_sampler)), donate_argnums=1,
             out_shardings=step_out) for t in (True, False)}
         self._step = self._steps[True]  # the full decode step (any sampling parameters; what `plan` compiles)
         self._rows_steps = {t: jax.jit(traced(functools.partial(
             decode_rows_fn, pool_keys=self.layout.keys, cfg=cfg, page_size=self.page_size, max_seq=self._max_seq,
             null_page=null, attention=self.attention, block_pages=self.decode_block_pages,
             kernel_options=self.kernel_options, pages_axis=self.pages_axis, truncation=t, record_routing=rec,
-            top_logprobs=K, stacked_matmul_rows=self.stacked_matmul_rows)), donate_argnums=1, out_shardings=step_out)
-            for t in (True, False)}
+            top_logprobs=K, stacked_matmul_rows=self.stacked_matmul_rows, cpu_sampler=self.cpu_sampler)),
+            donate_argnums=1, out_shardings=step_out) for t in (True, False)}
         self._multi_kw = dict(cfg=cfg, page_size=self.page_size, max_seq=self._max_seq, null_page=null,
                               attention=self.attention, block_pages=self.decode_block_pages,
                               kernel_options=self.kernel_options, pages_axis=self.pages_axis, record_routing=rec,
-                              top_logprobs=K, stacked_matmul_rows=self.stacked_matmul_rows)
+                              top_logprobs=K, stacked_matmul_rows=self.stacked_matmul_rows,
+                              cpu_sampler=self.cpu_sampler)
         self._multi_steps: dict = {}  # (truncation, K) -> jitted K-step program (built on first use)
         self._multi_out = (ss, (self.stacked_slot_sharding,) * 4 + ((self.replicated,) if rec else ())
                            + tuple(NamedSharding(self.mesh, P(None, *x.spec)) for x in top_sh))
@@ -404,9 +407,9 @@ class PagedEngine(Engine):
                 self.vl_cfg if self.vl_cfg is not None else self.text_cfg, self._S, self._max_seq, self.buckets,
                 self.page_size, self.cache_spec, self.max_stop_tokens, self.attention, self.decode_block_pages,
                 self.kernel_options, self.max_prefill_pack, self.record_routing, self.max_decode_steps,
-                self.max_top_logprobs, self.stacked_matmul_rows, self.pages_axis, self.kv_replicas, self.null_page,
-                self.slot_ints, type(self.layout).__name__, getattr(self.layout, "keys", None), self.state_shardings,
-                self._kv_sharding, tuple(d.id for d in self.mesh.devices.flat), self.mesh.axis_names))
+                self.max_top_logprobs, self.stacked_matmul_rows, self.cpu_sampler, self.pages_axis, self.kv_replicas,
+                self.null_page, self.slot_ints, type(self.layout).__name__, getattr(self.layout, "keys", None),
+                self.state_shardings, self._kv_sharding, tuple(d.id for d in self.mesh.devices.flat), self.mesh.axis_names))
         else:
             self._program_context = None
         self._no_new_pages = None  # put on the devices at the first step (the engine builds on compile-only meshes)

@@ -141,7 +141,7 @@ def release_fn(arrays, slot, *, null_page: int):
 def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int,
                    null_page: int, attention: str = "blocked", block_pages: int = 8, kernel_options=None,
                    pages_axis: str | None = None, truncation: bool = True, record_routing: bool = False,
-                   top_logprobs: int = 0, stacked_matmul_rows: int = 0):
+                   top_logprobs: int = 0, stacked_matmul_rows: int = 0, cpu_sampler: bool = False):
     """One token for every slot. new_pages [S]: page to map at index pos // page_size (-1: none).
 
     attention: the decode attention (`paged_attention.DECODE_ATTENTION`; its pool layout names the pool
@@ -155,7 +155,8 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     program is the one without them. `stacked_matmul_rows` (static): a program of at most this many slots computes
     the layers' projections with `cpu_kernels.stacked_matmul`, reading each matrix in place from its stack
     (`transformer.stacked_layer_matmul`; the engine sets it on one CPU device, else 0), and at NT_LOGITS_ROWS slots
-    a tied float32 LM head with `cpu_kernels.matmul_nt`.
+    a tied float32 LM head with `cpu_kernels.matmul_nt`. `cpu_sampler` (static): the draws and log-probs come from
+    `cpu_kernels.sample_rows` (`sampling.sample`'s `rows_fn`; the engine sets it on one CPU device with the kernels).
     """
     S, maxp = arrays["page_table"].shape
     null = null_page
@@ -181,8 +182,10 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
         logits = cpu_kernels.matmul_nt(hidden[:, 0], params["embed"])
     else:
         logits = logits_from_hidden(params, hidden[:, 0])
-    tokens, logprobs = sampling.sample(logits, arrays["temperature"], arrays["top_k"], arrays["top_p"],
-                                       arrays["seed"], arrays["sample_index"], pos + 1, truncation=truncation)
+    tokens, logprobs, *lse = sampling.sample(logits, arrays["temperature"], arrays["top_k"], arrays["top_p"],
+                                             arrays["seed"], arrays["sample_index"], pos + 1, truncation=truncation,
+                                             rows_fn=cpu_kernels.sample_rows if cpu_sampler else None,
+                                             with_lse=bool(top_logprobs))
     num_generated = arrays["num_generated"] + active.astype(jnp.int32)
     new_pos = jnp.where(active, pos + 1, pos)
     finished = (sampling.is_stop(tokens, arrays["stop_ids"]) | (num_generated >= arrays["max_new"])
@@ -194,7 +197,7 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     if record_routing:
         step += (jnp.swapaxes(ids[:, :, 0], 0, 1),)
     if top_logprobs:
-        top_lp, top_ids = sampling.top_logprobs(logits, arrays["temperature"], top_logprobs)
+        top_lp, top_ids = sampling.top_logprobs(logits, arrays["temperature"], top_logprobs, lse=lse[0])
         step += (jnp.where(active[:, None], top_lp, 0.0), jnp.where(active[:, None], top_ids, 0))
     return out, step
 

@@ -158,9 +158,13 @@ def inverse_cdf(z: jax.Array, theta: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def scale_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
-    """z = logits / T per row (T > 0), logits unchanged where T == 0. logits [B, V], T [B]."""
+    """z = logits * (1 / T) per row (T > 0), logits unchanged where T == 0. logits [B, V], T [B].
+
+    A multiplication by the row's reciprocal, written out: XLA rewrites the division that way anyway, and the CPU
+    sampler kernel (`cpu_kernels.sample_rows`) computes the same bits (theta, from these z, is compared with its)."""
     t = temperature[:, None].astype(jnp.float32)
-    return jnp.where(t > 0, logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0), logits.astype(jnp.float32))
+    inv = jnp.where(t > 0, 1.0 / jnp.where(t > 0, t, 1.0), 1.0)
+    return logits.astype(jnp.float32) * inv
 
 
 def behaviour_logprobs(logits: jax.Array, temperature: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -170,13 +174,15 @@ def behaviour_logprobs(logits: jax.Array, temperature: jax.Array, tokens: jax.Ar
     return jnp.take_along_axis(z, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0] - lse
 
 
-def top_logprobs(logits: jax.Array, temperature: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def top_logprobs(logits: jax.Array, temperature: jax.Array, k: int,
+                 lse: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The k (static) largest entries of log_softmax(scale_logits(logits, T)) per row, the distribution whose entry
     at the sampled token is its behaviour log-prob (`behaviour_logprobs`: the same z and logsumexp, so the top-1
     entry of a greedy row is that log-prob bitwise): (log-probs [B, k] float32 descending, token ids [B, k] int32;
-    equal values in id order, as `first_argmax`). Over the full vocabulary, before top-k / top-p truncation."""
+    equal values in id order, as `first_argmax`). Over the full vocabulary, before top-k / top-p truncation.
+    `lse` [B]: the normaliser the sampler used (`sample(..., with_lse=True)`), so that stays true of a `rows_fn`."""
     z = scale_logits(logits, temperature)
-    lse = jax.nn.logsumexp(z, axis=-1)
+    lse = jax.nn.logsumexp(z, axis=-1) if lse is None else lse
     vals, ids = jax.lax.top_k(z, k)
     return vals - lse[:, None], ids.astype(jnp.int32)
 
@@ -244,7 +250,8 @@ def needs_truncation(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array)
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seed: jax.Array,
            sample_index: jax.Array, position: jax.Array,
-           prefilter: int = TOPK_PREFILTER, truncation: bool = True) -> tuple[jax.Array, jax.Array]:
+           prefilter: int = TOPK_PREFILTER, truncation: bool = True, rows_fn=None,
+           with_lse: bool = False) -> tuple[jax.Array, ...]:
     """Sample one token per row; returns (tokens [B] int32, behaviour log-probs [B] float32).
 
     logits [B, V] (any float dtype, used in float32); temperature [B] float (0 = greedy);
@@ -255,6 +262,12 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     sample without truncation (`needs_truncation` false everywhere; the caller guarantees it), where it gives
     the same tokens as truncation=True (such rows have theta = -inf in every branch) and compiles in about
     half the time (measured on XLA:CPU).
+
+    rows_fn (static): computes the draw and the normaliser logsumexp(z) of every row from (logits, temperature,
+    theta, u) instead of `inverse_cdf` and the logsumexp of `behaviour_logprobs` (`kernels.cpu_kernels.sample_rows`:
+    the same math in two passes per row; theta = -inf where a row does not truncate, u = 0 for greedy rows); the
+    truncation threshold and the log-prob z[token] - lse are computed here either way. with_lse (static): also
+    return the normaliser [B] (third), for `top_logprobs`.
     """
     logits = logits.astype(jnp.float32)
     temperature = temperature.astype(jnp.float32)
@@ -278,9 +291,15 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         return jnp.where(trunc, theta, -jnp.inf)
 
     u = uniform_noise(seed, sample_index, position)
+    no_theta = jnp.full(z.shape[:1], -jnp.inf, jnp.float32)
+    if rows_fn is not None:
+        theta = jax.lax.cond(jnp.any(trunc), truncated, lambda: no_theta) if truncation else no_theta
+        tokens, lse = rows_fn(logits, temperature, theta, jnp.where(temperature > 0, u, 0.0))
+        tokens = tokens.astype(jnp.int32)
+        logprobs = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - lse
+        return (tokens, logprobs) + ((lse,) if with_lse else ())
 
     def sampled():
-        no_theta = jnp.full(z.shape[:1], -jnp.inf, jnp.float32)
         theta = jax.lax.cond(jnp.any(trunc), truncated, lambda: no_theta) if truncation else no_theta
         # one inverse CDF for the whole batch: a greedy row's support is its maximal logits and its u is 0, so it
         # gets the first of them (= first_argmax(logits), as torch.argmax)
@@ -289,7 +308,8 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         return inverse_cdf(z, theta, jnp.where(greedy, 0.0, u))
 
     tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: first_argmax(logits)).astype(jnp.int32)
-    return tokens, behaviour_logprobs(logits, temperature, tokens)
+    out = (tokens, behaviour_logprobs(logits, temperature, tokens))
+    return out + ((jax.nn.logsumexp(z, axis=-1),) if with_lse else ())
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

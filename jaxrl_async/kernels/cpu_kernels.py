@@ -11,6 +11,8 @@
   inside the scan over layers XLA:CPU copies every layer's matrices out of the stack each step.
 * ``matmul_nt`` (same file): ``x @ w.T`` for a row-major ``w`` [N, K], the tied embedding as the LM head of those
   programs (XLA:CPU's transposed dot at a few rows runs at about half the rate).
+* ``sample_rows`` (``cpu/sample_rows.cc``): the decode step's sampler (`generator/sampling.py`'s inverse CDF and
+  the logsumexp of its log-probs) in two passes over each row of logits, where XLA's program makes about ten.
 
 The kernels are compiled on first use with the machine's compiler (``$CXX``, else ``c++`` / ``g++`` / ``clang++``)
 against the headers jaxlib ships (``jax.ffi.include_dir()``), for this CPU (``-march=native``), into one library
@@ -40,9 +42,9 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 TARGETS = {"jaxrl_async_paged_decode": "JaxrlPagedDecode", "jaxrl_async_stacked_matmul": "JaxrlStackedMatmul",
-           "jaxrl_async_matmul_nt": "JaxrlMatmulNt"}
-_SOURCES = ("paged_decode.cc", "stacked_matmul.cc")
-_HEADERS = ("parallel.h",)
+           "jaxrl_async_matmul_nt": "JaxrlMatmulNt", "jaxrl_async_sample_rows": "JaxrlSampleRows"}
+_SOURCES = ("paged_decode.cc", "stacked_matmul.cc", "sample_rows.cc")
+_HEADERS = ("parallel.h", "fast_math.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 _BUILD_TIMEOUT_S = 300
 
@@ -190,3 +192,18 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     call = jax.ffi.ffi_call(_target("jaxrl_async_matmul_nt"),
                             jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
     return call(x.T, w)
+
+
+def sample_rows(logits: jax.Array, temperature: jax.Array, theta: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row of logits [B, V]: the token `sampling.inverse_cdf` draws from softmax(z) on the support {z >= theta}
+    at u, z = logits * (1 / T) (T <= 0: z = logits and the first maximal logit), and the normaliser lse =
+    logsumexp(z) over the full vocabulary. temperature, theta, u [B]. -> (tokens [B] int32, lse [B] float32)."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+    if logits.ndim != 2:
+        raise ValueError(f"sample_rows: logits [B, V], got {logits.shape}")
+    B = logits.shape[0]
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(_target("jaxrl_async_sample_rows"),
+                            (jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B,), f32)))
+    return call(logits.astype(f32), temperature.astype(f32), theta.astype(f32), u.astype(f32))

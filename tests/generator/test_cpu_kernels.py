@@ -15,6 +15,7 @@ forward under the scope equals the plain one and calls it for every projection (
 matrices); the engine's small decode programs use it (so does every engine test with <= 16 slots).
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -318,3 +319,57 @@ def test_decode_programs_of_8_to_32_rows_read_the_tied_embedding_in_place():
         runs.append((np.stack(toks), np.stack(lps)))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("B,V", [(1, 5), (7, 1000), (64, 1024), (16, 4096 + 37)])
+def test_sample_rows_equals_the_xla_sampler(B, V):
+    """The decode step's sampler as one kernel (`sampling.sample`'s rows_fn): the same tokens as XLA's program on
+    greedy, tempered, top-k and top-p rows (theta comes from the same z bits), and log-probs within float32 rounding
+    of the result (1-2 ulp: other sum order, `fast_math.h`'s exp)."""
+    from jaxrl_async.generator import sampling
+
+    rng = np.random.default_rng(B * V)
+    logits = jnp.asarray(rng.normal(size=(B, V)) * 3, jnp.float32)
+    temperature = jnp.asarray(rng.choice([0.0, 0.7, 1.0, 1.5], size=B), jnp.float32)
+    seed, index, pos = jnp.arange(B, dtype=jnp.uint32), jnp.zeros(B, jnp.int32), jnp.full(B, 7, jnp.int32)
+    for top_k, top_p in ((rng.choice([0, 0, 5, 50], size=B), rng.choice([1.0, 0.9, 0.5], size=B)),
+                         (np.zeros(B), np.ones(B))):
+        args = (logits, temperature, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32), seed, index, pos)
+        for truncation in (True, False) if not top_k.any() else (True,):
+            ref = jax.jit(functools.partial(sampling.sample, truncation=truncation))(*args)
+            got = jax.jit(functools.partial(sampling.sample, truncation=truncation,
+                                            rows_fn=cpu_kernels.sample_rows))(*args)
+            np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+            np.testing.assert_allclose(np.asarray(got[1]), np.asarray(ref[1]), rtol=3e-7, atol=1e-6)
+    ties = jnp.asarray(np.tile([0.0, 2.0, 1.0, 2.0, 2.0], (2, 1)), jnp.float32)  # greedy: the first maximum
+    toks, lse = cpu_kernels.sample_rows(ties, jnp.zeros(2), jnp.full(2, -jnp.inf), jnp.zeros(2))
+    assert np.asarray(toks).tolist() == [1, 1]
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(jax.nn.logsumexp(ties, axis=-1)), rtol=0, atol=1e-6)
+    # the normaliser returned for the top log-probs is the one of the sampled token's log-prob: its entry among
+    # them is that log-prob bitwise (with_lse; the engine's top log-probs)
+    z = sampling.scale_logits(logits, temperature)
+    tok, lp, lse = jax.jit(functools.partial(sampling.sample, rows_fn=cpu_kernels.sample_rows, with_lse=True))(
+        logits, temperature, jnp.zeros(B, jnp.int32), jnp.ones(B), seed, index, pos)
+    np.testing.assert_array_equal(np.asarray(jnp.take_along_axis(z, tok[:, None], axis=1)[:, 0] - lse),
+                                  np.asarray(lp))
+
+
+def test_engine_samples_with_the_kernel_only_on_one_cpu_device():
+    from jaxrl_async.generator.engine import PagedEngine
+    from jaxrl_async.models.transformer import init_params
+    from jaxrl_async.sharding.mesh import make_mesh
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", param_dtype="float32")
+    kw = dict(max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(32,), page_size=8, num_pages=40)
+    params = init_params(cfg, jax.random.key(0))
+    no_pages = np.full(4, -1, np.int32)
+
+    def step_hlo(eng):
+        return eng._steps[True].lower(eng.place_params(params), eng.init_decode_state().arrays, no_pages).as_text()
+
+    kernel, blocked = PagedEngine(cfg, **kw), PagedEngine(cfg, attention="blocked", **kw)
+    assert kernel.cpu_sampler and "jaxrl_async_sample_rows" in step_hlo(kernel)
+    assert not blocked.cpu_sampler and "jaxrl_async_sample_rows" not in step_hlo(blocked)
+    mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
+    assert not PagedEngine(cfg, mesh=mesh, **kw).cpu_sampler

@@ -6,6 +6,7 @@ import pytest
 from scipy import stats
 
 from jaxrl_async.generator import sampling
+from jaxrl_async.kernels import cpu_kernels
 
 # probabilities chosen so the truncated supports are easy to derive by hand
 PROBS = np.array([0.05, 0.40, 0.02, 0.25, 0.15, 0.10, 0.03], np.float64)  # sorted: 1, 3, 4, 5, 0, 6, 2
@@ -14,15 +15,19 @@ N = 20_000
 V = len(PROBS)
 
 _sample = jax.jit(sampling.sample)
+# the sampler's two implementations: XLA's program, and the CPU engine's kernel (`rows_fn`, the same math row by row)
+SAMPLERS = {"xla": _sample, "cpu_kernel": jax.jit(lambda *a: sampling.sample(*a, rows_fn=cpu_kernels.sample_rows))}
+PATHS = ["xla", pytest.param("cpu_kernel", marks=pytest.mark.skipif(
+    not cpu_kernels.available(), reason="no C++ compiler: the CPU kernels cannot be built"))]
 
 
-def draw(temperature, top_k=0, top_p=1.0, logits=LOGITS):
+def draw(temperature, top_k=0, top_p=1.0, logits=LOGITS, path="xla"):
     """N draws from one row of logits with N different request keys (seed 7, sample i, position 5)."""
     B = N
     full = lambda x, dt: jnp.full((B,), x, dt)  # noqa: E731
-    toks, lps = _sample(jnp.broadcast_to(jnp.asarray(logits), (B, logits.shape[0])), full(temperature, jnp.float32),
-                        full(top_k, jnp.int32), full(top_p, jnp.float32), full(7, jnp.uint32),
-                        jnp.arange(B, dtype=jnp.int32), full(5, jnp.int32))
+    toks, lps = SAMPLERS[path](jnp.broadcast_to(jnp.asarray(logits), (B, logits.shape[0])),
+                               full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
+                               full(7, jnp.uint32), jnp.arange(B, dtype=jnp.int32), full(5, jnp.int32))
     return np.asarray(toks), np.asarray(lps)
 
 
@@ -45,61 +50,69 @@ def chi2_pvalue(tokens, expected):
 
 
 @pytest.mark.parametrize("T", [1.0, 0.5, 2.0])
-def test_temperature_distribution(T):
-    toks, _ = draw(T)
+@pytest.mark.parametrize("path", PATHS)
+def test_temperature_distribution(T, path):
+    toks, _ = draw(T, path=path)
     assert chi2_pvalue(toks, tempered(T)) > 1e-3
 
 
-def test_chi_square_detects_a_wrong_temperature():
-    toks, _ = draw(0.5)
+@pytest.mark.parametrize("path", PATHS)
+def test_chi_square_detects_a_wrong_temperature(path):
+    toks, _ = draw(0.5, path=path)
     assert chi2_pvalue(toks, tempered(1.0)) < 1e-6
 
 
-def test_top_k_distribution():
-    toks, _ = draw(1.0, top_k=3)
+@pytest.mark.parametrize("path", PATHS)
+def test_top_k_distribution(path):
+    toks, _ = draw(1.0, top_k=3, path=path)
     assert chi2_pvalue(toks, renorm(PROBS, [1, 3, 4])) > 1e-3
 
 
-def test_top_p_distribution():
+@pytest.mark.parametrize("path", PATHS)
+def test_top_p_distribution(path):
     # sorted probs 0.40, 0.25, 0.15, ...: exclusive mass 0, 0.40, 0.65 -> top_p=0.6 keeps {1, 3}
-    toks, _ = draw(1.0, top_p=0.6)
+    toks, _ = draw(1.0, top_p=0.6, path=path)
     assert chi2_pvalue(toks, renorm(PROBS, [1, 3])) > 1e-3
 
 
-def test_top_k_then_top_p_on_renormalised_top_k():
+@pytest.mark.parametrize("path", PATHS)
+def test_top_k_then_top_p_on_renormalised_top_k(path):
     # top-k=3 renormalises to 0.40/0.80, 0.25/0.80, 0.15/0.80 = .5, .3125, .1875;
     # exclusive mass 0, .5, .8125 -> top_p=0.85 keeps {1, 3, 4}; top_p=0.7 keeps {1, 3}.
     # (top-p on the un-renormalised probabilities would keep {1, 3, 4, 5} at 0.85: excl. mass .8)
-    toks, _ = draw(1.0, top_k=3, top_p=0.85)
+    toks, _ = draw(1.0, top_k=3, top_p=0.85, path=path)
     assert chi2_pvalue(toks, renorm(PROBS, [1, 3, 4])) > 1e-3
-    toks, _ = draw(1.0, top_k=3, top_p=0.7)
+    toks, _ = draw(1.0, top_k=3, top_p=0.7, path=path)
     assert chi2_pvalue(toks, renorm(PROBS, [1, 3])) > 1e-3
 
 
-def test_top_p_with_temperature():
+@pytest.mark.parametrize("path", PATHS)
+def test_top_p_with_temperature(path):
     T = 0.5  # tempered probs p^2 / sum = .619, .242, .087, ...: top_p=0.5 keeps {1}, 0.7 keeps {1, 3}
     p = tempered(T)
-    toks, _ = draw(T, top_p=0.5)
+    toks, _ = draw(T, top_p=0.5, path=path)
     assert np.all(toks == 1)
-    toks, _ = draw(T, top_p=0.7)
+    toks, _ = draw(T, top_p=0.7, path=path)
     keep = [1, 3]
     assert p[1] < 0.7 < p[1] + p[3]
     assert chi2_pvalue(toks, renorm(p, keep)) > 1e-3
 
 
-def test_logprob_is_full_vocabulary_before_truncation():
+@pytest.mark.parametrize("path", PATHS)
+def test_logprob_is_full_vocabulary_before_truncation(path):
     for T, k, tp in [(1.0, 0, 1.0), (0.7, 2, 1.0), (1.5, 0, 0.5), (0.0, 3, 0.5)]:
-        toks, lps = draw(T, top_k=k, top_p=tp)
+        toks, lps = draw(T, top_k=k, top_p=tp, path=path)
         expected = np.log(tempered(T) if T > 0 else PROBS)[toks]
         np.testing.assert_allclose(lps, expected, atol=2e-6, err_msg=str((T, k, tp)))
 
 
-def test_greedy_is_argmax_and_ignores_randomness():
+@pytest.mark.parametrize("path", PATHS)
+def test_greedy_is_argmax_and_ignores_randomness(path):
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(N, V)).astype(np.float32)
-    toks, lps = _sample(jnp.asarray(logits), jnp.zeros(N, jnp.float32), jnp.full(N, 5, jnp.int32),
-                        jnp.full(N, 0.3, jnp.float32), jnp.arange(N, dtype=jnp.uint32), jnp.zeros(N, jnp.int32),
-                        jnp.arange(N, dtype=jnp.int32))
+    toks, lps = SAMPLERS[path](jnp.asarray(logits), jnp.zeros(N, jnp.float32), jnp.full(N, 5, jnp.int32),
+                               jnp.full(N, 0.3, jnp.float32), jnp.arange(N, dtype=jnp.uint32),
+                               jnp.zeros(N, jnp.int32), jnp.arange(N, dtype=jnp.int32))
     np.testing.assert_array_equal(np.asarray(toks), logits.argmax(-1))
     ref = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(lps), ref[np.arange(N), logits.argmax(-1)], atol=1e-5)
@@ -129,7 +142,8 @@ def test_uniform_noise_is_jax_random_bitwise(monkeypatch):
 
 
 @pytest.mark.parametrize("V", [1001, 1024, 130])
-def test_inverse_cdf_over_several_blocks_is_the_distribution(V):
+@pytest.mark.parametrize("path", PATHS)
+def test_inverse_cdf_over_several_blocks_is_the_distribution(V, path):
     """The two-level inverse CDF (blocks of CDF_BLOCK entries) on vocabularies of several blocks, a partial last
     block included: chi-square on the tokens of mass, including mass in the first, a middle and the last
     (partial) block, and never a token outside the support (zero-mass entries around the chosen ones)."""
@@ -141,20 +155,24 @@ def test_inverse_cdf_over_several_blocks_is_the_distribution(V):
     z = np.full(V, -1e4, np.float32)  # exp underflows to exactly 0: zero mass
     z[hot] = np.log(probs[hot])
     u = jnp.asarray(rng.uniform(size=N), jnp.float32)
-    toks = np.asarray(jax.jit(sampling.inverse_cdf)(jnp.broadcast_to(jnp.asarray(z), (N, V)),
-                                                    jnp.full(N, -jnp.inf), u))
+    if path == "xla":
+        inverse_cdf = jax.jit(sampling.inverse_cdf)
+    else:  # the kernel at T = 1 (z = logits)
+        inverse_cdf = jax.jit(lambda z, theta, u: cpu_kernels.sample_rows(z, jnp.ones(z.shape[0]), theta, u)[0])
+    toks = np.asarray(inverse_cdf(jnp.broadcast_to(jnp.asarray(z), (N, V)), jnp.full(N, -jnp.inf), u))
     assert chi2_pvalue(toks, probs) > 1e-3
     # u at the edges: 0 gives the first token of mass, the largest float below 1 the last one
-    edge = np.asarray(sampling.inverse_cdf(jnp.asarray(z)[None].repeat(2, 0), jnp.full(2, -jnp.inf),
-                                           jnp.asarray([0.0, np.nextafter(np.float32(1), np.float32(0))])))
+    edge = np.asarray(inverse_cdf(jnp.asarray(z)[None].repeat(2, 0), jnp.full(2, -jnp.inf),
+                                  jnp.asarray([0.0, np.nextafter(np.float32(1), np.float32(0))])))
     assert edge.tolist() == [hot[0], hot[-1]]
     # a theta cuts the support: only tokens with z >= theta
     theta = float(np.sort(z[hot])[-3])
-    toks = np.asarray(jax.jit(sampling.inverse_cdf)(jnp.broadcast_to(jnp.asarray(z), (N, V)), jnp.full(N, theta), u))
+    toks = np.asarray(inverse_cdf(jnp.broadcast_to(jnp.asarray(z), (N, V)), jnp.full(N, theta), u))
     assert set(toks.tolist()) == set(hot[z[hot] >= theta].tolist())
 
 
-def test_greedy_rows_in_a_sampled_batch_take_the_first_maximum():
+@pytest.mark.parametrize("path", PATHS)
+def test_greedy_rows_in_a_sampled_batch_take_the_first_maximum(path):
     """A batch mixing greedy and sampled rows: the greedy rows return first_argmax(logits), ties included."""
     rng = np.random.default_rng(2)
     B, V = 8, 300
@@ -163,8 +181,10 @@ def test_greedy_rows_in_a_sampled_batch_take_the_first_maximum():
     logits[2, [150, 151]] = 9.0
     temperature = np.array([0.0, 1.0, 0.0, 0.7, 0.0, 1.0, 0.0, 2.0], np.float32)
     zeros = jnp.zeros(B, jnp.int32)
-    toks, _ = jax.jit(lambda *a: sampling.sample(*a))(jnp.asarray(logits), jnp.asarray(temperature), zeros, jnp.ones(B),
-                                       jnp.arange(B, dtype=jnp.uint32), zeros, zeros + 3)
+    rows_fn = cpu_kernels.sample_rows if path == "cpu_kernel" else None
+    toks, _ = jax.jit(lambda *a: sampling.sample(*a, rows_fn=rows_fn))(
+        jnp.asarray(logits), jnp.asarray(temperature), zeros, jnp.ones(B), jnp.arange(B, dtype=jnp.uint32), zeros,
+        zeros + 3)
     greedy = temperature == 0
     np.testing.assert_array_equal(np.asarray(toks)[greedy], np.asarray(sampling.first_argmax(logits))[greedy])
     assert np.asarray(toks)[[0, 2]].tolist() == [5, 150]
