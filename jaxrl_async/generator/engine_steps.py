@@ -155,8 +155,9 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     program is the one without them. `stacked_matmul_rows` (static): a program of at most this many slots computes
     the layers' projections with `cpu_kernels.stacked_matmul`, reading each matrix in place from its stack
     (`transformer.stacked_layer_matmul`; the engine sets it on one CPU device, else 0), and at NT_LOGITS_ROWS slots
-    a tied float32 LM head with `cpu_kernels.matmul_nt`. `cpu_sampler` (static): the draws and log-probs come from
-    `cpu_kernels.sample_rows` (`sampling.sample`'s `rows_fn`; the engine sets it on one CPU device with the kernels).
+    a tied float32 LM head with `cpu_kernels.matmul_nt`. `cpu_sampler` (static): the draws and the log-probs'
+    normaliser come from `cpu_kernels.sample_rows` (`sampling.sample`'s `rows_fn`; the engine sets it on one CPU
+    device with the kernels).
     """
     S, maxp = arrays["page_table"].shape
     null = null_page
