@@ -291,25 +291,26 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         return jnp.where(trunc, theta, -jnp.inf)
 
     u = uniform_noise(seed, sample_index, position)
-    no_theta = jnp.full(z.shape[:1], -jnp.inf, jnp.float32)
-    if rows_fn is not None:
-        theta = jax.lax.cond(jnp.any(trunc), truncated, lambda: no_theta) if truncation else no_theta
-        tokens, lse = rows_fn(logits, temperature, theta, jnp.where(temperature > 0, u, 0.0))
-        tokens = tokens.astype(jnp.int32)
-        logprobs = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - lse
-        return (tokens, logprobs) + ((lse,) if with_lse else ())
+
+    def support_threshold():  # theta per row: -inf where a row does not truncate
+        no_theta = jnp.full(z.shape[:1], -jnp.inf, jnp.float32)
+        return jax.lax.cond(jnp.any(trunc), truncated, lambda: no_theta) if truncation else no_theta
 
     def sampled():
-        theta = jax.lax.cond(jnp.any(trunc), truncated, lambda: no_theta) if truncation else no_theta
         # one inverse CDF for the whole batch: a greedy row's support is its maximal logits and its u is 0, so it
         # gets the first of them (= first_argmax(logits), as torch.argmax)
         greedy = temperature <= 0
-        theta = jnp.where(greedy, jnp.max(z, axis=-1), theta)
+        theta = jnp.where(greedy, jnp.max(z, axis=-1), support_threshold())
         return inverse_cdf(z, theta, jnp.where(greedy, 0.0, u))
 
-    tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: first_argmax(logits)).astype(jnp.int32)
-    out = (tokens, behaviour_logprobs(logits, temperature, tokens))
-    return out + ((jax.nn.logsumexp(z, axis=-1),) if with_lse else ())
+    if rows_fn is not None:
+        tokens, lse = rows_fn(logits, temperature, support_threshold(), jnp.where(temperature > 0, u, 0.0))
+    else:
+        tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: first_argmax(logits))
+        lse = jax.nn.logsumexp(z, axis=-1)
+    tokens = tokens.astype(jnp.int32)
+    logprobs = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - lse  # = behaviour_logprobs
+    return (tokens, logprobs) + ((lse,) if with_lse else ())
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
