@@ -6,6 +6,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace jaxrl_cpu {
 
 // exp(x) for x <= 0 (the softmax's arguments), vectorizable: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p the
@@ -27,5 +31,26 @@ inline float exp_approx(float x) {
   std::memcpy(&scale, &bits, 4);
   return x < -87.f ? 0.f : p * scale;
 }
+
+#if defined(__AVX512F__)
+// exp_approx 16 lanes at a time (GCC's tuning for Intel cores vectorizes a loop over exp_approx with 8)
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.f);
+  const __m512 xc = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 q = _mm512_set1_ps(1.f / 720.f);
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f / 120.f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f / 24.f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f / 6.f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), _mm512_mul_ps(q, _mm512_castsi512_ps(bits)));
+}
+#endif
 
 }  // namespace jaxrl_cpu

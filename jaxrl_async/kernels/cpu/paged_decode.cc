@@ -15,7 +15,9 @@
 // per page (running max, sum and weighted values), as the blocked path computes; the result equals it up to
 // summation order. Work items are (slot, kv head) pairs, shared with XLA's intra-op thread pool (parallel.h).
 // On AVX-512 builds, with pages of a multiple of 16 tokens and head dims of 32, 64 or 128 (the compile-time
-// sizes), the scores of 16 tokens are computed together (`scores16`); elsewhere one dot product per score.
+// sizes), `attend_item_avx512` takes the item in three passes (every score, 16 tokens at a time; the softmax over
+// the row; the weighted values); elsewhere `attend_item` runs one online-softmax step per page with one dot
+// product per score.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,6 +37,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxrl_cpu::exp_approx;
+#if defined(__AVX512F__)
+using jaxrl_cpu::exp16;
+#endif
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {
@@ -148,31 +153,14 @@ void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, c
         __builtin_prefetch(vpool + ahead + i, 0, 2);
       }
     }
-    bool scored = false;
-#if defined(__AVX512F__)
-    if constexpr (EC > 0 && EC % 16 == 0 && EC <= 128) {
-      if (d.page % 16 == 0) {  // groups of 16 tokens; rows past nt lie in this page and their scores are unused
-        const __m512 scale = _mm512_set1_ps(d.scale);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 qv[EC / 16];
-          for (int c = 0; c < EC / 16; ++c) qv[c] = _mm512_loadu_ps(qf + g * EC + c * 16);
-          for (int64_t t0 = 0; t0 < nt; t0 += 16)
-            _mm512_storeu_ps(sc + g * d.page + t0, _mm512_mul_ps(scores16<EC>(qv, kb + t0 * EC), scale));
-        }
-        scored = true;
-      }
-    }
-#endif
-    if (!scored) {  // one dot product per score
-      for (int64_t t = 0; t < nt; ++t) {
-        const KT* kt = kb + t * E;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf + g * E;
-          float acc_s = 0.f;
+    for (int64_t t = 0; t < nt; ++t) {  // one dot product per score
+      const KT* kt = kb + t * E;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf + g * E;
+        float acc_s = 0.f;
 #pragma omp simd reduction(+ : acc_s)
-          for (int64_t e = 0; e < E; ++e) acc_s += qg[e] * to_float(kt[e]);
-          sc[g * d.page + t] = acc_s * d.scale;
-        }
+        for (int64_t e = 0; e < E; ++e) acc_s += qg[e] * to_float(kt[e]);
+        sc[g * d.page + t] = acc_s * d.scale;
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -216,9 +204,128 @@ void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, c
   }
 }
 
+#if defined(__AVX512F__)
+// The item on AVX-512 (head dim EC of 32, 64 or 128; pages of a multiple of 16 tokens), in three passes over the
+// slot's tokens: (1) every score, 16 tokens of a page at a time (`scores16`), into a row per query head; (2) per
+// head, the row's max, the weights exp(score - max) (16 lanes at a time, `exp16`) and their sum; (3) the weighted
+// values, each page's rows read from memory once (the G heads read them again from L1), summed in two chains
+// (even and odd tokens). The keys are read once in (1) and the values once in (3), as in the online softmax, but
+// nothing waits on a running max: the online form's per-page rescale, scalar max and exp chains left this CPU
+// waiting on latencies (the fixed model's attention ~1.4x longer on the same data; NOTES, session 21). Same math as
+// `attend_item` up to summation order.
+template <typename QT, typename KT, int EC>
+void attend_item_avx512(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, const int32_t* lens,
+                        const int32_t* pages, QT* out, int64_t item) {
+  const int64_t s = item / d.K, kh = item % d.K;
+  const int64_t G = d.G;
+  QT* o = out + (s * d.H + kh * G) * EC;
+  const int64_t len = lens[s];
+  if (len <= 0) {
+    for (int64_t i = 0; i < G * EC; ++i) from_float(0.f, o + i);
+    return;
+  }
+  const int64_t npages = std::min((len + d.page - 1) / d.page, d.maxp);
+  const int64_t n_all = std::min(len, npages * d.page);
+  const int64_t LP = npages * d.page;  // a row's length: a multiple of 16
+  thread_local std::vector<float> scratch;  // of this thread, grown to the longest item seen
+  const size_t need = static_cast<size_t>(G * EC * 2 + G + G * LP);
+  if (scratch.size() < need) scratch.resize(need);
+  float* qf = scratch.data();
+  float* acc = qf + G * EC;
+  float* inv = acc + G * EC;
+  float* sc = inv + G;  // [G, LP]: scores, then weights
+  const QT* qs = q + (s * d.H + kh * G) * EC;
+  for (int64_t i = 0; i < G * EC; ++i) qf[i] = to_float(qs[i]), acc[i] = 0.f;
+  const int64_t page_stride = d.K * d.page * EC;
+  const int64_t block = d.page * EC;
+  auto base_of = [&](int64_t j) {
+    int64_t pid = pages[s * d.maxp + j];
+    pid = std::min(std::max<int64_t>(pid, 0), d.P - 1);
+    return (d.layer * d.P + pid) * page_stride + kh * block;
+  };
+  // The pages of a slot lie anywhere in the pool, and the hardware prefetchers stop at a page's end: the rows of
+  // the page two ahead are prefetched into L2 (measured on a 2-core Zen 4 for the online form: one ahead or three,
+  // or into L1, was 3-40% slower; none, 1.5x; on the Xeon of session 21 two to four ahead were alike here).
+  constexpr int64_t kLine = 64 / sizeof(KT);
+  auto prefetch = [&](const KT* pool, int64_t j) {
+    if (j + 2 >= npages) return;
+    const KT* ahead = pool + base_of(j + 2);
+    const int64_t nt = std::min(d.page, len - (j + 2) * d.page);
+    for (int64_t i = 0; i < nt * EC; i += kLine) __builtin_prefetch(ahead + i, 0, 2);
+  };
+  constexpr int C = EC / 16;
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  const __m512 scale = _mm512_set1_ps(d.scale);
+  for (int64_t j = 0; j < npages; ++j) {  // (1) scores; lanes past the slot's length: -inf
+    const int64_t nt = std::min(d.page, len - j * d.page);
+    const KT* kb = kpool + base_of(j);
+    prefetch(kpool, j);
+    for (int64_t t0 = 0; t0 < nt; t0 += 16) {  // rows past nt lie in this page; their scores are masked
+      const int64_t n = std::min<int64_t>(16, nt - t0);
+      const __mmask16 live = n == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 qv[C];
+        for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qf + g * EC + c * 16);
+        const __m512 sg = _mm512_mul_ps(scores16<EC>(qv, kb + t0 * EC), scale);
+        _mm512_storeu_ps(sc + g * LP + j * d.page + t0, _mm512_mask_mov_ps(ninf, live, sg));
+      }
+    }
+  }
+  const int64_t filled = (n_all + 15) / 16 * 16;  // blocks past the last one scored (pages of 32+ tokens): -inf
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t t = filled; t < LP; ++t) sc[g * LP + t] = -INFINITY;
+  for (int64_t g = 0; g < G; ++g) {  // (2) the softmax's weights and normaliser per head
+    float* sg = sc + g * LP;
+    __m512 vm = ninf;
+    for (int64_t t = 0; t < LP; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sg + t));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < LP; t += 16) {
+      const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx));
+      _mm512_storeu_ps(sg + t, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    inv[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t j = 0; j < npages; ++j) {  // (3) the weighted values
+    const int64_t nt = std::min(d.page, len - j * d.page);
+    const KT* vb = vpool + base_of(j);
+    prefetch(vpool, j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = sc + g * LP + j * d.page;
+      float* ag = acc + g * EC;
+      __m512 a[C], b[C];
+      for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(ag + c * 16), b[c] = _mm512_setzero_ps();
+      int64_t t = 0;
+      for (; t + 1 < nt; t += 2) {
+        const __m512 p0 = _mm512_set1_ps(pg[t]), p1 = _mm512_set1_ps(pg[t + 1]);
+        for (int c = 0; c < C; ++c) {
+          a[c] = _mm512_fmadd_ps(p0, load16(vb + t * EC + c * 16), a[c]);
+          b[c] = _mm512_fmadd_ps(p1, load16(vb + (t + 1) * EC + c * 16), b[c]);
+        }
+      }
+      if (t < nt) {
+        const __m512 p0 = _mm512_set1_ps(pg[t]);
+        for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p0, load16(vb + t * EC + c * 16), a[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(ag + c * 16, _mm512_add_ps(a[c], b[c]));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t e = 0; e < EC; ++e) from_float(acc[g * EC + e] * inv[g], o + g * EC + e);
+}
+#endif
+
 template <typename QT, typename KT>
 void attend_any(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, const int32_t* lens,
                 const int32_t* pages, QT* out, int64_t item) {
+#if defined(__AVX512F__)
+  if (d.page % 16 == 0) {
+    if (d.E == 32) return attend_item_avx512<QT, KT, 32>(d, q, kpool, vpool, lens, pages, out, item);
+    if (d.E == 64) return attend_item_avx512<QT, KT, 64>(d, q, kpool, vpool, lens, pages, out, item);
+    if (d.E == 128) return attend_item_avx512<QT, KT, 128>(d, q, kpool, vpool, lens, pages, out, item);
+  }
+#endif
   if (d.E == 32)
     attend_item<QT, KT, 32>(d, q, kpool, vpool, lens, pages, out, item);
   else if (d.E == 64)

@@ -53,25 +53,6 @@ inline float row_max(const float* l, int64_t V) {
 // into *kept, and, with p, the masses themselves (0 off the support) into p[0, b - a): the block sums and the block
 // searched for the token see the same values.
 #if defined(__AVX512F__)
-// `fast_math.h`'s exp_approx 16 lanes at a time (GCC's tuning for Intel cores vectorizes the loop with 8)
-inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.f);
-  const __m512 xc = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 q = _mm512_set1_ps(1.f / 720.f);
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f / 120.f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f / 24.f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f / 6.f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), _mm512_mul_ps(q, _mm512_castsi512_ps(bits)));
-}
-
 inline void block_masses(const float* l, int64_t a, int64_t b, float inv_t, float zmax, float th, float* all,
                          float* kept, float* p) {
   const __m512 vinv = _mm512_set1_ps(inv_t), vzmax = _mm512_set1_ps(zmax), vth = _mm512_set1_ps(th);
@@ -81,7 +62,7 @@ inline void block_masses(const float* l, int64_t a, int64_t b, float inv_t, floa
     const int64_t n = std::min<int64_t>(16, b - i);
     const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
     const __m512 z = _mm512_mul_ps(_mm512_mask_loadu_ps(none, m, l + i), vinv);  // lanes past b: -inf, mass 0
-    const __m512 e = exp16(_mm512_sub_ps(z, vzmax));
+    const __m512 e = jaxrl_cpu::exp16(_mm512_sub_ps(z, vzmax));
     const __mmask16 keep = _mm512_cmp_ps_mask(z, vth, _CMP_GE_OQ) & m;
     va = _mm512_add_ps(va, e);
     vk = _mm512_mask_add_ps(vk, keep, vk, e);
