@@ -4,7 +4,7 @@
   read contiguous operands, so the portable ``blocked`` path copies every block of a slot's pages out of the pool
   before it attends: on a 2-core CPU those copies were ~40% of a decode step (NOTES, session 15). The kernel reads
   each page's keys and values in place, once, on XLA's intra-op thread pool, and skips free slots. Same contract and
-  result as ``paged.blocked_decode_attend`` (float32 scores, online softmax; equal up to summation order), on the
+  result as ``paged.blocked_decode_attend`` (float32 scores and softmax; equal up to summation order), on the
   same ``page_heads`` pool layout, so the engine switches between them with nothing else changed.
 * ``stacked_matmul`` (``cpu/stacked_matmul.cc``): ``x @ w[layer]`` reading the layer's matrix in place from the
   stacked ``[L, K, N]`` weights, for decode programs of a few rows (`models.transformer.stacked_layer_matmul`):
