@@ -12,7 +12,8 @@
 //   layer   []     int32        the layer whose pages are read
 // Attribute: scale (float). Result: [S, H, E] in q's dtype.
 // Query head h uses kv head h / (H / K) (grouped-query attention). Math: float32 scores and softmax, as the
-// blocked path computes; the result equals it up to summation order. Work items are (slot, kv head) pairs, shared with XLA's intra-op thread pool (parallel.h).
+// blocked path computes; the result equals it up to summation order. Work items are (slot, kv head) pairs, shared
+// with XLA's intra-op thread pool (parallel.h).
 // On AVX-512 builds, with pages of a multiple of 16 tokens and head dims of 32, 64 or 128 (the compile-time
 // sizes), `attend_item_avx512` takes the item in three passes (every score, 16 tokens at a time; the softmax over
 // the row; the weighted values); elsewhere `attend_item` runs one online-softmax step per page with one dot
