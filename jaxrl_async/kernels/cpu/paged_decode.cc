@@ -103,6 +103,14 @@ struct Dims {
   float scale;
 };
 
+// Where page j of slot s lies in a pool, for kv head kh: the offset of its [page, E] block (the page id clamped
+// into the pool, so a bad table entry cannot read outside it).
+inline int64_t page_base(const Dims& d, const int32_t* pages, int64_t s, int64_t kh, int64_t E, int64_t j) {
+  int64_t pid = pages[s * d.maxp + j];
+  pid = std::min(std::max<int64_t>(pid, 0), d.P - 1);
+  return ((d.layer * d.P + pid) * d.K + kh) * d.page * E;
+}
+
 // One (slot, kv head) item: the G query heads of kv head `kh` of slot `s`. EC: the head dim when it is one of the
 // common sizes (a compile-time constant lets the compiler keep a head's accumulator in vector registers), else 0.
 template <typename QT, typename KT, int EC>
@@ -130,13 +138,7 @@ void attend_item(const Dims& d, const QT* q, const KT* kpool, const KT* vpool, c
   for (int64_t i = 0; i < G * E; ++i) qf[i] = to_float(qs[i]), acc[i] = 0.f;
   for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY, l[g] = 0.f;
   const int64_t npages = std::min((len + d.page - 1) / d.page, d.maxp);
-  const int64_t page_stride = d.K * d.page * E;
-  const int64_t block = d.page * E;  // elements of one page of one kv head (contiguous)
-  auto base_of = [&](int64_t j) {
-    int64_t pid = pages[s * d.maxp + j];
-    pid = std::min(std::max<int64_t>(pid, 0), d.P - 1);
-    return (d.layer * d.P + pid) * page_stride + kh * block;
-  };
+  auto base_of = [&](int64_t j) { return page_base(d, pages, s, kh, E, j); };
   // The pages of a slot lie anywhere in the pool, and the hardware prefetchers stop at a page's end: the keys and
   // values of the page two ahead are prefetched into L2, a row per token of this one (measured on a 2-core Zen 4:
   // one ahead or three, or into L1, was 3-40% slower; none, 1.5x).
@@ -236,13 +238,7 @@ void attend_item_avx512(const Dims& d, const QT* q, const KT* kpool, const KT* v
   float* sc = inv + G;  // [G, LP]: scores, then weights
   const QT* qs = q + (s * d.H + kh * G) * EC;
   for (int64_t i = 0; i < G * EC; ++i) qf[i] = to_float(qs[i]), acc[i] = 0.f;
-  const int64_t page_stride = d.K * d.page * EC;
-  const int64_t block = d.page * EC;
-  auto base_of = [&](int64_t j) {
-    int64_t pid = pages[s * d.maxp + j];
-    pid = std::min(std::max<int64_t>(pid, 0), d.P - 1);
-    return (d.layer * d.P + pid) * page_stride + kh * block;
-  };
+  auto base_of = [&](int64_t j) { return page_base(d, pages, s, kh, EC, j); };
   // The pages of a slot lie anywhere in the pool, and the hardware prefetchers stop at a page's end: the rows of
   // the page two ahead are prefetched into L2 (measured on a 2-core Zen 4 for the online form: one ahead or three,
   // or into L1, was 3-40% slower; none, 1.5x; on the Xeon of session 21 two to four ahead were alike here).
