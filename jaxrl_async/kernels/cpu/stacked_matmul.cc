@@ -5,12 +5,12 @@
 //
 // Operands: x [M, K] float32, w [L, K, N] float32, layer [] int32. Result: y [M, N] float32.
 // Work: column blocks of 64 (the last one narrower), shared with XLA's intra-op thread pool (parallel.h). Within a
-// block, groups of 4 rows accumulate in registers over k, in order (one float32 multiply-add chain per output);
-// w's rows 32 ahead are prefetched into L2 (the block's rows are N floats apart: the hardware prefetchers lose them
-// at every 4 KiB page). AVX-512 builds write the full-width tile with 512-bit intrinsics (`tile_avx512`; the same
-// multiply-adds in the same order, so the same bits) and walk a block in slices of 128 rows of w (32 KiB), every
-// group of 4 rows of x over one slice before the next (the sums stored and picked up again exactly), so the groups
-// after the first read the slice from L1 instead of L2 (NOTES, session 19).
+// block, groups of rows accumulate in registers over k, in order (one float32 multiply-add chain per output); w's
+// rows 32 ahead are prefetched into L2 (the block's rows are N floats apart: the hardware prefetchers lose them at
+// every 4 KiB page). AVX-512 builds write the tile with 512-bit intrinsics (`tile_avx512`, any block width, the last
+// vector masked; the same multiply-adds in the same order, so the same bits) and walk a block in slices of 128 rows
+// of w (32 KiB), every group of rows of x over one slice before the next (the sums stored and picked up again
+// exactly), so the groups after the first read the slice from L1 instead of L2 (NOTES, session 19).
 #include <algorithm>
 #include <cstdint>
 
@@ -55,47 +55,70 @@ inline void tile(const MatmulDims& d, const float* x, const float* w, float* y, 
 }
 
 #if defined(__AVX512F__)
-// The same tile at the full width with 512-bit vectors written out: GCC's tuning for Intel's AVX-512 cores prefers
-// 256-bit vectors, and 4 rows x 64 columns then need all 32 ymm registers for the accumulators alone (spills).
-template <int64_t R>
+// The tile with 512-bit vectors written out, C vectors of 16 columns per row (width <= 16 x C; the last vector's
+// lanes past the width masked off: `last`): GCC's tuning for Intel's AVX-512 cores prefers 256-bit vectors, and 4
+// rows x 64 columns then need all 32 ymm registers for the accumulators alone (spills); a block narrower than 64
+// (the last one, or a whole matrix of 16 / 32 / 48 columns, e.g. a small model's k / v projections) would otherwise
+// take the portable tile, whose accumulators at a run-time width live in memory (~5x slower; session 22).
+template <int64_t R, int C>
 inline void tile_avx512(const MatmulDims& d, const float* x, const float* w, float* y, int64_t m0, int64_t n0,
-                        int64_t k0, int64_t k1, bool prefetch) {
-  constexpr int C = kCols / 16;
+                        int64_t k0, int64_t k1, __mmask16 last, bool prefetch) {
   __m512 acc[R][C];
   float* yr = y + m0 * d.N + n0;
+  const auto lanes = [last](int c) { return c == C - 1 ? last : static_cast<__mmask16>(0xFFFF); };
   for (int64_t r = 0; r < R; ++r)  // a later slice of k continues the sums where the last one stored them
-    for (int c = 0; c < C; ++c) acc[r][c] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yr + r * d.N + 16 * c);
+    for (int c = 0; c < C; ++c)
+      acc[r][c] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lanes(c), yr + r * d.N + 16 * c);
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * d.N + n0;
     if (prefetch && k + kAhead < d.K)
       for (int c = 0; c < C; ++c) __builtin_prefetch(wk + kAhead * d.N + 16 * c, 0, 2);
     __m512 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(wk + 16 * c);
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_maskz_loadu_ps(lanes(c), wk + 16 * c);
     for (int64_t r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[(m0 + r) * d.K + k]);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(yr + r * d.N + 16 * c, acc[r][c]);
+    for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(yr + r * d.N + 16 * c, lanes(c), acc[r][c]);
+}
+
+// a column block of C vectors: slices of kSlice rows of w (at most 32 KiB) read by every
+// group of rows in turn (groups of 4 rows at 3-4 vectors, of 8 at 1-2: at most 16 accumulators), then single rows
+template <int C>
+void column_block_avx512(const MatmulDims& d, const float* x, const float* w, float* y, int64_t n0, int64_t width) {
+  constexpr int64_t R = C >= 3 ? 4 : 8;
+  const int64_t tail = width - 16 * (C - 1);
+  const __mmask16 last = tail >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << tail) - 1);
+  for (int64_t k0 = 0; k0 < d.K; k0 += kSlice) {
+    const int64_t k1 = std::min(d.K, k0 + kSlice);
+    int64_t m = 0;
+    for (; m + R <= d.M; m += R) tile_avx512<R, C>(d, x, w, y, m, n0, k0, k1, last, m == 0);
+    for (; m < d.M; ++m) tile_avx512<1, C>(d, x, w, y, m, n0, k0, k1, last, m == 0);
+  }
 }
 #endif
 
-template <int64_t W>
+// the column block [n0, n0 + width) of y, width <= kCols
 void column_block(const MatmulDims& d, const float* x, const float* w, float* y, int64_t n0, int64_t width) {
-  int64_t m = 0;
 #if defined(__AVX512F__)
-  if constexpr (W == kCols) {  // slices of kSlice rows of the block (32 KiB) read by every group of rows in turn
-    for (int64_t k0 = 0; k0 < d.K; k0 += kSlice) {
-      const int64_t k1 = std::min(d.K, k0 + kSlice);
-      for (m = 0; m + kRows <= d.M; m += kRows) tile_avx512<kRows>(d, x, w, y, m, n0, k0, k1, m == 0);
-      for (; m < d.M; ++m) tile_avx512<1>(d, x, w, y, m, n0, k0, k1, m == 0);
-    }
+  switch ((width + 15) / 16) {
+    case 1: return column_block_avx512<1>(d, x, w, y, n0, width);
+    case 2: return column_block_avx512<2>(d, x, w, y, n0, width);
+    case 3: return column_block_avx512<3>(d, x, w, y, n0, width);
+    default: return column_block_avx512<4>(d, x, w, y, n0, width);
+  }
+#else
+  int64_t m = 0;
+  if (width == kCols) {
+    for (; m + kRows <= d.M; m += kRows) tile<kRows, kCols>(d, x, w, y, m, n0, width);
+    for (; m < d.M; ++m) tile<1, kCols>(d, x, w, y, m, n0, width);
     return;
   }
+  for (; m + kRows <= d.M; m += kRows) tile<kRows, 0>(d, x, w, y, m, n0, width);
+  for (; m < d.M; ++m) tile<1, 0>(d, x, w, y, m, n0, width);
 #endif
-  for (; m + kRows <= d.M; m += kRows) tile<kRows, W>(d, x, w, y, m, n0, width);
-  for (; m < d.M; ++m) tile<1, W>(d, x, w, y, m, n0, width);
 }
 
 ffi::Error stacked_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -113,11 +136,8 @@ ffi::Error stacked_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   float* yp = y->typed_data();
   const int64_t blocks = (d.N + kCols - 1) / kCols;
   jaxrl_cpu::parallel_for(pool, blocks, [d, xp, wp, yp](int64_t b) {
-    const int64_t n0 = b * kCols, width = std::min(kCols, d.N - n0);
-    if (width == kCols)
-      column_block<kCols>(d, xp, wp, yp, n0, width);
-    else
-      column_block<0>(d, xp, wp, yp, n0, width);
+    const int64_t n0 = b * kCols;
+    column_block(d, xp, wp, yp, n0, std::min(kCols, d.N - n0));
   });
   return ffi::Error::Success();
 }
