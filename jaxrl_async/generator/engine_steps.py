@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl_async.models.config import ModelConfig
-from jaxrl_async.models.transformer import Params, forward, logits_from_hidden, stacked_layer_matmul
+from jaxrl_async.models.transformer import (Params, forward, logits_from_hidden, rope_full, rope_half_cos_sin,
+                                             stacked_layer_matmul)
 from jaxrl_async.generator import kv_cache
 from jaxrl_async.kernels import cpu_kernels, paged_attention
 from jaxrl_async.generator import sampling
@@ -31,10 +32,11 @@ STEP_WRITES = ("page_table", "pos", "num_generated", "last_token", "done")  # th
 # ---------------------------------------------------------------------------------------
 # Pure device functions
 # ---------------------------------------------------------------------------------------
-def _routed_forward(record: bool, *args, embeds=None):
+def _routed_forward(record: bool, *args, embeds=None, rope=None):
     """`forward(*args)`, and with `record` the experts each token was routed to ([L, B, T, k] int16; else None).
-    ``embeds``: input embeddings instead of the token lookup (a vision-language prompt's, `vision_prefill`)."""
-    kw = {} if embeds is None else {"embeds": embeds}
+    ``embeds``: input embeddings instead of the token lookup (a vision-language prompt's, `vision_prefill`);
+    ``rope``: the positions' (cos, sin), computed by the caller (`forward`)."""
+    kw = {k: v for k, v in (("embeds", embeds), ("rope", rope)) if v is not None}
     if not record:
         return forward(*args, **kw), None
     from jaxrl_async.models.moe import routing_scope
@@ -141,7 +143,7 @@ def release_fn(arrays, slot, *, null_page: int):
 def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_size: int, max_seq: int,
                    null_page: int, attention: str = "blocked", block_pages: int = 8, kernel_options=None,
                    pages_axis: str | None = None, truncation: bool = True, record_routing: bool = False,
-                   top_logprobs: int = 0, stacked_matmul_rows: int = 0, cpu_sampler: bool = False):
+                   top_logprobs: int = 0, stacked_matmul_rows: int = 0, cpu_sampler: bool = False, rope=None):
     """One token for every slot. new_pages [S]: page to map at index pos // page_size (-1: none).
 
     attention: the decode attention (`paged_attention.DECODE_ATTENTION`; its pool layout names the pool
@@ -157,7 +159,8 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     (`transformer.stacked_layer_matmul`; the engine sets it on one CPU device, else 0), and at NT_LOGITS_ROWS slots
     a tied float32 LM head with `cpu_kernels.matmul_nt`. `cpu_sampler` (static): the draws and the log-probs'
     normaliser come from `cpu_kernels.sample_rows` (`sampling.sample`'s `rows_fn`; the engine sets it on one CPU
-    device with the kernels).
+    device with the kernels). `rope`: the step's rotary (cos, sin) [S, 1, E] of the slots' positions, computed by
+    the caller (`decode_multi_fn`; None: here).
     """
     S, maxp = arrays["page_table"].shape
     null = null_page
@@ -177,7 +180,7 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     in_place = S <= stacked_matmul_rows
     with stacked_layer_matmul(cpu_kernels.stacked_matmul) if in_place else contextlib.nullcontext():
         (hidden, pools), ids = _routed_forward(record_routing, params, cfg, arrays["last_token"][:, None],
-                                               rope_pos[:, None], attend, tuple(arrays[k] for k in keys))
+                                               rope_pos[:, None], attend, tuple(arrays[k] for k in keys), rope=rope)
     if in_place and S in NT_LOGITS_ROWS and "lm_head" not in params and params["embed"].dtype == jnp.float32 and (
             hidden.dtype == jnp.float32):  # the tied embedding read in place (XLA's transposed dot: ~0.7x the rate)
         logits = cpu_kernels.matmul_nt(hidden[:, 0], params["embed"])
@@ -209,6 +212,10 @@ def decode_multi_fn(params: Params, arrays, new_pages, new_index, *, num_steps: 
     page-table index `new_index` [S] (K <= page_size, so at most one per slot); then `decode_step_fn` runs K times
     under `lax.scan` with nothing to map. A slot that stops (stop token, max_new_tokens, sequence limit) at step i
     is inactive for the rest: its later rows are invalid and change nothing, exactly as K single steps would.
+    The rotary cos / sin of the K steps are computed once, before the loop, each frequency once (`rope_half_cos_sin`):
+    a slot active at step i is at position pos + i (positions only advance while active; an inactive row's are
+    unused). In the loop XLA:CPU fused them into the q and k fusions of a one-layer model, recomputing each per
+    head and twice per frequency (NOTES, session 22).
     Returns (arrays, step outputs stacked [K, S, ...])."""
     S, maxp = arrays["page_table"].shape
     rows = jnp.arange(S)
@@ -216,11 +223,14 @@ def decode_multi_fn(params: Params, arrays, new_pages, new_index, *, num_steps: 
     pt = arrays["page_table"]
     arrays = dict(arrays, page_table=pt.at[rows, j].set(jnp.where(new_pages >= 0, new_pages, pt[rows, j])))
     unmapped = jnp.full((S,), -1, jnp.int32)
+    pos = arrays["pos"] + arrays["rope_delta"] if "rope_delta" in arrays else arrays["pos"]
+    steps = (pos[None, :] + jnp.arange(num_steps, dtype=pos.dtype)[:, None]).reshape(num_steps * S, 1)  # 2-D: not M-RoPE's
+    rope = tuple(a.reshape(num_steps, S, 1, -1) for a in rope_half_cos_sin(kw["cfg"], steps))
 
-    def body(a, _):
-        return decode_step_fn(params, a, unmapped, **kw)
+    def body(a, half):
+        return decode_step_fn(params, a, unmapped, rope=rope_full(half), **kw)
 
-    return jax.lax.scan(body, arrays, None, length=num_steps)
+    return jax.lax.scan(body, arrays, rope, length=num_steps)
 
 
 def decode_rows_fn(params: Params, arrays, new_pages, rows, *, pool_keys: tuple[str, ...], **kw):

@@ -250,14 +250,24 @@ def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax
     With M-RoPE (``cfg.mrope_section``, Qwen2.5-VL) ``positions`` may be [3, B, T] (temporal, height, width rows):
     frequency i of section s turns with row s (transformers' ``Qwen2_5_VLRotaryEmbedding``); cos, sin [B, T, E].
     """
+    return rope_full(rope_half_cos_sin(cfg, positions))
+
+
+def rope_half_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`rope_cos_sin` of each frequency once: cos, sin [..., E / 2] (`rope_full` repeats them)."""
     inv = jnp.asarray(rope_inv_freq(cfg))
     if cfg.mrope_section and positions.ndim == 3:
         rows = np.repeat(np.arange(3), cfg.mrope_section)  # the position row of each frequency
         freqs = jnp.moveaxis(positions, 0, -1).astype(jnp.float32)[..., rows] * inv
     else:
         freqs = positions.astype(jnp.float32)[..., None] * inv
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def rope_full(half: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [..., E] from `rope_half_cos_sin`'s [..., E / 2]: each frequency twice (the same values as the
+    cos / sin of the repeated angles)."""
+    return tuple(jnp.concatenate([h, h], axis=-1) for h in half)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -392,16 +402,19 @@ def decoder_layer(p: Params, x: jax.Array, cos, sin, cfg: ModelConfig, attend: A
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            attend: AttendFn, state: Any = None, embeds: jax.Array | None = None) -> tuple[jax.Array, Any]:
+            attend: AttendFn, state: Any = None, embeds: jax.Array | None = None,
+            rope: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, Any]:
     """Embeddings -> L decoder layers -> final RMSNorm. Returns (hidden [B, T, D], state).
 
     ``embeds`` [B, T, D]: the input embeddings in place of the token lookup (a vision-language model's, with the
     image features scattered in: `models/qwen2_5_vl.py`); ``positions`` [3, B, T] under M-RoPE (`rope_cos_sin`).
+    ``rope``: `rope_cos_sin(cfg, positions)` computed by the caller (a multi-step decode computes its K steps' at
+    once, `engine_steps.decode_multi_fn`); ``positions`` is then unused.
     """
     dt = jnp.dtype(cfg.dtype)
     x = jnp.take(params["embed"], tokens, axis=0) if embeds is None else embeds
     x = constrain(x.astype(dt), *RESIDUAL_AXES)
-    cos, sin = rope_cos_sin(cfg, positions)
+    cos, sin = rope_cos_sin(cfg, positions) if rope is None else rope
 
     axes = logical_axes(cfg)
 
