@@ -69,10 +69,13 @@ def allocate_pages(h: HostSlots, need: np.ndarray,
             a.allocate(len(rs), rs)  # raises OutOfPagesError (.slots: that replica's), nothing changed
     new_pages = np.full(S, -1, np.int32)
     new_index = np.zeros(S, np.int32)
-    for s in slots:
-        (p,) = h.alloc.of(s).allocate(1, [int(s)])
-        h.alloc.of(s).slot_pages[s].append(p)
-        new_pages[s], new_index[s] = p, h.num_pages[s]
+    for r, a in enumerate(h.alloc.allocs):  # a replica's pages in one call, handed out in slot order
+        rs = slots[slots // per == r]
+        if len(rs):
+            pages = a.allocate(len(rs), rs.tolist())
+            for s, p in zip(rs.tolist(), pages):
+                a.slot_pages[s].append(p)
+            new_pages[rs], new_index[rs] = pages, h.num_pages[rs]
     h.num_pages[slots] += 1
     return new_pages, new_index
 
@@ -80,8 +83,11 @@ def allocate_pages(h: HostSlots, need: np.ndarray,
 def advance(h: HostSlots, steps: int, max_seq: int) -> None:
     """The host's view after ``steps`` decode steps: positions, counts, and the length limits it knows (stop tokens
     are read from the step results)."""
-    for _ in range(steps):
-        act = h.live & ~h.done
-        h.pos[act] += 1
-        h.num_generated[act] += 1
-        h.done |= act & ((h.num_generated >= h.max_new) | (h.pos + 1 >= max_seq))
+    # step by step, an active slot advances and is done once num_generated >= max_new or pos + 1 >= max_seq: it
+    # advances to the first t >= 1 where t >= max_new - num_generated or t >= max_seq - 1 - pos, at most `steps`
+    act = h.live & ~h.done
+    until = np.maximum(np.minimum(h.max_new - h.num_generated, max_seq - 1 - h.pos), 1)
+    moved = np.where(act, np.minimum(until, steps), 0)
+    h.pos += moved
+    h.num_generated += moved
+    h.done |= act & (until <= steps)

@@ -223,3 +223,44 @@ def test_cpu_sizes_from_the_hosts_available_ram_without_a_fixed_cap():
     limit, in_use, source = kv_cache.device_memory(jax.devices("cpu")[:2])
     assert source == "host RAM" and in_use == 0
     assert 0.8 * avail / 2 <= limit <= 1.2 * avail / 2  # (the free memory moves a little between the two reads)
+
+
+def _advance_by_steps(h, steps, max_seq):
+    """`host_slots.advance` as it was written before session 22: one step at a time."""
+    for _ in range(steps):
+        act = h.live & ~h.done
+        h.pos[act] += 1
+        h.num_generated[act] += 1
+        h.done |= act & ((h.num_generated >= h.max_new) | (h.pos + 1 >= max_seq))
+
+
+def test_host_advance_and_page_allocation_equal_the_step_by_step_forms():
+    """The host mirror's K-step advance (closed form) equals K single steps on random slots near their limits, and
+    a dispatch's pages are handed out per replica in slot order (as one page per slot, slot by slot)."""
+    import copy
+
+    from jaxrl_async.generator import host_slots
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        S, max_seq, k = 16, int(rng.integers(8, 40)), int(rng.integers(0, 17))
+        h = host_slots.HostSlots.empty(64, S, replicas=2)
+        h.live[:] = rng.random(S) < 0.8
+        h.done[:] = h.live & (rng.random(S) < 0.2)
+        h.pos[:] = rng.integers(0, max_seq - 1, S)
+        h.max_new[:] = rng.integers(1, 30, S)
+        h.num_generated[:] = np.minimum(rng.integers(0, 30, S), h.max_new)
+        ref = copy.deepcopy(h)
+        host_slots.advance(h, k, max_seq)
+        _advance_by_steps(ref, k, max_seq)
+        for name in ("pos", "num_generated", "done"):
+            np.testing.assert_array_equal(getattr(h, name), getattr(ref, name), err_msg=f"{name}, trial {trial}")
+    h = host_slots.HostSlots.empty(32, 8, replicas=2)
+    h.live[:] = True
+    h.alloc.allocs[1].allocate(3, [4])  # replica 1 has used pages: its ids start later
+    need = np.array([1, 0, 1, 1, 0, 1, 1, 0], bool)
+    new_pages, new_index = host_slots.allocate_pages(h, need)
+    np.testing.assert_array_equal(new_pages, [0, -1, 1, 2, -1, 3, 4, -1])
+    assert [h.alloc.of(s).slot_pages[s] for s in range(8)] == [[0], [], [1], [2], [], [3], [4], []]
+    np.testing.assert_array_equal(new_index, 0)
+    np.testing.assert_array_equal(h.num_pages, need.astype(int))
