@@ -104,6 +104,8 @@ import threading
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from jaxrl_async.generator.engine_api import Engine, OutOfPagesError, PrefillRequest, SamplingParams
 # the public request types live in generator/requests.py; re-exported here
 from jaxrl_async.generator.requests import (  # noqa: F401
@@ -461,7 +463,7 @@ class Generator:
         for s in req.samples:
             if not s.finished:
                 self._finish(s)
-                emits.append((s, None, 0.0, self._version, "abort", ()))
+                emits.append((s, [], [], self._version, "abort", []))
         if emits:
             self._outbox.put((time.perf_counter(), emits))
 
@@ -605,7 +607,7 @@ class Generator:
             if prefix.routing is not None:  # experts of item.tokens (prompt + tokens so far), from position 0
                 s.routing.append((0, prefix.routing))
             reason = self._append(s, toks[k], lps[k], version, False)
-            emits.append((s, toks[k], lps[k], version, reason, tops[k]))
+            emits.append((s, [toks[k]], [lps[k]], version, reason, [tops[k]]))
         for (_k, s), slot in zip(to_insert, inserted):
             s.slot = slot
             s.admit_seq = next(self._admit_seq)
@@ -625,34 +627,55 @@ class Generator:
 
     # -- decode step results ----------------------------------------------------------------
     def _process(self, inflight: InFlight) -> None:
+        """Append a dispatch's tokens to their samples, sample by sample: an owned slot's valid rows (one per decode
+        step; a slot that stops is inactive for the rest of the dispatch) up to the first that finishes it
+        (`finish_reason_for`: a stop token, the budget, the engine's done), in one emit per sample (issue 28: the
+        host's work per dispatch is per sample, not per token)."""
         t0 = time.perf_counter()
         host = inflight.step.to_host()
         self._t_wait_iter += time.perf_counter() - t0
-        emits: list = []
-        # the slots owned at dispatch, found once per dispatch (issue 28: a row visits only these)
-        owned = [(slot, owner) for slot, owner in enumerate(inflight.owners) if owner is not None]
-        for row in host.rows():  # one per decode step of the dispatch, in order
-            self._process_row(inflight, row, owned, emits)
-        if emits:  # one message per dispatch
-            self._outbox.put((time.perf_counter(), emits))
-
-    def _process_row(self, inflight: InFlight, host, owned: list, emits: list) -> None:
-        valid = host.valid.tolist()
-        tokens = host.tokens.tolist()
-        logprobs = host.logprobs.tolist()
-        done = host.done.tolist()
+        S = len(inflight.owners)
+        # per slot, its row of every step: [S][K] Python lists (one conversion per dispatch, not per slot or token)
+        valid, tokens, logprobs, done = (np.reshape(a, (-1, S)).T.tolist() for a in (
+            host.valid, host.tokens, host.logprobs, host.done))
+        per_step = lambda a: None if a is None else np.reshape(a, (-1, S) + np.shape(a)[np.ndim(host.tokens):])  # noqa: E731
+        routing, top_lp, top_ids = per_step(host.routing), per_step(host.top_logprobs), per_step(host.top_ids)
         version = inflight.version
-        for slot, owner in owned:
-            if not valid[slot] or owner.finished or owner.slot != slot:
+        emits: list = []
+        for slot, owner in enumerate(inflight.owners):
+            if owner is None or owner.finished or owner.slot != slot:
                 continue
-            if host.routing is not None:  # the step fed the sample's last token (its position before the step)
-                owner.routing.append((len(owner.request.prompt) + len(owner.tokens) - 1, host.routing[slot][None]))
-            reason = self._append(owner, tokens[slot], logprobs[slot], version, done[slot])
-            k_top = owner.request.sampling.top_logprobs
-            top = top_pairs(host.top_logprobs, host.top_ids, slot, k_top) if k_top else ()
-            emits.append((owner, tokens[slot], logprobs[slot], version, reason, top))
+            steps = [i for i, ok in enumerate(valid[slot]) if ok]
+            if not steps:
+                continue
+            row_t, row_l, row_d = tokens[slot], logprobs[slot], done[slot]
+            toks, lps, ended = [row_t[i] for i in steps], [row_l[i] for i in steps], [row_d[i] for i in steps]
+            req, n0 = owner.request, len(owner.tokens)
+            stop_ids = req.sampling.stop_token_ids
+            j_stop = next((j for j, t in enumerate(toks) if t in stop_ids), len(toks)) if stop_ids else len(toks)
+            j_len = max(req.max_new - n0 - 1, 0)  # the token that uses up the budget
+            if True in ended:
+                j_len = min(j_len, ended.index(True))
+            reason = None
+            if min(j_stop, j_len) < len(toks):  # finished at token j (a stop token first): the rest is dropped
+                j = min(j_stop, j_len)
+                reason = "stop" if j == j_stop else "length"
+                toks, lps, steps = toks[:j + 1], lps[:j + 1], steps[:j + 1]
+            if routing is not None:  # each step fed the sample's last token (its position before the step)
+                base = len(req.prompt) + n0 - 1
+                owner.routing.extend((base + j, routing[i, slot][None]) for j, i in enumerate(steps))
+            k_top = req.sampling.top_logprobs
+            tops = ([top_pairs(top_lp[i], top_ids[i], slot, k_top) for i in steps] if k_top
+                    else [()] * len(toks))
+            owner.tokens.extend(toks)
+            owner.logprobs.extend(lps)
+            owner.versions.extend([version] * len(toks))
+            self._n_tokens += len(toks)
+            emits.append((owner, toks, lps, version, reason, tops))
             if reason is not None:
                 self._finish(owner)
+        if emits:  # one message per dispatch
+            self._outbox.put((time.perf_counter(), emits))
 
     def _flush(self) -> None:
         """Read the in-flight step's results now (before preemption or re-prefill)."""
@@ -719,7 +742,7 @@ class Generator:
                 self._live += 1
             reason = self._append(s, tok, lp, self._version, False)
             top = top_pairs(prefix.first_top_logprobs, prefix.first_top_ids, 0, req.sampling.top_logprobs)
-            emits.append((s, tok, lp, self._version, reason, top))
+            emits.append((s, [tok], [lp], self._version, reason, [top]))
             if reason is not None:
                 self._finish(s)
         self._t_prefill_iter += time.perf_counter() - t0
@@ -782,27 +805,35 @@ class Generator:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _deliver(self, t: float, emits: list) -> None:
-        for s, token, logprob, version, reason, top in emits:
+        """Emits are (sample, tokens, log-probs, version, finish reason, top log-probs per token): a sample's
+        tokens of one dispatch (none: an abort), the reason set when its last one finishes the sample."""
+        for s, toks, lps, version, reason, tops in emits:
             v = s.view
             if v.finish_reason is not None:
                 continue  # finished here already (stop string); late tokens are dropped
             req = s.request
-            if token is not None:
-                v.tokens.append(token)
-                v.logprobs.append(logprob)
-                v.versions.append(version)
-                v.top_logprobs.append(top)
+            if toks:
+                n, stops = len(toks), req.sampling.stop_strings
+                if stops:  # the token completing a stop string ends the sample (a stop token ends it anyway)
+                    for j in range(n):
+                        v.tokens.append(toks[j])
+                        r = reason if j == n - 1 else None
+                        if r != "stop" and stop_string_hit(self._decode_text, v.tokens, stops, self.stop_string_window):
+                            if r is None:  # the decode side has not finished it
+                                self._inbox.put(ReleaseMsg(s))
+                            n, reason = j + 1, "stop"
+                            toks, lps, tops = toks[:n], lps[:n], tops[:n]
+                            break
+                else:
+                    v.tokens.extend(toks)
+                v.logprobs.extend(lps)
+                v.versions.extend([version] * n)
+                v.top_logprobs.extend(tops)
                 if v.first_token_time is None:
                     v.first_token_time = t
-                stops = req.sampling.stop_strings
-                if stops and reason != "stop" and stop_string_hit(self._decode_text, v.tokens, stops, self.stop_string_window):
-                    if reason is None:
-                        self._inbox.put(ReleaseMsg(s))
-                    reason = "stop"
             if req.handle._chunks is not None:
-                req.handle._push(StreamChunk(req.id, s.index, () if token is None else (token,),
-                                             () if token is None else (logprob,), () if token is None else (version,),
-                                             reason, () if token is None else (top,)))
+                req.handle._push(StreamChunk(req.id, s.index, tuple(toks), tuple(lps), (version,) * len(toks), reason,
+                                             tuple(tops)))
             if reason is not None:
                 v.finish_reason = reason
                 v.finish_time = t

@@ -30,7 +30,7 @@ class GeneratorClosedError(GeneratorError):
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class StreamChunk:
-    """Tokens of one sample delivered by one decode step (or its finish without a token)."""
+    """Tokens of one sample delivered by one dispatch (one or more decode steps; or its finish without a token)."""
 
     request_id: str
     sample_index: int
