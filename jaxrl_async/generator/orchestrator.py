@@ -389,6 +389,10 @@ class Generator:
                     self._flush()
                 t_last = None
                 continue
+            if self._inflight is not None and not self._useful_after_inflight():
+                self._flush()  # every live sample ends in the dispatch in flight: read it instead of dispatching
+                t_last = self._account(t_last)
+                continue
             k = self._dispatch_steps()
             try:
                 self._state, step = eng.generate(self._params, self._state, k) if k > 1 else eng.generate(
@@ -405,15 +409,26 @@ class Generator:
             self._live_sum += self._live * k
             if prev is not None:
                 self._process(prev)
-            # accounting: one iteration = dispatch-to-dispatch
-            now = time.perf_counter()
-            if t_last is not None:
-                dt = now - t_last
-                self._t_busy += dt
-                self._t_host += max(dt - self._t_wait_iter - self._t_prefill_iter, 0.0)
-                self._t_wait += self._t_wait_iter
-            self._t_wait_iter = self._t_prefill_iter = 0.0
-            t_last = now
+            t_last = self._account(t_last)
+
+    def _account(self, t_last: float | None) -> float:
+        """Busy-time accounting: one iteration = dispatch to dispatch (or to the read of the last one)."""
+        now = time.perf_counter()
+        if t_last is not None:
+            dt = now - t_last
+            self._t_busy += dt
+            self._t_host += max(dt - self._t_wait_iter - self._t_prefill_iter, 0.0)
+            self._t_wait += self._t_wait_iter
+        self._t_wait_iter = self._t_prefill_iter = 0.0
+        return now
+
+    def _useful_after_inflight(self) -> bool:
+        """Whether a live sample can still take a token after the dispatch in flight (its results not read yet):
+        by its length budget (stop tokens are only known from the results). When none can, the next dispatch
+        would only run finished slots (at the end of a batch: K steps of every slot's compute for nothing)."""
+        k, owners = self._inflight.step.num_steps, self._inflight.owners
+        return any(o is not None and len(o.tokens) + (k if owners[slot] is o else 0) < o.request.max_new
+                   for slot, o in enumerate(self._slot_owner))
 
     def _dispatch_steps(self) -> int:
         """Decode steps of the next dispatch (multi-step decode): the engine's `max_decode_steps` K while nothing

@@ -554,6 +554,23 @@ def test_real_engine_multi_step_decode_equals_single_steps(real):
         check_against_torch(models, p, o.completion_ids, o.logprobs, o.versions, "keep_kv")
 
 
+def test_real_engine_reads_the_last_dispatch_instead_of_running_a_useless_one(real):
+    """A dispatch that every live sample's length budget ends is read before anything else is dispatched: 1 + 16
+    tokens at 8 steps per dispatch are two dispatches (the generator used to launch a third, of finished slots
+    only, before reading the second); the tokens are those of single steps."""
+    eng, params, _ = real
+    sp = SamplingParams(temperature=0, max_new_tokens=17, n=3)
+    prompt = [5, 9, 200, 31, 77]
+    with Generator(eng.multi, params[0]) as gen:
+        out = gen.submit(prompt, sp).result(120)
+        st = gen.stats()
+    assert (st.dispatches, st.steps) == (2, 16), st
+    with Generator(eng, params[0]) as gen:
+        ref = gen.submit(prompt, sp).result(120)
+    assert [s.completion_ids for s in out.samples] == [s.completion_ids for s in ref.samples]
+    assert all(len(s.completion_ids) == 17 and s.finish_reason == "length" for s in out.samples)
+
+
 def test_real_engine_multi_step_weight_update_waits_at_most_one_dispatch(real):
     eng, params, models = real
     gated = GatedEngine(eng.multi, gate_step=3)
