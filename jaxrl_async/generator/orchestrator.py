@@ -667,15 +667,10 @@ class Generator:
             toks, lps, ended = [row_t[i] for i in steps], [row_l[i] for i in steps], [row_d[i] for i in steps]
             req, n0 = owner.request, len(owner.tokens)
             stop_ids = req.sampling.stop_token_ids
-            j_stop = next((j for j, t in enumerate(toks) if t in stop_ids), len(toks)) if stop_ids else len(toks)
-            j_len = max(req.max_new - n0 - 1, 0)  # the token that uses up the budget
-            if True in ended:
-                j_len = min(j_len, ended.index(True))
-            reason = None
-            if min(j_stop, j_len) < len(toks):  # finished at token j (a stop token first): the rest is dropped
-                j = min(j_stop, j_len)
-                reason = "stop" if j == j_stop else "length"
-                toks, lps, steps = toks[:j + 1], lps[:j + 1], steps[:j + 1]
+            # the first token that finishes the sample, if any (its reason); the rest is dropped
+            j, reason = next(((j, r) for j, t in enumerate(toks) if (
+                r := finish_reason_for(t, n0 + j + 1, req.max_new, stop_ids, ended[j]))), (len(toks), None))
+            toks, lps, steps = toks[:j + 1], lps[:j + 1], steps[:j + 1]
             if routing is not None:  # each step fed the sample's last token (its position before the step)
                 base = len(req.prompt) + n0 - 1
                 owner.routing.extend((base + j, routing[i, slot][None]) for j, i in enumerate(steps))

@@ -196,7 +196,7 @@ def test_build_is_cached_per_source_and_machine(tmp_path):
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 32, 64), (3, 48, 100), (4, 64, 128), (5, 40, 130), (16, 96, 200), (6, 300, 130),
-                                   # one block narrower than 64 (rows split over the threads), masked last vectors
+                                   # one block narrower than 64, masked last vectors
                                    (64, 64, 32), (64, 40, 16), (13, 64, 48), (64, 130, 72), (9, 32, 7)])
 def test_stacked_matmul_equals_the_dot(M, K, N):
     rng = np.random.default_rng(M * N)

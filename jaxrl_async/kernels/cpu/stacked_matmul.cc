@@ -84,8 +84,8 @@ inline void tile_avx512(const MatmulDims& d, const float* x, const float* w, flo
     for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(yr + r * d.N + 16 * c, lanes(c), acc[r][c]);
 }
 
-// a column block of C vectors: slices of kSlice rows of w (at most 32 KiB) read by every
-// group of rows in turn (groups of 4 rows at 3-4 vectors, of 8 at 1-2: at most 16 accumulators), then single rows
+// a column block of C vectors: slices of kSlice rows of w (at most 32 KiB) read by every group of rows in turn
+// (groups of 4 rows at 3-4 vectors, of 8 at 1-2: at most 16 accumulators), then single rows
 template <int C>
 void column_block_avx512(const MatmulDims& d, const float* x, const float* w, float* y, int64_t n0, int64_t width) {
   constexpr int64_t R = C >= 3 ? 4 : 8;
