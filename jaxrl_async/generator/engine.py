@@ -19,8 +19,9 @@ nothing recompiles, whatever the prompts, slots or sampling parameters):
   insert        once per bucket                 (writes a prompt's k/v into the slot's pages)
   generate      once                            (static decode batch S; the decode attention's
                                                  live-length loop has a traced trip count)
-  compacted     at most `compact_levels` per sampling program, on a thread of their own from the end of
-                                                `warmup` (decode batches of S/2, S/4 rows per replica: below)
+  generate_multi once per sampling program with `max_decode_steps` K > 1 (K steps per dispatch)
+  compacted     at most `compact_levels` per sampling program and dispatch length (1, and K), on a thread of
+                their own from the end of `warmup` (decode batches of S/2, S/4 rows per replica: below)
   release       once
 
 Decode state (`DecodeState`) = device arrays (`arrays`, a dict pytree) + host bookkeeping
@@ -43,7 +44,8 @@ pays for every free slot, and on long-tail workloads most slots are free for mos
 utilisation of 0.42 on the generation benchmark). When every decode replica's live slots (inserted, not
 released) fit in S/D/2 or S/D/4 rows (never below `compact_min_rows`), the step runs a program of that many
 rows per replica on exactly those slots (`engine_steps.decode_rows_fn`: the slots' state is gathered and
-scattered back, pages stay where they are), so its matmuls follow the live slots. Each size compiles once, on a
+scattered back, pages stay where they are), so its matmuls follow the live slots. A multi-step dispatch (K > 1)
+compacts the same way, choosing its rows once at its start for all K steps. Each size compiles once, on a
 thread of its own: `warmup` starts the compiles once the full step is compiled (they overlap the prefill
 compiles and the first steps), else the first step that could use one. By default the step always takes the
 smallest size that fits, waiting for its compile if it still runs, so which steps compact depends on the live
@@ -325,7 +327,7 @@ class PagedEngine(Engine):
         self.program_cache = program_cache
         self._build_shardings()
         self._build_functions()
-        self._compacts = CompactSteps(self._rows_steps, self.compact_sizes, self.kv_replicas, self._S, self.replicated,
+        self._compacts = CompactSteps(self._rows_step, self.compact_sizes, self.kv_replicas, self._S, self.replicated,
                                       self.compact_in_background, program_cache, self._program_context)
 
     # -- shardings and compiled functions -------------------------------------------------
@@ -381,12 +383,8 @@ class PagedEngine(Engine):
             stacked_matmul_rows=self.stacked_matmul_rows, cpu_sampler=self.cpu_sampler)), donate_argnums=1,
             out_shardings=step_out) for t in (True, False)}
         self._step = self._steps[True]  # the full decode step (any sampling parameters; what `plan` compiles)
-        self._rows_steps = {t: jax.jit(traced(functools.partial(
-            decode_rows_fn, pool_keys=self.layout.keys, cfg=cfg, page_size=self.page_size, max_seq=self._max_seq,
-            null_page=null, attention=self.attention, block_pages=self.decode_block_pages,
-            kernel_options=self.kernel_options, pages_axis=self.pages_axis, truncation=t, record_routing=rec,
-            top_logprobs=K, stacked_matmul_rows=self.stacked_matmul_rows, cpu_sampler=self.cpu_sampler)),
-            donate_argnums=1, out_shardings=step_out) for t in (True, False)}
+        self._step_out = step_out
+        self._rows_steps: dict = {}  # (truncation, K) -> jitted compacted program (built on first use)
         self._multi_kw = dict(cfg=cfg, page_size=self.page_size, max_seq=self._max_seq, null_page=null,
                               attention=self.attention, block_pages=self.decode_block_pages,
                               kernel_options=self.kernel_options, pages_axis=self.pages_axis, record_routing=rec,
@@ -709,6 +707,18 @@ class PagedEngine(Engine):
         new_pages, new_index = allocate_pages(state.host, need, lambda: state.arrays["done"])
         return jax.device_put(new_pages, self.slot_sharding), jax.device_put(new_index, self.slot_sharding)
 
+    def _rows_step(self, trunc: bool, k: int):
+        """The jitted compacted program of `k` decode steps per dispatch (`engine_steps.decode_rows_fn`; compiled by
+        `CompactSteps`)."""
+        fn = self._rows_steps.get((trunc, k))
+        if fn is None:
+            traced = traced_with_activation_rules(functools.partial(
+                decode_rows_fn, pool_keys=self.layout.keys, num_steps=k, truncation=trunc, **self._multi_kw),
+                self.mesh, "generator")
+            fn = self._rows_steps[(trunc, k)] = jax.jit(
+                traced, donate_argnums=1, out_shardings=self._step_out if k == 1 else self._multi_out)
+        return fn
+
     def _multi_step_fn(self, trunc: bool, k: int):
         fn = self._multi_steps.get((trunc, k))
         if fn is None:
@@ -727,7 +737,7 @@ class PagedEngine(Engine):
         new_pages = self._grow(state)
         h = state.host
         trunc = bool((h.trunc & h.live & ~h.done).any())  # the lean program unless a running slot needs top-k/p
-        compact = (self._compacts.choose(params, state.arrays, new_pages, trunc, h.live) if self.compact_sizes
+        compact = (self._compacts.choose(params, (state.arrays, new_pages), trunc, h.live) if self.compact_sizes
                    else None)
         if compact is not None:
             prog, rows = compact
@@ -750,8 +760,14 @@ class PagedEngine(Engine):
         new_pages, new_index = self._grow_ahead(state, k)
         h = state.host
         trunc = bool((h.trunc & h.live & ~h.done).any())
-        arrays, outs = self._multi_step_fn(trunc, k)(
-            params, state.arrays, new_pages, new_index)
+        args = (state.arrays, new_pages, new_index)
+        compact = self._compacts.choose(params, args, trunc, h.live, k) if self.compact_sizes else None
+        if compact is not None:  # the live slots' rows only, for all K steps (`decode_rows_fn`)
+            prog, rows = compact
+            arrays, outs = prog(params, *args, rows)
+            self.compact_steps += k
+        else:
+            arrays, outs = self._multi_step_fn(trunc, k)(params, *args)
         advance(h, k, self._max_seq)  # the host's view of positions and length limits (stop tokens: from the results)
         return DecodeState(arrays, h), self._step_result(outs)
 
@@ -807,7 +823,8 @@ class PagedEngine(Engine):
             for nb in sample_rows:  # one sample_first program per padded row count
                 self.prefill(params, [1], sp, num_samples=nb)
         # the compacted steps compile while generation starts (already started by `_compile_ahead` when parallel)
-        self._compacts.start_all(params, state.arrays, no_pages, variants, self._live_per_replica(max_live))
+        self._compacts.start_all(params, state.arrays, no_pages, variants, self._live_per_replica(max_live),
+                                 self._dispatch_lengths())
 
     def _sample_rows(self, n: int) -> int:
         """Rows of the `sample_first` call for n samples of one prefill row: a power of two >= n, at least
@@ -835,6 +852,11 @@ class PagedEngine(Engine):
             shapes = self.program_cache.memo("prefill_shapes", shapes, (params_a, tokens_a, lengths_a),
                                              self._program_context)
         return tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes)
+
+    def _dispatch_lengths(self) -> tuple[int, ...]:
+        """Decode steps per dispatch the generator runs: `max_decode_steps` while nothing waits (first: its compacted
+        programs compile first), and 1 (`orchestrator.Generator._dispatch_steps`)."""
+        return (self.max_decode_steps, 1) if self.max_decode_steps > 1 else (1,)
 
     def _live_per_replica(self, max_live: int | None) -> int | None:
         return None if max_live is None else -(-int(max_live) // self.kv_replicas)
@@ -883,4 +905,5 @@ class PagedEngine(Engine):
             for f in futures:
                 f.result(timeout=3600)  # re-raises a compile error
         # then the compacted steps, on their own thread, beside the rest of warmup and generation
-        self._compacts.start_all(params, arrays_a, new_pages_a, variants, self._live_per_replica(max_live))
+        self._compacts.start_all(params, arrays_a, new_pages_a, variants, self._live_per_replica(max_live),
+                                 self._dispatch_lengths())

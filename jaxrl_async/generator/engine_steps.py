@@ -233,19 +233,29 @@ def decode_multi_fn(params: Params, arrays, new_pages, new_index, *, num_steps: 
     return jax.lax.scan(body, arrays, rope, length=num_steps)
 
 
-def decode_rows_fn(params: Params, arrays, new_pages, rows, *, pool_keys: tuple[str, ...], **kw):
-    """`decode_step_fn` on the slots `rows` [R] only (R < S): a compacted decode batch when most slots are free.
+def decode_rows_fn(params: Params, arrays, *args, pool_keys: tuple[str, ...], num_steps: int = 1, **kw):
+    """`decode_step_fn` (``num_steps`` = 1; args: new_pages [S], rows [R]) or `decode_multi_fn` (``num_steps`` = K > 1;
+    args: new_pages [S], new_index [S], rows [R]) on the slots `rows` only (R < S): a compacted decode batch when
+    most slots are free.
 
     `rows` holds every live slot (so every active one), padded with free slots (repeats allowed: a free slot is
-    inactive, its step changes nothing, so every copy writes back the same values). The slots' rows of the state
-    are gathered, stepped, and scattered back; the KV pools are shared as they are (page ids do not move). The
-    step outputs come back as [S] arrays (zeros / False outside `rows`), the same as the full step's, and every
-    row's token and log-prob equal the full step's (sampling is per row: `sampling.sample`)."""
+    inactive, its steps change nothing, so every copy writes back the same values). The slots' rows of the state
+    and of the per-slot arguments are gathered, stepped, and scattered back; the KV pools are shared as they are
+    (page ids do not move). The step outputs come back as the full program's, [S] (or [K, S]) arrays with zeros /
+    False outside `rows`, and every row's token and log-prob equal the full program's (sampling is per row:
+    `sampling.sample`). A K-step dispatch keeps the rows it started with: a slot that stops on the way stays in
+    them, inactive, until the next dispatch chooses again."""
+    *slot_args, rows = args
     sub = {k: (v if k in pool_keys else jnp.take(v, rows, axis=0)) for k, v in arrays.items()}
-    sub_out, step = decode_step_fn(params, sub, jnp.take(new_pages, rows), **kw)
+    sub_args = [jnp.take(a, rows) for a in slot_args]
+    if num_steps == 1:
+        sub_out, step = decode_step_fn(params, sub, *sub_args, **kw)
+    else:
+        sub_out, step = decode_multi_fn(params, sub, *sub_args, num_steps=num_steps, **kw)
     # only what a step changes is scattered back (fewer programs to compile and run)
     out = {k: (sub_out[k] if k in pool_keys else arrays[k].at[rows].set(sub_out[k]) if k in STEP_WRITES
                else arrays[k]) for k in arrays}
-    S = new_pages.shape[0]
-    return out, tuple(jnp.zeros((S,) + x.shape[1:], x.dtype).at[rows].set(x) for x in step)
-
+    S = slot_args[0].shape[0]
+    if num_steps == 1:
+        return out, tuple(jnp.zeros((S,) + x.shape[1:], x.dtype).at[rows].set(x) for x in step)
+    return out, tuple(jnp.zeros(x.shape[:1] + (S,) + x.shape[2:], x.dtype).at[:, rows].set(x) for x in step)

@@ -534,6 +534,45 @@ def test_compacted_decode_equals_the_full_batch(fam, data):
     assert comp.compile_counts() == counts
 
 
+@pytest.mark.parametrize("data", [1, 2])
+def test_compacted_multi_step_decode_equals_the_full_batch(fam, data):
+    """Multi-step dispatches compact too (issue 28): K = 4 steps of the rows chosen at the dispatch's start
+    (`decode_rows_fn` over `decode_multi_fn`). Every request's tokens equal the full-batch single-step engine's and
+    its log-probs agree within 1e-5, with stop ids and length limits ending samples mid-dispatch (the row stays
+    in the dispatch, inactive), three long requests making a tail of compacted dispatches; one program per size,
+    sampler and dispatch length, and a second workload compiles nothing."""
+    family, cfg, params, engine, hf = fam
+    if family != "qwen3":
+        pytest.skip("engine-level property; one family suffices")
+    mesh = make_mesh({"data": data, "tensor": 1}, devices=jax.devices()[:data])
+    kw = dict(mesh=mesh, max_concurrent_decodes=8, num_pages=32)
+    full = make_engine(cfg, compact_decode=False, **kw)
+    comp = make_engine(cfg, compact_decode=True, compact_min_rows=1, max_decode_steps=4, **kw)
+    per = 8 // data
+    assert comp.compact_sizes == (per // 2, per // 4)
+    rng = np.random.default_rng(23)
+    ps = prompts(14, seed=24)
+    stops = tuple(t for t, _ in collections.Counter(t for seq in hf_greedy(hf, ps, MAX_NEW)
+                                                    for t in seq[1:]).most_common(2))
+    reqs = [(p, SamplingParams(temperature=float(rng.choice([0.0, 1.0])), top_k=5 if i == 9 else 0,
+                               max_new_tokens=40 if i in (0, 5, 11) else int(rng.integers(1, MAX_NEW + 1)),
+                               seed=int(rng.integers(0, 2**32)), stop_token_ids=() if i in (0, 5, 11) else stops))
+            for i, p in enumerate(ps)]
+    p_full, p_comp = full.place_params(params), comp.place_params(params)
+    comp.warmup(p_comp, max_samples=4)  # starts the compacted programs' compiles (2 sizes x 2 samplers x K in (4, 1))
+    toks_f, lps_f, _ = run(full, p_full, reqs)
+    toks_c, lps_c, _ = run(comp, p_comp, reqs, decode_steps=4)
+    assert toks_c == toks_f
+    assert sum(len(t) < sp.max_new_tokens for t, (_, sp) in zip(toks_c, reqs)) >= 3  # the stop ids cut samples
+    for a, b in zip(lps_c, lps_f):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    assert comp.compact_steps >= 16 and comp.compact_steps % 4 == 0  # only K-step dispatches ran
+    counts = comp.compile_counts()
+    assert counts["generate_compact"] == 8, counts
+    run(comp, p_comp, reqs[:5], decode_steps=4)
+    assert comp.compile_counts() == counts
+
+
 def test_lean_sampling_programs_until_a_request_truncates(fam):
     """Slots sampling without top-k/top-p run the decode step and first-token sampler compiled without the
     truncation machinery; the full programs compile only when a truncating request is running."""
