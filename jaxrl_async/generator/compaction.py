@@ -4,9 +4,10 @@ which compiled program a step runs, and their compiles.
 A compacted step runs the decode step on ``b`` rows per decode replica (``b`` in ``sizes``, descending: S/2,
 S/4, ... per replica) gathered from the live slots; one program per (weights' signature, sampler, b, K), compiled
 on one background thread. K is the dispatch's decode steps (multi-step decode: a compacted dispatch runs K steps
-of the ``b`` rows chosen at its start, `engine_steps.decode_rows_fn`). Synchronously (the default) a step always takes the smallest size that holds every
-replica's live slots, waiting for its compile (so the choice depends on the live slots only, never on compile
-timing); ``in_background``: the smallest one compiled by now, else the full step.
+of the ``b`` rows chosen at its start, `engine_steps.decode_rows_fn`). Synchronously (the default) a step always
+takes the smallest size that holds every replica's live slots, waiting for its compile (so the choice depends on
+the live slots only, never on compile timing); ``in_background``: the smallest one compiled by now, else the full
+step.
 """
 
 from __future__ import annotations

@@ -724,7 +724,10 @@ class PagedEngine(Engine):
         if fn is None:
             traced = traced_with_activation_rules(functools.partial(
                 decode_multi_fn, num_steps=k, truncation=trunc, **self._multi_kw), self.mesh, "generator")
-            fn = self._multi_steps[(trunc, k)] = jax.jit(traced, donate_argnums=1, out_shardings=self._multi_out)
+            fn = jax.jit(traced, donate_argnums=1, out_shardings=self._multi_out)
+            if self.program_cache is not None:  # `_compile_ahead` installs its executable (no trace at the first call)
+                fn = Program(f"decode_multi_{trunc}_k{k}", fn)
+            self._multi_steps[(trunc, k)] = fn
         return fn
 
     def generate(self, params: Params, state: DecodeState, num_steps: int = 1) -> tuple[DecodeState, StepResult]:

@@ -30,7 +30,7 @@ def _engine(cfg, cache, **kw):
     return PagedEngine(cfg, **args)
 
 
-def _generate(engine, params, n_new=10):
+def _generate(engine, params, n_new=10, k=1):
     """Greedy and sampled tokens of 3 prompts, each through prefill, insert, decode (full and compacted), release."""
     rng = np.random.default_rng(0)
     state, outs = engine.init_decode_state(), {}
@@ -39,12 +39,12 @@ def _generate(engine, params, n_new=10):
         pre = engine.prefill(params, rng.integers(3, 200, 5 + 3 * s).tolist(), sp)
         state = engine.insert(pre, state, s)
         outs[s] = [int(pre.first_tokens[0])]
-    for _ in range(n_new):
-        state, step = engine.generate(params, state)
-        step = step.to_host()
-        for s in outs:
-            if step.valid[s]:
-                outs[s].append(int(step.tokens[s]))
+    for _ in range(-(-n_new // k)):
+        state, step = engine.generate(params, state, k) if k > 1 else engine.generate(params, state)
+        for row in step.to_host().rows():
+            for s in outs:
+                if row.valid[s]:
+                    outs[s].append(int(row.tokens[s]))
     for s in outs:
         state = engine.release(state, s)
     return outs
@@ -161,3 +161,25 @@ else:
         assert r.returncode == 0, r.stderr[-2000:]
         outs.append(r.stdout.strip())
     assert outs[1:] == ["miss 0 1 128.0", "hit 1 0 128.0"]
+
+
+def test_multi_step_programs_come_from_the_cache(model, tmp_path):
+    """With multi-step decode (K = 4), the K-step program and its compacted form are cached too: a second engine
+    on the same directory loads them and decodes the same tokens without tracing the K-step program."""
+    cfg, raw = model
+    cache = ProgramCache(str(tmp_path / "programs"))
+    first = _engine(cfg, cache, max_decode_steps=4)
+    params = first.place_params(raw)
+    first.warmup(params, max_samples=1, truncation=False)
+    ref = _generate(first, params, k=4)
+    written = sorted(os.listdir(cache.directory))
+    assert any(n.startswith("decode_multi_False_k4-") for n in written), written
+    assert any(n.startswith("decode_rows_4_False_k4-") for n in written), written
+    second_cache = ProgramCache(cache.directory)
+    second = _engine(cfg, second_cache, max_decode_steps=4)
+    second.warmup(params, max_samples=1, truncation=False)
+    assert _generate(second, params, k=4) == ref
+    assert second_cache.misses == 0 and second_cache.hits == cache.misses
+    assert second.compact_steps > 0 and second.compact_steps % 4 == 0
+    multi = second._multi_steps[(False, 4)]
+    assert isinstance(multi, Program) and multi.jitted._cache_size() == 0 and multi.fallbacks == 0
