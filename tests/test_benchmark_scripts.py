@@ -79,3 +79,32 @@ def test_decode_step_bench_runs(tmp_path):
     res = json.loads(out.read_text())
     assert res["K=1"]["ms_per_step"] > 0 and res["K=4"]["ms_per_step"] > 0 and res["params"] > 0
     assert list(res["by_position"]) == ["20"] and res["by_position"]["20"] > 0
+
+
+def _avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+def test_matmul_layouts_harness_builds_and_both_layouts_agree(tmp_path):
+    """benchmarks/matmul_layouts.cc (the packed-weights measurement of NOTES session 23) compiles and, on a small
+    shape, gives the same bits from the model's layout and the packed one (it exits 1 when they disagree)."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("g++") is None or not _avx512():
+        pytest.skip("needs g++ and an AVX-512 CPU")
+    exe = tmp_path / "matmul_layouts"
+    build = subprocess.run(["g++", "-O2", "-march=native", "-std=c++17", "-pthread", "-Wall", "-Werror",
+                            os.path.join(ROOT, "benchmarks", "matmul_layouts.cc"), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    for shape in (["5", "96", "128"], ["16", "64", "192"]):  # a tail row (5 = 4 + 1); several column blocks
+        proc = subprocess.run([str(exe), *shape, "1"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "best: model layout" in proc.stdout and "packed" in proc.stdout
+    assert subprocess.run([str(exe), "4", "64", "100"], capture_output=True, text=True, timeout=60).returncode == 2
