@@ -5,8 +5,8 @@
 // a half of the column blocks; the matrices (~200 MB) are cycled so that they come from DRAM; also a plain
 // two-thread read of the same bytes (the host's streaming ceiling). Issue 28, NOTES session 23.
 //
-//   g++ -O3 -march=native -std=c++17 -pthread benchmarks/matmul_layouts.cc -o /tmp/matmul_layouts
-//   /tmp/matmul_layouts M K N [rounds]        e.g. 16 512 1536 (shape A's gate / up at 16 rows)
+//   g++ -O3 -march=native -std=c++17 -pthread benchmarks/matmul_layouts.cc -o matmul_layouts
+//   ./matmul_layouts M K N [rounds]        e.g. 16 512 1536 (shape A's gate / up at 16 rows)
 //
 // Needs AVX-512. Prints us per matmul and GB/s of w for each layout, interleaved over the rounds, and checks that
 // both layouts give the same bits (the same multiply-adds in the same order).
