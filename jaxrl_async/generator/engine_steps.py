@@ -255,7 +255,6 @@ def decode_rows_fn(params: Params, arrays, *args, pool_keys: tuple[str, ...], nu
     # only what a step changes is scattered back (fewer programs to compile and run)
     out = {k: (sub_out[k] if k in pool_keys else arrays[k].at[rows].set(sub_out[k]) if k in STEP_WRITES
                else arrays[k]) for k in arrays}
-    S = slot_args[0].shape[0]
-    if num_steps == 1:
-        return out, tuple(jnp.zeros((S,) + x.shape[1:], x.dtype).at[rows].set(x) for x in step)
-    return out, tuple(jnp.zeros(x.shape[:1] + (S,) + x.shape[2:], x.dtype).at[:, rows].set(x) for x in step)
+    S, a = slot_args[0].shape[0], int(num_steps > 1)  # the slot axis of the outputs: [S, ...] or [K, S, ...]
+    return out, tuple(jnp.zeros(x.shape[:a] + (S,) + x.shape[a + 1:], x.dtype).at[(slice(None),) * a + (rows,)].set(x)
+                      for x in step)

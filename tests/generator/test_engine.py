@@ -499,6 +499,18 @@ def test_kv_pool_split_per_data_replica(fam):
         make_engine(cfg, mesh=mesh, num_pages=9)
 
 
+def _full_and_compacted(cfg, data, **comp_kw):
+    """Two engines of 8 slots on a data=`data` mesh: the full batch, and compacting down to 1/2 and 1/4 of each
+    replica's slots (checked)."""
+    mesh = make_mesh({"data": data, "tensor": 1}, devices=jax.devices()[:data])
+    kw = dict(mesh=mesh, max_concurrent_decodes=8, num_pages=32)
+    full = make_engine(cfg, compact_decode=False, **kw)
+    comp = make_engine(cfg, compact_decode=True, compact_min_rows=1, **comp_kw, **kw)
+    per = 8 // data
+    assert comp.compact_sizes == (per // 2, per // 4)
+    return full, comp
+
+
 @pytest.mark.parametrize("data", [1, 2])
 def test_compacted_decode_equals_the_full_batch(fam, data):
     """When the live slots fit in half / a quarter of the decode batch (per replica), the step runs a compacted
@@ -508,12 +520,8 @@ def test_compacted_decode_equals_the_full_batch(fam, data):
     family, cfg, params, engine, hf = fam
     if family != "qwen3":
         pytest.skip("engine-level property; one family suffices")
-    mesh = make_mesh({"data": data, "tensor": 1}, devices=jax.devices()[:data])
-    kw = dict(mesh=mesh, max_concurrent_decodes=8, num_pages=32)
-    full = make_engine(cfg, compact_decode=False, **kw)
-    comp = make_engine(cfg, compact_decode=True, compact_min_rows=1, **kw)
-    per = 8 // data
-    assert full.compact_sizes == () and comp.compact_sizes == (per // 2, per // 4)
+    full, comp = _full_and_compacted(cfg, data)
+    assert full.compact_sizes == ()
     rng = np.random.default_rng(21)
     reqs = [(p, SamplingParams(temperature=float(rng.choice([0.0, 1.0])), top_k=5 if i == 9 else 0,
                                max_new_tokens=int(rng.integers(1, MAX_NEW + 1)), seed=int(rng.integers(0, 2**32))))
@@ -544,12 +552,7 @@ def test_compacted_multi_step_decode_equals_the_full_batch(fam, data):
     family, cfg, params, engine, hf = fam
     if family != "qwen3":
         pytest.skip("engine-level property; one family suffices")
-    mesh = make_mesh({"data": data, "tensor": 1}, devices=jax.devices()[:data])
-    kw = dict(mesh=mesh, max_concurrent_decodes=8, num_pages=32)
-    full = make_engine(cfg, compact_decode=False, **kw)
-    comp = make_engine(cfg, compact_decode=True, compact_min_rows=1, max_decode_steps=4, **kw)
-    per = 8 // data
-    assert comp.compact_sizes == (per // 2, per // 4)
+    full, comp = _full_and_compacted(cfg, data, max_decode_steps=4)
     rng = np.random.default_rng(23)
     ps = prompts(14, seed=24)
     stops = tuple(t for t, _ in collections.Counter(t for seq in hf_greedy(hf, ps, MAX_NEW)
