@@ -16,6 +16,7 @@ from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import (Params, forward, logits_from_hidden, rope_full, rope_half_cos_sin,
                                              stacked_layer_matmul)
 from jaxrl_async.generator import kv_cache
+from jaxrl_async.generator.packed_weights import PACKED_KEY
 from jaxrl_async.kernels import cpu_kernels, paged_attention
 from jaxrl_async.generator import sampling
 
@@ -156,7 +157,9 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     slot's token was drawn from and their token ids (`sampling.top_logprobs`; zeros for inactive slots); 0: the
     program is the one without them. `stacked_matmul_rows` (static): a program of at most this many slots computes
     the layers' projections with `cpu_kernels.stacked_matmul`, reading each matrix in place from its stack
-    (`transformer.stacked_layer_matmul`; the engine sets it on one CPU device, else 0), and at NT_LOGITS_ROWS slots
+    (`transformer.stacked_layer_matmul`; the engine sets it on one CPU device, else 0), from their copies packed per
+    column block where params carry them (`packed_weights.PACKED_KEY`: the engine's ``packed_weights``), and at
+    NT_LOGITS_ROWS slots
     a tied float32 LM head with `cpu_kernels.matmul_nt`. `cpu_sampler` (static): the draws and the log-probs'
     normaliser come from `cpu_kernels.sample_rows` (`sampling.sample`'s `rows_fn`; the engine sets it on one CPU
     device with the kernels). `rope`: the step's rotary (cos, sin) [S, 1, E] of the slots' positions, computed by
@@ -178,7 +181,8 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     # M-RoPE models (the state has ``rope_delta``): the token at index pos sits at rotary position pos + delta
     rope_pos = pos + arrays["rope_delta"] if "rope_delta" in arrays else pos
     in_place = S <= stacked_matmul_rows
-    with stacked_layer_matmul(cpu_kernels.stacked_matmul) if in_place else contextlib.nullcontext():
+    with (stacked_layer_matmul(cpu_kernels.stacked_matmul, params.get(PACKED_KEY), cpu_kernels.stacked_matmul_packed)
+          if in_place else contextlib.nullcontext()):
         (hidden, pools), ids = _routed_forward(record_routing, params, cfg, arrays["last_token"][:, None],
                                                rope_pos[:, None], attend, tuple(arrays[k] for k in keys), rope=rope)
     if in_place and S in NT_LOGITS_ROWS and "lm_head" not in params and params["embed"].dtype == jnp.float32 and (

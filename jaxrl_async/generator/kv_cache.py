@@ -173,10 +173,12 @@ def _incoming_push_bytes(cfg: ModelConfig, shardings: Any, pbytes: int) -> int:
 
 def pool_budget(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardings: Any, *, max_slots: int,
                 max_prefill: int, max_seq: int, fraction: float, reserve_weight_push: bool = False,
-                replicas: int = 1) -> tuple[int, SizingReport, str]:
+                replicas: int = 1, extra_weight_bytes: int = 0) -> tuple[int, SizingReport, str]:
     """(pages that fit the generator mesh, the sizing report with that count, how it was counted); the formula
     is in the module doc. With `replicas` > 1 (the pool's pages split over the generator's `data` axis, one range
-    per replica) each device holds 1/replicas of the pool: the count is `replicas` x what fits one device."""
+    per replica) each device holds 1/replicas of the pool: the count is `replicas` x what fits one device.
+    `extra_weight_bytes`: more weight memory per device beside the params (the engine's packed copy of its layer
+    matrices, `packed_weights.packed_bytes`), counted with the incoming weights."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"cache_memory_fraction must be in (0, 1], got {fraction}")
     probe = KVCacheSpec(num_pages=1, **spec_wo_pages)
@@ -185,13 +187,13 @@ def pool_budget(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardin
     limit, in_use, source = device_memory(list(mesh.devices.flat))
     pbytes = param_bytes_per_device(cfg, param_shardings)
     ws = workspace_bytes(getattr(cfg, "text", cfg), max_slots // replicas, max_prefill, max_seq, shards)
-    incoming = _incoming_push_bytes(cfg, param_shardings, pbytes) if reserve_weight_push else 0
+    incoming = (_incoming_push_bytes(cfg, param_shardings, pbytes) if reserve_weight_push else 0) + extra_weight_bytes
     budget = fraction * (limit - max(in_use, pbytes) - incoming) - ws
     n = (int(budget // page_b) if budget > 0 else 0) * replicas
     report_weights = limit - max(in_use, pbytes) - incoming <= 0
     detail = (f"{max(budget, 0) / 2**20:.1f} MiB per device for the pool (limit {limit / 2**20:.0f} MiB from "
-              f"{source}, weights {pbytes / 2**20:.1f} MiB, incoming weights {incoming / 2**20:.1f} MiB, workspace "
-              f"{ws / 2**20:.1f} MiB, fraction {fraction}), pages of {page_b} B")
+              f"{source}, weights {pbytes / 2**20:.1f} MiB, incoming and packed weights {incoming / 2**20:.1f} MiB, "
+              f"workspace {ws / 2**20:.1f} MiB, fraction {fraction}), pages of {page_b} B")
     if report_weights:
         detail = "the weights alone do not fit: " + detail
     return n, SizingReport(n, source, limit, in_use, pbytes, ws, page_b, incoming), detail
@@ -199,12 +201,13 @@ def pool_budget(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardin
 
 def auto_num_pages(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardings: Any, *, max_slots: int,
                    max_prefill: int, max_seq: int, fraction: float,
-                   reserve_weight_push: bool = False, replicas: int = 1) -> SizingReport:
+                   reserve_weight_push: bool = False, replicas: int = 1, extra_weight_bytes: int = 0) -> SizingReport:
     """Number of pages that fit the generator mesh (`pool_budget`), at most a full reservation for every slot, a
     multiple of `replicas`; fewer than one full sequence: `KVSizingError`."""
     n, report, detail = pool_budget(spec_wo_pages, cfg, mesh, param_shardings, max_slots=max_slots,
                                     max_prefill=max_prefill, max_seq=max_seq, fraction=fraction,
-                                    reserve_weight_push=reserve_weight_push, replicas=replicas)
+                                    reserve_weight_push=reserve_weight_push, replicas=replicas,
+                                    extra_weight_bytes=extra_weight_bytes)
     need_one = spec_wo_pages["max_pages_per_seq"]
     if n < need_one * replicas:
         raise KVSizingError(detail, n, need_one, max_seq)
@@ -215,12 +218,13 @@ def auto_num_pages(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shar
 
 def check_num_pages(num_pages: int, spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardings: Any, *,
                     max_slots: int, max_prefill: int, max_seq: int, reserve_weight_push: bool = False,
-                    replicas: int = 1) -> None:
+                    replicas: int = 1, extra_weight_bytes: int = 0) -> None:
     """An explicit pool of `num_pages` must fit the same budget (all of the free memory: fraction 1): else
     `KVSizingError` with the largest count that fits."""
     n, _, detail = pool_budget(spec_wo_pages, cfg, mesh, param_shardings, max_slots=max_slots,
                                max_prefill=max_prefill, max_seq=max_seq, fraction=1.0,
-                               reserve_weight_push=reserve_weight_push, replicas=replicas)
+                               reserve_weight_push=reserve_weight_push, replicas=replicas,
+                               extra_weight_bytes=extra_weight_bytes)
     if num_pages > n:
         raise KVSizingError(f"{num_pages} pages asked, {detail}", n - n % replicas, spec_wo_pages["max_pages_per_seq"],
                             max_seq)

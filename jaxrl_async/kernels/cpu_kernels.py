@@ -9,6 +9,9 @@
 * ``stacked_matmul`` (``cpu/stacked_matmul.cc``): ``x @ w[layer]`` reading the layer's matrix in place from the
   stacked ``[L, K, N]`` weights, for decode programs of a few rows (`models.transformer.stacked_layer_matmul`):
   inside the scan over layers XLA:CPU copies every layer's matrices out of the stack each step.
+  ``stacked_matmul_packed`` (same file): the same product from a copy of the stack packed per column block of 64
+  (`pack_columns`: [L, ceil(N / 64), K, 64], each block contiguous), which the hardware prefetchers stream at a few
+  rows where the model's layout starts a new page every row (the engine's ``packed_weights``; same bits).
 * ``matmul_nt`` (same file): ``x @ w.T`` for a row-major ``w`` [N, K], the tied embedding as the LM head of those
   programs (XLA:CPU's transposed dot at a few rows runs at about half the rate).
 * ``sample_rows`` (``cpu/sample_rows.cc``): the decode step's sampler (`generator/sampling.py`'s inverse CDF and
@@ -42,6 +45,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 TARGETS = {"jaxrl_async_paged_decode": "JaxrlPagedDecode", "jaxrl_async_stacked_matmul": "JaxrlStackedMatmul",
+           "jaxrl_async_stacked_matmul_packed": "JaxrlStackedMatmulPacked",
            "jaxrl_async_matmul_nt": "JaxrlMatmulNt", "jaxrl_async_sample_rows": "JaxrlSampleRows"}
 _SOURCES = ("paged_decode.cc", "stacked_matmul.cc", "sample_rows.cc")
 _HEADERS = ("parallel.h", "fast_math.h")
@@ -180,6 +184,33 @@ def stacked_matmul(x: jax.Array, w: jax.Array, layer_idx) -> jax.Array:
     call = jax.ffi.ffi_call(_target("jaxrl_async_stacked_matmul"),
                             jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
     return call(x, w, jnp.asarray(layer_idx, jnp.int32))
+
+
+PACK_COLUMNS = 64  # the kernel's column block
+
+
+def pack_columns(w) -> np.ndarray:
+    """w [L, K, N] (any array) -> [L, ceil(N / 64), K, 64] float32 numpy, block b holding columns [64 b, 64 b + 64)
+    (the last block zero-padded): `stacked_matmul_packed`'s layout."""
+    w = np.asarray(w, np.float32)
+    L, K, N = w.shape
+    nb = -(-N // PACK_COLUMNS)
+    if nb * PACK_COLUMNS != N:
+        w = np.concatenate([w, np.zeros((L, K, nb * PACK_COLUMNS - N), np.float32)], axis=2)
+    return np.ascontiguousarray(w.reshape(L, K, nb, PACK_COLUMNS).transpose(0, 2, 1, 3))
+
+
+def stacked_matmul_packed(x: jax.Array, wp: jax.Array, layer_idx, n: int) -> jax.Array:
+    """x [M, K] @ w[layer_idx][:, :n] from wp = `pack_columns(w)` [L, ceil(n / 64), K, 64] read in place (float32) ->
+    [M, n] float32: the bits of `stacked_matmul(x, w, layer_idx)`."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are not available: {unavailable_reason()}")
+    if (x.dtype != jnp.float32 or wp.dtype != jnp.float32 or x.ndim != 2 or wp.ndim != 4 or x.shape[1] != wp.shape[2]
+            or wp.shape[3] != PACK_COLUMNS or wp.shape[1] != -(-n // PACK_COLUMNS)):
+        raise ValueError(f"stacked_matmul_packed: float32 x [M, K] and w [L, ceil({n} / 64), K, 64], got "
+                         f"{x.dtype}{x.shape}, {wp.dtype}{wp.shape}")
+    call = jax.ffi.ffi_call(_target("jaxrl_async_stacked_matmul_packed"), jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x, wp, jnp.asarray(layer_idx, jnp.int32))
 
 
 def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -301,13 +301,17 @@ _STACKED_MATMUL: contextvars.ContextVar = contextvars.ContextVar("stacked_layer_
 
 
 @contextlib.contextmanager
-def stacked_layer_matmul(fn):
+def stacked_layer_matmul(fn, packed: dict | None = None, packed_fn=None):
     """While a forward is traced under this scope, its scan over a dense layer stack leaves the float32 projection
     matrices (q k v o gate up down without adapters) in their stacks: `_proj` computes x @ w[layer] as
     ``fn(x2 [M, K], stack [L, K, N], layer) -> [M, N]`` (`kernels.cpu_kernels.stacked_matmul`, reading the layer's
     matrix in place). Scanned slices are copied out of the stack by XLA:CPU before its dots, every step, which at a
-    few rows costs more than the dots (the generator's small decode programs; NOTES, session 16)."""
-    token = _STACKED_MATMUL.set(fn)
+    few rows costs more than the dots (the generator's small decode programs; NOTES, session 16).
+
+    ``packed``: {stack name: {matrix name: copy}} of some of those matrices packed per column block ([L, ceil(N /
+    64), K, 64], `cpu_kernels.pack_columns`); `_proj` then computes theirs as ``packed_fn(x2, copy, layer, N)``
+    (`cpu_kernels.stacked_matmul_packed`, the same bits; the engine's ``packed_weights``, NOTES session 24)."""
+    token = _STACKED_MATMUL.set((fn, packed or {}, packed_fn))
     try:
         yield
     finally:
@@ -320,16 +324,20 @@ class _StackedWeight:
 
     stack: jax.Array
     layer: jax.Array
+    packed: jax.Array | None = None  # the stack packed per column block (`stacked_layer_matmul`'s ``packed``)
 
 
-def _in_place_matrices(stack: dict, n: int) -> dict:
-    """The matrices of a dense layer stack that `stacked_layer_matmul` reads in place (none outside its scope)."""
+def _in_place_matrices(stack: dict, n: int, name: str = "layers") -> dict:
+    """The matrices of a dense layer stack that `stacked_layer_matmul` reads in place (none outside its scope), as
+    _StackedWeight's of layer None, with their packed copies where the scope has them for stack `name`."""
     from jaxrl_async.models.lora import TARGETS, adapter_keys
 
-    if _STACKED_MATMUL.get() is None or "router" in stack:
+    scope = _STACKED_MATMUL.get()
+    if scope is None or "router" in stack:
         return {}
-    return {k: stack[k] for k in TARGETS if k in stack and adapter_keys(k)[0] not in stack
-            and stack[k].dtype == jnp.float32 and stack[k].shape[0] == n}
+    packed = scope[1].get(name, {})
+    return {k: _StackedWeight(stack[k], None, packed.get(k)) for k in TARGETS if k in stack
+            and adapter_keys(k)[0] not in stack and stack[k].dtype == jnp.float32 and stack[k].shape[0] == n}
 
 
 def _proj(p: Params, name: str, x: jax.Array, x_sub: str, out_sub: str, cfg: ModelConfig) -> jax.Array:
@@ -342,8 +350,12 @@ def _proj(p: Params, name: str, x: jax.Array, x_sub: str, out_sub: str, cfg: Mod
     if isinstance(w, _StackedWeight) and x.dtype == jnp.float32 and x_sub[-nc:] == w_sub[:nc] and (
             out_sub == x_sub[:-nc] + w_sub[nc:]):  # x [..., contracted] @ w [contracted, free]: one 2-D product
         k_in = math.prod(x.shape[x.ndim - nc:])
-        stack = w.stack.reshape(w.stack.shape[0], k_in, -1)  # row-major: a free reshape
-        y = _STACKED_MATMUL.get()(x.reshape(-1, k_in), stack, w.layer)
+        fn, _, packed_fn = _STACKED_MATMUL.get()
+        if w.packed is not None:  # the copy packed per column block: same products, contiguous blocks
+            y = packed_fn(x.reshape(-1, k_in), w.packed, w.layer, math.prod(w.stack.shape[1 + nc:]))
+        else:
+            stack = w.stack.reshape(w.stack.shape[0], k_in, -1)  # row-major: a free reshape
+            y = fn(x.reshape(-1, k_in), stack, w.layer)
         y = y.reshape(*x.shape[:x.ndim - nc], *w.stack.shape[1 + nc:])
     else:
         if isinstance(w, _StackedWeight):
@@ -427,7 +439,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             # float32 gradients of every layer in the scan's backward: 7 GiB for one MLP matrix of 8B)
             p = {k: constrain(w, *layer_axes[k][1:]) if k in layer_axes else w for k, w in p.items()}
             if in_place:  # `stacked_layer_matmul`: these matrices stay in their stacks, read at layer j
-                p.update({k: _StackedWeight(a, j) for k, a in in_place.items()})
+                p.update({k: dataclasses.replace(a, layer=j) for k, a in in_place.items()})
             # LoRA dropout masks per layer (training steps only; else a no-op); the MoE routing outputs of a sparse
             # layer under a `moe.routing_scope`, indexed by its slice j of the sparse stack (None without a
             # scope: nothing extra is traced)
@@ -446,7 +458,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     # layers among its sparse ones), each scanned over its slice of its stack or unrolled
     for name, s0, n, i0 in cfg.layer_schedule():
         stack, body = params[name], bodies[name]
-        in_place = _in_place_matrices(stack, n) if cfg.scan_layers and s0 == 0 and isinstance(stack, dict) else {}
+        in_place = (_in_place_matrices(stack, n, name) if cfg.scan_layers and s0 == 0 and isinstance(stack, dict)
+                    else {})
         if in_place:  # the matrices read in place leave the scanned xs (nothing copies them out per layer)
             body = make_body(axes[name], name == routed_name, in_place)
             stack = {k: a for k, a in stack.items() if k not in in_place}

@@ -235,6 +235,51 @@ def test_forward_under_the_scope_reads_every_projection_in_place():
         params, tokens).as_text()
 
 
+@pytest.mark.parametrize("M,K,N", [(1, 32, 64), (5, 40, 130), (16, 96, 200), (64, 130, 72), (9, 32, 7), (13, 64, 48),
+                                   (16, 300, 1030)])
+def test_stacked_matmul_packed_gives_the_bits_of_the_in_place_one(M, K, N):
+    """The matrix packed per column block ([L, ceil(N / 64), K, 64], the last block zero-padded): the same multiply-
+    adds in the same order as from the model's layout, so the same bits, at every layer of the stack."""
+    rng = np.random.default_rng(M * N + K)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, K, N)), jnp.float32)
+    wp = cpu_kernels.pack_columns(w)
+    assert wp.shape == (3, -(-N // 64), K, 64) and (wp[:, -1, :, N - 64 * (wp.shape[1] - 1):] == 0).all()
+    np.testing.assert_array_equal(wp[1, 0, :, :min(N, 64)], np.asarray(w)[1, :, :min(N, 64)])
+
+    def scan(fn, w):
+        return jax.jit(lambda x, w: jax.lax.scan(lambda c, l: (c, fn(x, w, l)), 0, jnp.arange(3))[1])(x, w)
+
+    packed = scan(lambda x, w, l: cpu_kernels.stacked_matmul_packed(x, w, l, N), jnp.asarray(wp))
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(scan(cpu_kernels.stacked_matmul, w)))
+    with pytest.raises(ValueError, match="ceil"):
+        cpu_kernels.stacked_matmul_packed(x, jnp.asarray(wp), 0, N + 64)
+
+
+def test_forward_under_the_scope_reads_the_packed_copies():
+    """With packed copies in the scope, every projection reads its copy (`stacked_matmul_packed`, 7 calls in the
+    scan's body, none of the in-place kernel) and the hidden states are the in-place forward's bits."""
+    from jaxrl_async.generator.packed_weights import PACKED_KEY, PackedWeights
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", param_dtype="float32")
+    params = transformer.init_params(cfg, jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (5, 7)), jnp.int32)
+    dparams = PackedWeights(("layers",))(params)
+    assert set(dparams[PACKED_KEY]["layers"]) == {"q", "k", "v", "o", "gate", "up", "down"}
+
+    def scoped(p, t, packed):
+        with transformer.stacked_layer_matmul(cpu_kernels.stacked_matmul, p.get(PACKED_KEY) if packed else None,
+                                              cpu_kernels.stacked_matmul_packed):
+            return transformer.apply(p, cfg, t)
+
+    fns = {packed: jax.jit(functools.partial(scoped, packed=packed)) for packed in (True, False)}
+    np.testing.assert_array_equal(np.asarray(fns[True](dparams, tokens)), np.asarray(fns[False](params, tokens)))
+    hlo = fns[True].lower(dparams, tokens).as_text()
+    assert hlo.count("jaxrl_async_stacked_matmul_packed") == 7
+    assert hlo.count("jaxrl_async_stacked_matmul") == 7  # the packed calls only
+
+
 def test_in_place_matrices_leave_adapted_and_non_float32_ones_to_xla():
     stack = {"q": jnp.zeros((2, 4, 2, 2)), "k": jnp.zeros((2, 4, 1, 2)), "q_lora_a": jnp.zeros((2, 4, 1)),
              "up": jnp.zeros((2, 4, 8), jnp.bfloat16), "attn_norm": jnp.zeros((2, 4))}
@@ -321,6 +366,48 @@ def test_decode_programs_of_8_to_32_rows_read_the_tied_embedding_in_place():
         runs.append((np.stack(toks), np.stack(lps)))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=0, atol=1e-5)
+
+
+def test_packed_weights_decode_the_bits_of_the_in_place_engine_and_follow_new_weights():
+    """The engine's packed copy (`packed_weights`, on by default where the in-place matmul runs): the decode programs
+    read it (`stacked_matmul_packed`), the tokens and log-probs are the unpacked engine's bits, and a new weight set
+    mid-run is repacked at its first dispatch (so no step decodes with a stale copy), the same one is not."""
+    from jaxrl_async.generator.engine import PagedEngine
+    from jaxrl_async.generator.engine_api import SamplingParams
+    from jaxrl_async.generator.packed_weights import packed_bytes
+    from jaxrl_async.models.transformer import init_params
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", param_dtype="float32")
+    kw = dict(max_concurrent_decodes=8, max_sequence_length=48, prefill_buckets=(16,), page_size=8, num_pages=48)
+    packed, plain = PagedEngine(cfg, **kw), PagedEngine(cfg, packed_weights=False, **kw)
+    assert packed.packed_weights and not plain.packed_weights
+    assert not PagedEngine(cfg, stacked_matmul_rows=0, **kw).packed_weights
+    with pytest.raises(ValueError, match="packed_weights needs"):
+        PagedEngine(cfg, stacked_matmul_rows=0, packed_weights=True, **kw)
+    # q k v o gate up down of 2 layers, columns padded to 64 (96 -> 128 for gate / up; 32 -> 64 for k / v)
+    assert packed_bytes(cfg) == 4 * 2 * (64 * 64 + 2 * 64 * 64 + 64 * 64 + 2 * 64 * 128 + 96 * 64)
+    p1, p2 = (packed.place_params(init_params(cfg, jax.random.key(s))) for s in (3, 4))
+    no_pages = np.full(8, -1, np.int32)
+    hlo = packed._steps[False].lower(packed._decode_params(p1), packed.init_decode_state().arrays, no_pages).as_text()
+    assert hlo.count("jaxrl_async_stacked_matmul_packed") == 7
+    runs = []
+    for eng in (packed, plain):
+        rng = np.random.default_rng(0)
+        state, toks, lps = eng.init_decode_state(), [], []
+        for s in range(8):
+            sp = SamplingParams(temperature=0.0 if s % 2 else 1.0, max_new_tokens=16, seed=s)
+            state = eng.insert(eng.prefill(p1, rng.integers(3, 300, 4 + s).tolist(), sp), state, s)
+        for i in range(10):  # a weight update after 4 steps
+            state, step = eng.generate(p1 if i < 4 else p2, state)
+            step = step.to_host()
+            toks.append(np.asarray(step.tokens))
+            lps.append(np.asarray(step.logprobs))
+        runs.append((np.stack(toks), np.stack(lps)))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    assert packed._packed.packs == 2  # p1 (for the lowering above, reused by the first 4 steps), then p2 once
+    assert plain._packed is None
 
 
 @pytest.mark.parametrize("B,V", [(1, 5), (7, 1000), (64, 1024), (16, 4096 + 37)])

@@ -1,0 +1,99 @@
+"""The layer matrices packed per column block for the CPU decode programs (issue 28; NOTES, session 24).
+
+A decode step at a few rows reads every projection matrix once (`cpu_kernels.stacked_matmul`, in place from its
+[L, K, N] stack). In the model's layout a column block of 64 reads 256 bytes per row of the matrix at a stride of N
+floats, a new 4 KiB page every row or few rows, which the hardware prefetchers lose: the kernel read shape A's
+matrices at 5-7 GB/s where the host streams 18 GB/s. Packed per column block ([L, ceil(N / 64), K, 64], each block
+contiguous; `cpu_kernels.pack_columns`) the same products read 1.3-1.5x faster (`benchmarks/matmul_layouts.cc`).
+
+`PackedWeights` keeps such a copy of the matrices the decode programs read in place, and hands the programs the
+params with the copy under `PACKED_KEY` ({stack: {matrix: packed}}; `engine_steps.decode_step_fn` gives it to
+`transformer.stacked_layer_matmul`, prefill and the trainer never see it). The copy is remade whenever the matrices
+are other arrays than the ones it was made from (checked by identity, holding those arrays so that an id cannot
+come back): a weight swap, a push, a LoRA merge all hand the engine new arrays, so a dispatch never decodes with a
+stale copy. Cost: the layer matrices twice in the generator's memory (only on one CPU device, where the kernels run)
+and one copy of them per new weight set (~75 MB at shape A: tens of ms).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_async.kernels import cpu_kernels
+
+__all__ = ["PACKED_KEY", "PackedWeights", "packable_matrices"]
+
+logger = logging.getLogger(__name__)
+
+PACKED_KEY = "packed_columns"
+
+
+def packable_matrices(params: Any, stacks: tuple[str, ...]) -> dict[str, dict[str, jax.Array]]:
+    """{stack: {matrix: [L, ...] array}} of the matrices `transformer.stacked_layer_matmul` reads in place: float32
+    q k v o gate up down of a dense stack (no router), without LoRA adapters."""
+    from jaxrl_async.models.lora import TARGETS, adapter_keys
+
+    out: dict = {}
+    for name in stacks:
+        stack = params.get(name) if isinstance(params, dict) else None
+        if not isinstance(stack, dict) or "router" in stack:
+            continue
+        mats = {k: stack[k] for k in TARGETS if k in stack and adapter_keys(k)[0] not in stack
+                and stack[k].dtype == jnp.float32}
+        if mats:
+            out[name] = mats
+    return out
+
+
+def _pack(w: jax.Array, contracted: int) -> jax.Array:
+    """w [L, *contracted dims, *free dims] -> [L, ceil(N / 64), K, 64] on w's devices (K, N: the products)."""
+    k_in = math.prod(w.shape[1:1 + contracted])
+    return jax.device_put(cpu_kernels.pack_columns(jax.device_get(w).reshape(w.shape[0], k_in, -1)), w.sharding)
+
+
+class PackedWeights:
+    """The packed copy of one engine's decode matrices, remade for each new weight set (see the module doc)."""
+
+    def __init__(self, stacks: tuple[str, ...]):
+        self.stacks = tuple(stacks)
+        self.packs = 0  # copies made (a test's and a log's count)
+        self._lock = threading.Lock()
+        self._source: tuple = ()  # the arrays the copy was made from (held: identity is the check)
+        self._packed: dict = {}
+
+    def __call__(self, params: Any) -> Any:
+        """params with the packed copy of its matrices under `PACKED_KEY` (params itself if it has none)."""
+        from jaxrl_async.models.lora import TARGETS
+
+        mats = packable_matrices(params, self.stacks)
+        if not mats:
+            return params
+        source = tuple(a for m in mats.values() for a in m.values())
+        with self._lock:
+            if len(source) != len(self._source) or any(a is not b for a, b in zip(source, self._source)):
+                t0 = time.perf_counter()
+                self._source, self._packed = (), {}  # the old copy is freed before the new one is made
+                self._packed = {name: {k: _pack(w, TARGETS[k][1]) for k, w in m.items()} for name, m in mats.items()}
+                self._source = source
+                self.packs += 1
+                logger.debug("PackedWeights: packed %d matrices (%.1f MB) in %.3f s", len(source),
+                             sum(a.nbytes for a in source) / 1e6, time.perf_counter() - t0)
+            packed = self._packed
+        return {**params, PACKED_KEY: packed}
+
+
+def packed_bytes(cfg) -> int:
+    """Bytes of the packed copy `PackedWeights` makes of a dense float32 model's layer matrices (columns padded to
+    blocks of 64): what the engine's KV sizing sets aside for it."""
+    pad = lambda n: -(-n // cpu_kernels.PACK_COLUMNS) * cpu_kernels.PACK_COLUMNS  # noqa: E731
+    D, F, E = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * E, cfg.num_kv_heads * E
+    per_layer = D * pad(q) + 2 * D * pad(kv) + q * pad(D) + 2 * D * pad(F) + F * pad(D)
+    return 4 * cfg.num_layers * per_layer
