@@ -158,6 +158,7 @@ class SizingReport:
     workspace_bytes: int
     page_bytes: int
     incoming_weight_bytes: int = 0  # room kept for a weight push's arriving copy
+    packed_weight_bytes: int = 0  # the engine's packed copy of its layer matrices (`packed_weights.py`)
 
 
 def _incoming_push_bytes(cfg: ModelConfig, shardings: Any, pbytes: int) -> int:
@@ -178,7 +179,7 @@ def pool_budget(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardin
     is in the module doc. With `replicas` > 1 (the pool's pages split over the generator's `data` axis, one range
     per replica) each device holds 1/replicas of the pool: the count is `replicas` x what fits one device.
     `extra_weight_bytes`: more weight memory per device beside the params (the engine's packed copy of its layer
-    matrices, `packed_weights.packed_bytes`), counted with the incoming weights."""
+    matrices, `packed_weights.packed_bytes`)."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"cache_memory_fraction must be in (0, 1], got {fraction}")
     probe = KVCacheSpec(num_pages=1, **spec_wo_pages)
@@ -187,16 +188,18 @@ def pool_budget(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardin
     limit, in_use, source = device_memory(list(mesh.devices.flat))
     pbytes = param_bytes_per_device(cfg, param_shardings)
     ws = workspace_bytes(getattr(cfg, "text", cfg), max_slots // replicas, max_prefill, max_seq, shards)
-    incoming = (_incoming_push_bytes(cfg, param_shardings, pbytes) if reserve_weight_push else 0) + extra_weight_bytes
-    budget = fraction * (limit - max(in_use, pbytes) - incoming) - ws
+    incoming = _incoming_push_bytes(cfg, param_shardings, pbytes) if reserve_weight_push else 0
+    extra = int(extra_weight_bytes)
+    budget = fraction * (limit - max(in_use, pbytes) - incoming - extra) - ws
     n = (int(budget // page_b) if budget > 0 else 0) * replicas
-    report_weights = limit - max(in_use, pbytes) - incoming <= 0
+    report_weights = limit - max(in_use, pbytes) - incoming - extra <= 0
     detail = (f"{max(budget, 0) / 2**20:.1f} MiB per device for the pool (limit {limit / 2**20:.0f} MiB from "
-              f"{source}, weights {pbytes / 2**20:.1f} MiB, incoming and packed weights {incoming / 2**20:.1f} MiB, "
-              f"workspace {ws / 2**20:.1f} MiB, fraction {fraction}), pages of {page_b} B")
+              f"{source}, weights {pbytes / 2**20:.1f} MiB, incoming weights {incoming / 2**20:.1f} MiB, "
+              + (f"packed weights {extra / 2**20:.1f} MiB, " if extra else "")
+              + f"workspace {ws / 2**20:.1f} MiB, fraction {fraction}), pages of {page_b} B")
     if report_weights:
         detail = "the weights alone do not fit: " + detail
-    return n, SizingReport(n, source, limit, in_use, pbytes, ws, page_b, incoming), detail
+    return n, SizingReport(n, source, limit, in_use, pbytes, ws, page_b, incoming, extra), detail
 
 
 def auto_num_pages(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardings: Any, *, max_slots: int,

@@ -103,9 +103,10 @@ def test_arguments_of_another_signature_go_to_the_jitted_function(model, tmp_pat
     step_fn = eng._steps[False]
     before = step_fn.fallbacks
     no_pages = jax.device_put(np.full(8, -1, np.int32), eng.slot_sharding)
-    arrays, _ = step_fn(jax.tree.map(lambda x: x.astype(jnp.float32), params), state.arrays, no_pages)
+    dparams = eng._decode_params(params)  # what the decode programs take (with the packed copy, if the engine packs)
+    arrays, _ = step_fn(jax.tree.map(lambda x: x.astype(jnp.float32), dparams), state.arrays, no_pages)
     assert step_fn.fallbacks == before  # same signature: the executable
-    arrays, _ = step_fn({"extra": jnp.zeros(1), **params}, arrays, no_pages)  # another tree: the jitted function
+    arrays, _ = step_fn({"extra": jnp.zeros(1), **dparams}, arrays, no_pages)  # another tree: the jitted function
     assert step_fn.fallbacks == before + 1 and step_fn.jitted._cache_size() == 1
     assert _generate(eng, params) == ref
 
