@@ -78,7 +78,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 from typing import Sequence
 
 import jax
@@ -90,6 +89,7 @@ from jaxrl_async.models import qwen2_5_vl
 from jaxrl_async.models.config import ModelConfig
 from jaxrl_async.models.transformer import Params
 from jaxrl_async.generator import kv_cache
+from jaxrl_async.generator import engine_warmup
 from jaxrl_async.generator.compaction import CompactSteps
 from jaxrl_async.generator.program_cache import Program, ProgramCache
 from jaxrl_async.generator.host_slots import HostSlots, advance, allocate_pages, need_ahead, need_now
@@ -405,7 +405,7 @@ class PagedEngine(Engine):
         self._multi_out = (ss, (self.stacked_slot_sharding,) * 4 + ((self.replicated,) if rec else ())
                            + tuple(NamedSharding(self.mesh, P(None, *x.spec)) for x in top_sh))
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
-        if self.program_cache is not None:  # calls run the executables `_compile_ahead` installs (program_cache.py)
+        if self.program_cache is not None:  # calls run the executables `engine_warmup.compile_ahead` installs (program_cache.py)
             self._prefill, self._insert, self._release, self._init = (
                 Program(n, f) for n, f in (("prefill", self._prefill), ("insert", self._insert),
                                            ("release", self._release), ("init", self._init)))
@@ -737,7 +737,7 @@ class PagedEngine(Engine):
             traced = traced_with_activation_rules(functools.partial(
                 decode_multi_fn, num_steps=k, truncation=trunc, **self._multi_kw), self.mesh, "generator")
             fn = jax.jit(traced, donate_argnums=1, out_shardings=self._multi_out)
-            if self.program_cache is not None:  # `_compile_ahead` installs its executable (no trace at the first call)
+            if self.program_cache is not None:  # `engine_warmup.compile_ahead` installs its executable (no trace)
                 fn = Program(f"decode_multi_{trunc}_k{k}", fn)
             self._multi_steps[(trunc, k)] = fn
         return fn
@@ -805,7 +805,7 @@ class PagedEngine(Engine):
         h.live[slot], h.done[slot], h.num_pages[slot], h.pos[slot], h.trunc[slot] = False, False, 0, 0, False
         return DecodeState(self._release(state.arrays, np.int32(slot)), h)
 
-    # -- warm-up --------------------------------------------------------------------------
+    # -- warm-up (engine_warmup.py) ------------------------------------------------------
     def warmup(self, params: Params, max_samples: int | None = None, parallel: bool = True,
                truncation: bool = True, max_live: int | None = None) -> None:
         """Compile every bucket's prefill/insert, sample_first up to `max_samples` (default
@@ -817,118 +817,12 @@ class PagedEngine(Engine):
         truncation: also compile the sampling programs with the top-k/top-p machinery (False: only the lean
         ones, for runs whose requests never truncate; a truncating request then compiles them at first use).
         parallel: every program compiles at once, ahead of time from abstract arguments on a pool of threads
-        (`_compile_ahead`: XLA compiles release the GIL, so one program's Python tracing and lowering overlap the
-        others' compiles), then each runs once on scratch states (cache hits); else one after the other.
+        (`engine_warmup.compile_ahead`: XLA compiles release the GIL, so one program's Python tracing and lowering
+        overlap the others' compiles), then each runs once on scratch states (cache hits); else one after the other.
         """
-        max_samples = max_samples or self._S
-        variants = (False, True) if truncation else (False,)
-        # sample_first's padded row counts for every n <= max_samples (powers of two up to it, and itself)
-        sample_rows = sorted({self._sample_rows(n)
-                              for n in [1 << i for i in range((max_samples - 1).bit_length())] + [max_samples]})
-        if parallel:
-            self._compile_ahead(params, variants, sample_rows, max_live)
-        state = self.init_decode_state()
-        arrays = state.arrays
-        no_pages = jax.device_put(np.full(self._S, -1, np.int32), self.slot_sharding)
-        dparams = self._decode_params(params)
-        for t in variants:  # no live slot: runs the step, changes nothing
-            arrays, step = self._steps[t](dparams, arrays, no_pages)
-            if self.max_decode_steps > 1:  # and the multi-step dispatch
-                arrays, step = self._multi_step_fn(t, self.max_decode_steps)(dparams, arrays, no_pages, no_pages)
-        jax.block_until_ready(step)
-        state = DecodeState(arrays, state.host)
-        sps = [SamplingParams(temperature=1.0, max_new_tokens=2, top_k=t) for t in (0, 1)[:len(variants)]]
-        for b in self.buckets:
-            prefix = self.prefill(params, np.ones(b, np.int32), sps[0])
-            state = self.insert(prefix, state, 0)
-            state = self.release(state, 0)
-        for sp in sps:
-            for nb in sample_rows:  # one sample_first program per padded row count
-                self.prefill(params, [1], sp, num_samples=nb)
-        # the compacted steps compile while generation starts (already started by `_compile_ahead` when parallel)
-        self._compacts.start_all(dparams, state.arrays, no_pages, variants, self._live_per_replica(max_live),
-                                 self._dispatch_lengths())
+        engine_warmup.warmup(self, params, max_samples, parallel, truncation, max_live)
 
     def _sample_rows(self, n: int) -> int:
         """Rows of the `sample_first` call for n samples of one prefill row: a power of two >= n, at least
         `max_prefill_pack` (one compilation for up to a pack's worth)."""
         return max(1 << (n - 1).bit_length(), self.max_prefill_pack)
-
-    def _compile_job(self, fn, args: tuple) -> None:
-        """Compile one of `_compile_ahead`'s programs: with a program cache, an engine `Program` gets its executable
-        from the cache (or compiles and stores it) and runs it from now on; else JAX's in-memory cache keeps it for
-        the jitted function's first call."""
-        if self.program_cache is not None and isinstance(fn, Program):
-            fn.install(self.program_cache.compile(fn.name, fn.jitted, args, self._program_context))
-        else:
-            fn.lower(*args).compile()
-
-    def _prefill_shapes(self, params_a, tokens_a, lengths_a):
-        """(k, logits) abstract outputs of the prefill program (with a program cache, remembered beside its
-        executables: tracing the prefill costs ~0.1 s)."""
-        fn = self._prefill.jitted if isinstance(self._prefill, Program) else self._prefill
-        shapes = lambda: tuple((tuple(x.shape), x.dtype) for x in jax.eval_shape(fn, params_a, tokens_a,  # noqa: E731
-                                                                                  lengths_a)[:3:2])
-        if self.program_cache is None:
-            shapes = shapes()
-        else:
-            shapes = self.program_cache.memo("prefill_shapes", shapes, (params_a, tokens_a, lengths_a),
-                                             self._program_context)
-        return tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes)
-
-    def _dispatch_lengths(self) -> tuple[int, ...]:
-        """Decode steps per dispatch the generator runs: `max_decode_steps` while nothing waits (first: its compacted
-        programs compile first), and 1 (`orchestrator.Generator._dispatch_steps`)."""
-        return (self.max_decode_steps, 1) if self.max_decode_steps > 1 else (1,)
-
-    def _live_per_replica(self, max_live: int | None) -> int | None:
-        return None if max_live is None else -(-int(max_live) // self.kv_replicas)
-
-    def _compile_ahead(self, params: Params, variants: tuple[bool, ...], sample_rows: list[int],
-                       max_live: int | None = None) -> None:
-        """Compile the programs `warmup` runs from abstract arguments, all at once on a pool of threads (the
-        decode step first: the largest), and start the compacted steps' compiles after them. The later calls
-        with concrete arguments of the same shapes and shardings reuse these compilations (JAX's in-memory
-        cache), which `tests/generator/test_engine.py` checks by counting backend compiles."""
-        import concurrent.futures
-
-        sds = jax.ShapeDtypeStruct
-        committed = lambda x: sds(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        host = lambda shape, dt: sds(shape, np.dtype(dt))  # noqa: E731  (numpy arguments: uncommitted)
-        params_a = jax.tree.map(committed, params)
-        dparams = self._decode_params(params)
-        dparams_a = jax.tree.map(committed, dparams)  # the decode programs' (with the packed copy, if any)
-        arrays_a = {k: sds(v.shape, v.dtype, sharding=self.state_shardings[k])
-                    for k, v in jax.eval_shape(self._init_arrays).items()}
-        new_pages_a = sds((self._S,), np.int32, sharding=self.slot_sharding)
-        jobs = [(self._steps[t], (dparams_a, arrays_a, new_pages_a)) for t in variants] + [(self._init, ())]
-        if self.max_decode_steps > 1:
-            jobs += [(self._multi_step_fn(t, self.max_decode_steps), (dparams_a, arrays_a, new_pages_a, new_pages_a))
-                     for t in variants]
-        N = self.max_prefill_pack
-        for b in self.buckets:
-            tokens_a, lengths_a = host((1, b), np.int32), host((N,), np.int32)
-            k_a, logits_a = self._prefill_shapes(params_a, tokens_a, lengths_a)
-            kv_a = sds(k_a.shape, k_a.dtype, sharding=self._kv_sharding)
-            jobs.append((self._prefill, (params_a, tokens_a, lengths_a)) if self.vision is None else
-                        self.vision.prefill_job(params_a, tokens_a, lengths_a, b))  # VL: its own prefill program
-            jobs.append((self._insert, (arrays_a, kv_a, kv_a, host((b,), np.int32), host((b,), np.int32),
-                                        host((self.max_pages_per_seq,), np.int32), host((), np.int32),
-                                        host((len(self.slot_ints),), np.int32), host((2,), np.float32),
-                                        host((), np.uint32), host((self.max_stop_tokens,), np.int32),
-                                        host((), np.int32))))
-        logits_a = sds(logits_a.shape, logits_a.dtype, sharding=self.replicated)
-        for t in variants:
-            for nb in sample_rows:
-                col = lambda dt: host((nb,), dt)  # noqa: B023, E731
-                jobs.append((self._sample_firsts[t], (logits_a, col(np.int32), col(np.float32), col(np.int32),
-                                                      col(np.float32), col(np.uint32), col(np.int32), col(np.int32))))
-        jobs.append((self._release, (arrays_a, host((), np.int32))))
-        workers = max(2, min(len(jobs), os.cpu_count() or 2))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engine-compile") as pool:
-            futures = [pool.submit(self._compile_job, fn, a) for fn, a in jobs]
-            for f in futures:
-                f.result(timeout=3600)  # re-raises a compile error
-        # then the compacted steps, on their own thread, beside the rest of warmup and generation
-        self._compacts.start_all(dparams, arrays_a, new_pages_a, variants, self._live_per_replica(max_live),
-                                 self._dispatch_lengths())
