@@ -159,8 +159,7 @@ def decode_step_fn(params: Params, arrays, new_pages, *, cfg: ModelConfig, page_
     the layers' projections with `cpu_kernels.stacked_matmul`, reading each matrix in place from its stack
     (`transformer.stacked_layer_matmul`; the engine sets it on one CPU device, else 0), from their copies packed per
     column block where params carry them (`packed_weights.PACKED_KEY`: the engine's ``packed_weights``), and at
-    NT_LOGITS_ROWS slots
-    a tied float32 LM head with `cpu_kernels.matmul_nt`. `cpu_sampler` (static): the draws and the log-probs'
+    NT_LOGITS_ROWS slots a tied float32 LM head with `cpu_kernels.matmul_nt`. `cpu_sampler` (static): the draws and the log-probs'
     normaliser come from `cpu_kernels.sample_rows` (`sampling.sample`'s `rows_fn`; the engine sets it on one CPU
     device with the kernels). `rope`: the step's rotary (cos, sin) [S, 1, E] of the slots' positions, computed by
     the caller (`decode_multi_fn`; None: here).
