@@ -405,7 +405,7 @@ class PagedEngine(Engine):
         self._multi_out = (ss, (self.stacked_slot_sharding,) * 4 + ((self.replicated,) if rec else ())
                            + tuple(NamedSharding(self.mesh, P(None, *x.spec)) for x in top_sh))
         self._init = jax.jit(self._init_arrays, out_shardings=ss)
-        if self.program_cache is not None:  # calls run the executables `engine_warmup.compile_ahead` installs (program_cache.py)
+        if self.program_cache is not None:  # calls run the executables `engine_warmup.compile_ahead` installs
             self._prefill, self._insert, self._release, self._init = (
                 Program(n, f) for n, f in (("prefill", self._prefill), ("insert", self._insert),
                                            ("release", self._release), ("init", self._init)))
@@ -417,9 +417,9 @@ class PagedEngine(Engine):
                 self.page_size, self.cache_spec, self.max_stop_tokens, self.attention, self.decode_block_pages,
                 self.kernel_options, self.max_prefill_pack, self.record_routing, self.max_decode_steps,
                 self.max_top_logprobs, self.stacked_matmul_rows, self.packed_weights, self.cpu_sampler, self.pages_axis,
-                self.kv_replicas,
-                self.null_page, self.slot_ints, type(self.layout).__name__, getattr(self.layout, "keys", None),
-                self.state_shardings, self._kv_sharding, tuple(d.id for d in self.mesh.devices.flat), self.mesh.axis_names))
+                self.kv_replicas, self.null_page, self.slot_ints, type(self.layout).__name__,
+                getattr(self.layout, "keys", None), self.state_shardings, self._kv_sharding,
+                tuple(d.id for d in self.mesh.devices.flat), self.mesh.axis_names))
         else:
             self._program_context = None
         self._no_new_pages = None  # put on the devices at the first step (the engine builds on compile-only meshes)
