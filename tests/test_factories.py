@@ -101,7 +101,7 @@ def test_a_pool_that_cannot_hold_one_sequence_names_the_callers_fields(monkeypat
     _limit(monkeypatch, 1 << 40)
     ok = build_engine(e, model_cfg).sizing
     # room for 2 pages after the weights and the workspace; one 128-token sequence needs 8 pages of 16
-    _limit(monkeypatch, ok.param_bytes + int((ok.workspace_bytes + 2.5 * ok.page_bytes) / 0.9))
+    _limit(monkeypatch, ok.param_bytes + ok.packed_weight_bytes + int((ok.workspace_bytes + 2.5 * ok.page_bytes) / 0.9))
     for fields in (CLI_FLAGS, CONFIG_FIELDS):
         with pytest.raises(EngineSizingError) as info:
             build_engine(e, model_cfg, fields=fields)
@@ -128,7 +128,7 @@ def test_an_explicit_pool_too_large_gets_the_largest_values_that_fit(monkeypatch
     assert auto.num_pages == 8 * per_seq and auto.sizing.source == "host RAM"
     # now room for about 3 sequences, and 1000 pages asked
     budget = 3 * per_seq * auto.cache_spec.page_bytes() + 5
-    _limit(monkeypatch, auto.sizing.param_bytes + auto.sizing.workspace_bytes + budget)
+    _limit(monkeypatch, auto.sizing.param_bytes + auto.sizing.packed_weight_bytes + auto.sizing.workspace_bytes + budget)
     for fields in (CLI_FLAGS, CONFIG_FIELDS):
         with pytest.raises(EngineSizingError) as info:
             build_engine(EngineConfig(max_concurrent_decodes=8, max_sequence_length=128, max_prefill_length=64,

@@ -1,6 +1,7 @@
 """The engine's warm-up (split out of ``engine.py``): every program a job runs compiled before its first request,
 all at once from abstract arguments on a pool of threads (`compile_ahead`), then run once on scratch states; the
-compacted steps start compiling after them (`compaction.CompactSteps.start_all`).
+compacted steps start compiling after them (`compaction.CompactSteps.start_all`). ``eng`` is the
+`engine.PagedEngine` (not imported here: the engine imports this module).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,13 +18,10 @@ from jaxrl_async.generator.engine_api import SamplingParams
 from jaxrl_async.generator.program_cache import Program
 from jaxrl_async.models.transformer import Params
 
-if TYPE_CHECKING:
-    from jaxrl_async.generator.engine import PagedEngine
-
 __all__ = ["warmup", "compile_ahead", "dispatch_lengths"]
 
 
-def warmup(eng: "PagedEngine", params: Params, max_samples: int | None, parallel: bool, truncation: bool,
+def warmup(eng: Any, params: Params, max_samples: int | None, parallel: bool, truncation: bool,
            max_live: int | None) -> None:
     """`PagedEngine.warmup`."""
     max_samples = max_samples or eng._S
@@ -56,7 +54,7 @@ def warmup(eng: "PagedEngine", params: Params, max_samples: int | None, parallel
                             dispatch_lengths(eng))
 
 
-def compile_job(eng: "PagedEngine", fn, args: tuple) -> None:
+def compile_job(eng: Any, fn, args: tuple) -> None:
     """Compile one of `compile_ahead`'s programs: with a program cache, an engine `Program` gets its executable
     from the cache (or compiles and stores it) and runs it from now on; else JAX's in-memory cache keeps it for
     the jitted function's first call."""
@@ -66,7 +64,7 @@ def compile_job(eng: "PagedEngine", fn, args: tuple) -> None:
         fn.lower(*args).compile()
 
 
-def prefill_shapes(eng: "PagedEngine", params_a, tokens_a, lengths_a):
+def prefill_shapes(eng: Any, params_a, tokens_a, lengths_a):
     """(k, logits) abstract outputs of the prefill program (with a program cache, remembered beside its
     executables: tracing the prefill costs ~0.1 s)."""
     fn = eng._prefill.jitted if isinstance(eng._prefill, Program) else eng._prefill
@@ -80,18 +78,18 @@ def prefill_shapes(eng: "PagedEngine", params_a, tokens_a, lengths_a):
     return tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes)
 
 
-def dispatch_lengths(eng: "PagedEngine") -> tuple[int, ...]:
+def dispatch_lengths(eng: Any) -> tuple[int, ...]:
     """Decode steps per dispatch the generator runs: `max_decode_steps` while nothing waits (first: its compacted
     programs compile first), and 1 (`orchestrator.Generator._dispatch_steps`)."""
     return (eng.max_decode_steps, 1) if eng.max_decode_steps > 1 else (1,)
 
 
-def live_per_replica(eng: "PagedEngine", max_live: int | None) -> int | None:
+def live_per_replica(eng: Any, max_live: int | None) -> int | None:
     """The most live slots per decode replica of a job of at most `max_live` at once (None: unknown)."""
     return None if max_live is None else -(-int(max_live) // eng.kv_replicas)
 
 
-def compile_ahead(eng: "PagedEngine", params: Params, variants: tuple[bool, ...], sample_rows: list[int],
+def compile_ahead(eng: Any, params: Params, variants: tuple[bool, ...], sample_rows: list[int],
                   max_live: int | None = None) -> None:
     """Compile the programs `warmup` runs from abstract arguments, all at once on a pool of threads (the
     decode step first: the largest), and start the compacted steps' compiles after them. The later calls

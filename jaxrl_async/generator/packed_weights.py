@@ -91,9 +91,12 @@ class PackedWeights:
 
 def packed_bytes(cfg) -> int:
     """Bytes of the packed copy `PackedWeights` makes of a dense float32 model's layer matrices (columns padded to
-    blocks of 64): what the engine's KV sizing sets aside for it."""
+    blocks of 64; with LoRA, the generator holds unmerged adapters on ``cfg.lora.targets``, whose matrices are not
+    packed): what the engine's KV sizing sets aside for it."""
     pad = lambda n: -(-n // cpu_kernels.PACK_COLUMNS) * cpu_kernels.PACK_COLUMNS  # noqa: E731
     D, F, E = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * E, cfg.num_kv_heads * E
-    per_layer = D * pad(q) + 2 * D * pad(kv) + q * pad(D) + 2 * D * pad(F) + F * pad(D)
-    return 4 * cfg.num_layers * per_layer
+    sizes = {"q": D * pad(q), "k": D * pad(kv), "v": D * pad(kv), "o": q * pad(D), "gate": D * pad(F),
+             "up": D * pad(F), "down": F * pad(D)}
+    adapted = set(cfg.lora.targets) if getattr(cfg, "lora", None) is not None else set()
+    return 4 * cfg.num_layers * sum(n for k, n in sizes.items() if k not in adapted)

@@ -410,6 +410,28 @@ def test_packed_weights_decode_the_bits_of_the_in_place_engine_and_follow_new_we
     assert plain._packed is None
 
 
+def test_the_packed_copy_is_what_the_kv_sizing_counts():
+    """`packed_bytes(cfg)` (what the engine's KV sizing sets aside) equals the bytes of the copy `PackedWeights`
+    makes, with and without LoRA adapters on some matrices (a generator holding unmerged adapters: those matrices
+    stay in XLA's dots and are not packed)."""
+    from jaxrl_async.generator.engine import PagedEngine
+    from jaxrl_async.generator.packed_weights import PACKED_KEY, packed_bytes
+    from jaxrl_async.models import lora
+    from jaxrl_async.models.transformer import init_params
+
+    base = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", param_dtype="float32")
+    kw = dict(max_concurrent_decodes=4, max_sequence_length=48, prefill_buckets=(16,), page_size=8, num_pages=24)
+    for cfg, packed in ((base, {"q", "k", "v", "o", "gate", "up", "down"}),
+                        (base.replace(lora=lora.LoraSpec(rank=4, alpha=8.0, targets=("q", "v"))),
+                         {"k", "o", "gate", "up", "down"})):
+        eng = PagedEngine(cfg, **kw)
+        assert eng.packed_weights
+        copy = eng._decode_params(eng.place_params(init_params(cfg, jax.random.key(0))))[PACKED_KEY]
+        assert set(copy["layers"]) == packed
+        assert packed_bytes(cfg) == sum(x.nbytes for x in jax.tree.leaves(copy)) > 0
+
+
 @pytest.mark.parametrize("B,V", [(1, 5), (7, 1000), (64, 1024), (16, 4096 + 37)])
 def test_sample_rows_equals_the_xla_sampler(B, V):
     """The decode step's sampler as one kernel (`sampling.sample`'s rows_fn): the same tokens as XLA's program on
