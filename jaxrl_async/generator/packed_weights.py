@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxrl_async.kernels import cpu_kernels
 
@@ -38,15 +37,12 @@ PACKED_KEY = "packed_columns"
 def packable_matrices(params: Any, stacks: tuple[str, ...]) -> dict[str, dict[str, jax.Array]]:
     """{stack: {matrix: [L, ...] array}} of the matrices `transformer.stacked_layer_matmul` reads in place: float32
     q k v o gate up down of a dense stack (no router), without LoRA adapters."""
-    from jaxrl_async.models.lora import TARGETS, adapter_keys
+    from jaxrl_async.models.transformer import in_place_candidates
 
     out: dict = {}
     for name in stacks:
         stack = params.get(name) if isinstance(params, dict) else None
-        if not isinstance(stack, dict) or "router" in stack:
-            continue
-        mats = {k: stack[k] for k in TARGETS if k in stack and adapter_keys(k)[0] not in stack
-                and stack[k].dtype == jnp.float32}
+        mats = in_place_candidates(stack) if isinstance(stack, dict) else {}
         if mats:
             out[name] = mats
     return out

@@ -330,14 +330,23 @@ class _StackedWeight:
 def _in_place_matrices(stack: dict, n: int, name: str = "layers") -> dict:
     """The matrices of a dense layer stack that `stacked_layer_matmul` reads in place (none outside its scope), as
     _StackedWeight's of layer None, with their packed copies where the scope has them for stack `name`."""
-    from jaxrl_async.models.lora import TARGETS, adapter_keys
-
     scope = _STACKED_MATMUL.get()
-    if scope is None or "router" in stack:
+    if scope is None:
         return {}
     packed = scope[1].get(name, {})
-    return {k: _StackedWeight(stack[k], None, packed.get(k)) for k in TARGETS if k in stack
-            and adapter_keys(k)[0] not in stack and stack[k].dtype == jnp.float32 and stack[k].shape[0] == n}
+    return {k: _StackedWeight(a, None, packed.get(k)) for k, a in in_place_candidates(stack).items()
+            if a.shape[0] == n}
+
+
+def in_place_candidates(stack: dict) -> dict:
+    """The float32 projection matrices of a dense layer stack (no router) without LoRA adapters: what
+    `stacked_layer_matmul` may read in place, and what the engine packs (`generator/packed_weights.py`)."""
+    from jaxrl_async.models.lora import TARGETS, adapter_keys
+
+    if "router" in stack:
+        return {}
+    return {k: stack[k] for k in TARGETS if k in stack and adapter_keys(k)[0] not in stack
+            and stack[k].dtype == jnp.float32}
 
 
 def _proj(p: Params, name: str, x: jax.Array, x_sub: str, out_sub: str, cfg: ModelConfig) -> jax.Array:
