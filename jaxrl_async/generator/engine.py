@@ -216,7 +216,9 @@ class PagedEngine(Engine):
           is an error.
       packed_weights: the decode programs that read the projections in place read them from a copy packed per
           column block (`packed_weights.PackedWeights`: 1.3-1.5x faster reads at a few rows, the same bits; remade
-          for every new weight set; the layer matrices twice in memory, which the KV sizing counts). None: on
+          for every new weight set, off the decode thread where it arrives through `prepare_params`; the layer
+          matrices twice in memory, and with `reserve_weight_push` a push's staged copy too, which the KV sizing
+          counts). None: on
           wherever `stacked_matmul_rows` > 0. Asking for it where the in-place matmul is off is an error.
 
     Build engines with `generator.factory.build_engine` (the one sizing path and its one-line errors).
@@ -283,7 +285,10 @@ class PagedEngine(Engine):
             raise ValueError("packed_weights needs the in-place decode matmul (stacked_matmul_rows > 0)")
         self.packed_weights = bool(self.stacked_matmul_rows) if packed_weights is None else bool(packed_weights)
         self._packed = PackedWeights(tuple(tcfg.layer_stacks())) if self.packed_weights else None
-        extra_weights = packed_bytes(tcfg) if self.packed_weights else 0
+        # the packed copy; with pushes, also the new weights' copy staged while the old one still serves (unmerged
+        # LoRA adapters are pushed alone: the packed base matrices stay the same arrays, nothing is repacked)
+        staged = reserve_weight_push and getattr(tcfg, "lora", None) is None
+        extra_weights = packed_bytes(tcfg) * (2 if staged else 1) if self.packed_weights else 0
         # the decode steps' sampler as one CPU kernel (`cpu_kernels.sample_rows`) where the kernels run: one CPU device
         self.cpu_sampler = self.attention == "cpu_paged" and self.mesh.size == 1
         self.kernel_options = dict(kernel_options or {})
@@ -763,6 +768,12 @@ class PagedEngine(Engine):
             arrays, outs = self._steps[trunc](params, state.arrays, new_pages)
         advance(h, 1, self._max_seq)
         return DecodeState(arrays, h), self._step_result(outs)
+
+    def prepare_params(self, params: Params) -> None:
+        """The packed copy of a weight set's matrices, made on the caller's thread before the decode thread swaps
+        the weights in (`PackedWeights.stage`); without packing, nothing."""
+        if self._packed is not None:
+            self._packed.stage(params)
 
     def _decode_params(self, params: Params) -> Params:
         """What the decode programs take as params: with the packed copy of the layer matrices when the engine packs

@@ -183,6 +183,13 @@ class Engine(abc.ABC):
         engines with chunked prefill take up to max_sequence_length - 1, others max_prefill_length."""
         return self.max_prefill_length
 
+    def prepare_params(self, params: Any) -> None:
+        """Called with a weight set before the generator decodes with it (`Generator.update_params`, on the
+        caller's thread, e.g. the weight push's): engines that derive per-weight data for their decode programs
+        make it here, off the decode thread (`PagedEngine`: the packed copy of the layer matrices). Default:
+        nothing."""
+        return None
+
     @abc.abstractmethod
     def init_decode_state(self) -> Any:
         """Empty decode state: all slots free, all pages free."""

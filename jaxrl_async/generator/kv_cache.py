@@ -158,7 +158,8 @@ class SizingReport:
     workspace_bytes: int
     page_bytes: int
     incoming_weight_bytes: int = 0  # room kept for a weight push's arriving copy
-    packed_weight_bytes: int = 0  # the engine's packed copy of its layer matrices (`packed_weights.py`)
+    packed_weight_bytes: int = 0  # the engine's packed copy of its layer matrices (`packed_weights.py`; with a push's
+    # staged copy where weight pushes are reserved for)
 
 
 def _incoming_push_bytes(cfg: ModelConfig, shardings: Any, pbytes: int) -> int:

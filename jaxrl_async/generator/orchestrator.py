@@ -17,8 +17,11 @@ Threads and queues
 
 * **Caller threads** (any number). `submit()` validates the request, registers its
   `RequestHandle` and puts a `SubmitMsg` message on the inbox; `abort()` puts an `AbortMsg`;
-  `update_params()` stores `(params, version)` in a one-element mailbox (a newer update
-  replaces an older one not yet applied) and wakes the decode thread. None of them block.
+  `update_params()` lets the engine derive what its decode programs need from the new weights
+  (`Engine.prepare_params`, on the caller's thread: `PagedEngine` packs its layer matrices there, not
+  between two decode steps), stores `(params, version)` in a one-element mailbox (a newer update
+  replaces an older one not yet applied) and wakes the decode thread. None of them block on the
+  decode thread.
   Callers block only in `RequestHandle.result(timeout)` (a `threading.Event`) and in handle
   iteration (a per-handle chunk queue polled with a timeout); both are released when the
   request finishes *or* when the generator fails or stops, so a caller never hangs.
@@ -163,6 +166,7 @@ class Generator:
         self.join_timeout_s = join_timeout_s
         self.num_slots = int(engine.max_concurrent_decodes)
         self.max_decode_steps = max(1, int(getattr(engine, "max_decode_steps", 1)))
+        engine.prepare_params(params)  # as every later weight set (`update_params`): on the caller's thread
 
         # shared (guarded by _lock)
         self._lock = threading.Lock()
@@ -313,6 +317,7 @@ class Generator:
         A newer update replaces one that was not applied yet. With wait=True, block until the
         decode thread has applied it (TimeoutError after `timeout`).
         """
+        self.engine.prepare_params(params)  # on this thread: what the decode programs derive from the weights
         applied = threading.Event()
         with self._lock:
             if not self._started:  # no decode thread yet: apply directly

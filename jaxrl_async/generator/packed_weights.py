@@ -12,7 +12,13 @@ params with the copy under `PACKED_KEY` ({stack: {matrix: packed}}; `engine_step
 are other arrays than the ones it was made from (checked by identity, holding those arrays so that an id cannot
 come back): a weight swap, a push, a LoRA merge all hand the engine new arrays, so a dispatch never decodes with a
 stale copy. Cost: the layer matrices twice in the generator's memory (only on one CPU device, where the kernels run)
-and one copy of them per new weight set (~75 MB at shape A: tens of ms).
+and one copy of them per new weight set (~75 MB at shape A: tens of ms; ~1-2 s for a 0.6B float32 model).
+
+Off the decode thread: `stage(params)` makes the copy of a weight set that has not reached the decode programs yet
+(the orchestrator's `update_params` calls it through `PagedEngine.prepare_params` on the pusher's thread, before the
+decode thread swaps the weights in), so the first dispatch with the new weights finds its copy made instead of
+packing between two steps. While staged, the old and the new copy are both held (what the KV sizing reserves
+beside a weight push's incoming copy); the first dispatch with the new weights drops the old one.
 """
 
 from __future__ import annotations
@@ -60,27 +66,62 @@ class PackedWeights:
     def __init__(self, stacks: tuple[str, ...]):
         self.stacks = tuple(stacks)
         self.packs = 0  # copies made (a test's and a log's count)
+        self.staged_packs = 0  # of which made by `stage` (off the decode thread)
         self._lock = threading.Lock()
         self._source: tuple = ()  # the arrays the copy was made from (held: identity is the check)
         self._packed: dict = {}
+        self._staged: tuple[tuple, dict] | None = None  # (source, copy) of a weight set not decoded with yet
+
+    @staticmethod
+    def _same(a: tuple, b: tuple) -> bool:
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+    def _make(self, mats: dict, source: tuple, where: str) -> dict:
+        from jaxrl_async.models.lora import TARGETS
+
+        t0 = time.perf_counter()
+        packed = {name: {k: _pack(w, TARGETS[k][1]) for k, w in m.items()} for name, m in mats.items()}
+        logger.debug("PackedWeights: packed %d matrices (%.1f MB) in %.3f s (%s)", len(source),
+                     sum(a.nbytes for a in source) / 1e6, time.perf_counter() - t0, where)
+        return packed
+
+    def stage(self, params: Any) -> bool:
+        """Make the copy of `params`' matrices now, on the caller's thread, for the dispatches that will decode with
+        them (a weight set the decode thread has not swapped in yet). True if a copy was made (False: params has no
+        packable matrices, or their copy is already the current or the staged one). A newer staged set replaces an
+        older one that was never decoded with."""
+        mats = packable_matrices(params, self.stacks)
+        if not mats:
+            return False
+        source = tuple(a for m in mats.values() for a in m.values())
+        with self._lock:
+            if self._same(source, self._source) or (self._staged is not None and self._same(source, self._staged[0])):
+                return False
+            self._staged = None  # superseded (its weights will never be decoded with): freed before the new copy
+        packed = self._make(mats, source, "staged")  # outside the lock: the decode thread keeps its copy meanwhile
+        with self._lock:
+            self.packs += 1
+            self.staged_packs += 1
+            if not self._same(source, self._source):  # (the decode thread may have packed them itself meanwhile)
+                self._staged = (source, packed)
+        return True
 
     def __call__(self, params: Any) -> Any:
         """params with the packed copy of its matrices under `PACKED_KEY` (params itself if it has none)."""
-        from jaxrl_async.models.lora import TARGETS
-
         mats = packable_matrices(params, self.stacks)
         if not mats:
             return params
         source = tuple(a for m in mats.values() for a in m.values())
         with self._lock:
-            if len(source) != len(self._source) or any(a is not b for a, b in zip(source, self._source)):
-                t0 = time.perf_counter()
-                self._source, self._packed = (), {}  # the old copy is freed before the new one is made
-                self._packed = {name: {k: _pack(w, TARGETS[k][1]) for k, w in m.items()} for name, m in mats.items()}
+            if not self._same(source, self._source):
+                staged, self._staged = self._staged, None
+                self._source, self._packed = (), {}  # the old copy is freed before a new one is made
+                if staged is not None and self._same(source, staged[0]):
+                    self._packed = staged[1]  # made off the decode thread (`stage`)
+                else:
+                    self._packed = self._make(mats, source, "on the decode thread")
+                    self.packs += 1
                 self._source = source
-                self.packs += 1
-                logger.debug("PackedWeights: packed %d matrices (%.1f MB) in %.3f s", len(source),
-                             sum(a.nbytes for a in source) / 1e6, time.perf_counter() - t0)
             packed = self._packed
         return {**params, PACKED_KEY: packed}
 

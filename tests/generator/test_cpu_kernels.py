@@ -410,6 +410,63 @@ def test_packed_weights_decode_the_bits_of_the_in_place_engine_and_follow_new_we
     assert plain._packed is None
 
 
+def test_a_new_weight_set_is_packed_off_the_decode_thread():
+    """`PagedEngine.prepare_params` (what `Generator.update_params` calls on its caller's thread) makes the new weight
+    set's packed copy before the decode thread swaps the weights in: dispatches with the old weights keep the old
+    copy meanwhile, the first one with the new weights packs nothing, and the tokens and log-probs stay the unpacked
+    engine's bits. Through the generator: every pack runs on the thread that handed the weights over."""
+    import threading
+
+    from jaxrl_async.generator.engine import PagedEngine
+    from jaxrl_async.generator.engine_api import SamplingParams
+    from jaxrl_async.generator.orchestrator import Generator
+    from jaxrl_async.models.transformer import init_params
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", param_dtype="float32")
+    kw = dict(max_concurrent_decodes=4, max_sequence_length=64, prefill_buckets=(16,), page_size=8, num_pages=32)
+    packed, plain = PagedEngine(cfg, **kw), PagedEngine(cfg, packed_weights=False, **kw)
+    assert packed.packed_weights
+    p1, p2 = (packed.place_params(init_params(cfg, jax.random.key(s))) for s in (5, 6))
+    pw = packed._packed
+    runs = []
+    for eng in (packed, plain):
+        rng = np.random.default_rng(1)
+        state, out = eng.init_decode_state(), []
+        for s in range(4):
+            sp = SamplingParams(temperature=1.0, max_new_tokens=20, seed=s)
+            state = eng.insert(eng.prefill(p1, rng.integers(3, 300, 5 + s).tolist(), sp), state, s)
+        for i in range(8):
+            if i == 2:
+                eng.prepare_params(p2)  # the push arrives; the decode thread still serves p1 for two steps
+                if eng is packed:
+                    assert (pw.packs, pw.staged_packs) == (2, 1)
+            state, step = eng.generate(p1 if i < 4 else p2, state)
+            step = step.to_host()
+            out.append((np.asarray(step.tokens), np.asarray(step.logprobs)))
+        runs.append(out)
+    for (t1, l1), (t2, l2) in zip(*runs):
+        np.testing.assert_array_equal(t1, t2)
+        np.testing.assert_array_equal(l1, l2)
+    assert (pw.packs, pw.staged_packs) == (2, 1)  # p1 at its first dispatch; p2 staged, then taken as is
+    assert pw._staged is None and not pw.stage(p2)  # promoted; staging the serving set again makes nothing
+
+    eng = PagedEngine(cfg, **kw)
+    threads = []
+    make = eng._packed._make
+    eng._packed._make = lambda *a: (threads.append(threading.current_thread()), make(*a))[1]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=40)
+    with Generator(eng, p1) as gen:
+        h = gen.submit([7, 8, 9], sp, stream=True)
+        chunks = iter(h)
+        next(chunks), next(chunks)  # a decode step has run with p1
+        gen.update_params(p2, version=1, wait=True, timeout=120)
+        list(chunks)
+        out = h.result(120)
+    assert out.samples[0].versions[-1] == 1
+    assert threads == [threading.main_thread()] * 2 and eng._packed.staged_packs == 2
+
+
 def test_the_packed_copy_is_what_the_kv_sizing_counts():
     """`packed_bytes(cfg)` (what the engine's KV sizing sets aside) equals the bytes of the copy `PackedWeights`
     makes, with and without LoRA adapters on some matrices (a generator holding unmerged adapters: those matrices

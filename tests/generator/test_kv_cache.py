@@ -210,14 +210,21 @@ def test_auto_sizing_keeps_room_for_a_weight_push(monkeypatch):
     from jaxrl_async.generator.packed_weights import packed_bytes
 
     # and the packed copy of the layer matrices where the engine makes one (CPU kernels, float32)
-    assert engine.sizing.packed_weight_bytes == (packed_bytes(cfg) if engine.packed_weights else 0)
+    assert engine.sizing.packed_weight_bytes == (2 * packed_bytes(cfg) if engine.packed_weights else 0)
     cfg32 = _cfg(dtype="float32", param_dtype="float32")
     ec = EngineConfig(max_concurrent_decodes=64, max_sequence_length=256, max_prefill_length=128, page_size=16,
                       cache_memory_fraction=0.5)
     packed = build_engine(ec, cfg32, mesh, reserve_weight_push=True)
     if packed.packed_weights:
         r = packed.sizing
-        assert r.packed_weight_bytes == packed_bytes(cfg32) > 0
+        assert r.packed_weight_bytes == 2 * packed_bytes(cfg32) > 0  # the copy, and a push's staged copy
+        standalone = build_engine(ec, cfg32, mesh)  # no pushes: no staged copy
+        assert standalone.sizing.packed_weight_bytes == packed_bytes(cfg32)
+        from jaxrl_async.models import lora
+
+        # unmerged LoRA adapters are pushed alone: the packed base matrices stay, no staged copy
+        lcfg = cfg32.replace(lora=lora.LoraSpec(rank=4, alpha=8.0, targets=("q", "v")))
+        assert build_engine(ec, lcfg, mesh, reserve_weight_push=True).sizing.packed_weight_bytes == packed_bytes(lcfg)
         assert r.num_pages == int((0.5 * (limit - max(in_use, r.param_bytes) - r.incoming_weight_bytes
                                           - r.packed_weight_bytes) - r.workspace_bytes) // r.page_bytes)
         unpacked = build_engine(ec, cfg32, mesh, reserve_weight_push=True, packed_weights=False)
