@@ -17,6 +17,7 @@
 // exactly), so the groups after the first read the slice from L1 instead of L2 (NOTES, session 19).
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -132,45 +133,34 @@ JAXRL_INLINE void column_block(const MatmulDims& d, const float* x, const float*
 #endif
 }
 
+// `stacked_matmul` (kPacked false: w [L, K, N], the model's layout) and `stacked_matmul_packed` (w [L, ceil(N / 64),
+// K, 64]): one function, the layout a template parameter, so each kernel's loop keeps its row stride and block offset
+// as constants
+template <bool kPacked>
 ffi::Error stacked_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  constexpr const char* kName = kPacked ? "stacked_matmul_packed" : "stacked_matmul";
+  constexpr const char* kShapes = kPacked ? ": x [M, K], w [L, ceil(N / 64), K, 64], y [M, N]"
+                                          : ": x [M, K], w [L, K, N], y [M, N]";
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[2])
-    return ffi::Error::InvalidArgument("stacked_matmul: x [M, K], w [L, K, N], y [M, N]");
+  const bool ok = kPacked ? (wd.size() == 4 && wd[2] == xd[1] && wd[3] == kCols && wd[1] == (yd[1] + kCols - 1) / kCols)
+                          : (wd.size() == 3 && wd[1] == xd[1] && yd[1] == wd[2]);
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || !ok)
+    return ffi::Error::InvalidArgument(std::string(kName) + kShapes);
   const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("stacked_matmul: layer out of range");
-  const MatmulDims d{xd[0], xd[1], wd[2]};
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data() + l * d.K * d.N;
-  float* yp = y->typed_data();
-  const int64_t blocks = (d.N + kCols - 1) / kCols;
-  jaxrl_cpu::parallel_for(pool, blocks, [d, xp, wp, yp](int64_t b) {
-    const int64_t n0 = b * kCols;
-    column_block(d, xp, wp + n0, d.N, yp, n0, std::min(kCols, d.N - n0));
-  });
-  return ffi::Error::Success();
-}
-
-ffi::Error stacked_matmul_packed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2 || wd[2] != xd[1] || wd[3] != kCols || yd[0] != xd[0] ||
-      wd[1] != (yd[1] + kCols - 1) / kCols)
-    return ffi::Error::InvalidArgument("stacked_matmul_packed: x [M, K], w [L, ceil(N / 64), K, 64], y [M, N]");
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("stacked_matmul_packed: layer out of range");
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument(std::string(kName) + ": layer out of range");
   const MatmulDims d{xd[0], xd[1], yd[1]};
-  const int64_t blocks = wd[1];
+  const int64_t blocks = (d.N + kCols - 1) / kCols;
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data() + l * blocks * d.K * kCols;
+  const float* wp = w.typed_data() + l * (kPacked ? blocks * kCols : d.N) * d.K;
   float* yp = y->typed_data();
   jaxrl_cpu::parallel_for(pool, blocks, [d, xp, wp, yp](int64_t b) {
     const int64_t n0 = b * kCols;
-    column_block(d, xp, wp + b * d.K * kCols, kCols, yp, n0, std::min(kCols, d.N - n0));
+    // the block: column n0 of the model's layout (rows N apart), or its own K x 64 floats when packed (rows 64 apart)
+    const float* wb = wp + (kPacked ? b * d.K * kCols : n0);
+    column_block(d, xp, wb, kPacked ? kCols : d.N, yp, n0, std::min(kCols, d.N - n0));
   });
   return ffi::Error::Success();
 }
@@ -302,7 +292,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlMatmulNt, matmul_nt,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlStackedMatmulPacked, stacked_matmul_packed,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlStackedMatmulPacked, stacked_matmul<true>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -310,7 +300,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlStackedMatmulPacked, stacked_matmul_packed,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlStackedMatmul, stacked_matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlStackedMatmul, stacked_matmul<false>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
