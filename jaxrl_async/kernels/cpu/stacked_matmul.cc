@@ -145,9 +145,9 @@ ffi::Error stacked_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
-  const bool ok = kPacked ? (wd.size() == 4 && wd[2] == xd[1] && wd[3] == kCols && wd[1] == (yd[1] + kCols - 1) / kCols)
-                          : (wd.size() == 3 && wd[1] == xd[1] && yd[1] == wd[2]);
-  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || !ok)
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] ||
+      !(kPacked ? (wd.size() == 4 && wd[2] == xd[1] && wd[3] == kCols && wd[1] == (yd[1] + kCols - 1) / kCols)
+                : (wd.size() == 3 && wd[1] == xd[1] && yd[1] == wd[2])))
     return ffi::Error::InvalidArgument(std::string(kName) + kShapes);
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument(std::string(kName) + ": layer out of range");
