@@ -455,16 +455,14 @@ def test_a_new_weight_set_is_packed_off_the_decode_thread():
     threads = []
     make = eng._packed._make
     eng._packed._make = lambda *a: (threads.append(threading.current_thread()), make(*a))[1]
-    sp = SamplingParams(temperature=0.0, max_new_tokens=40)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
     with Generator(eng, p1) as gen:
-        h = gen.submit([7, 8, 9], sp, stream=True)
-        chunks = iter(h)
-        next(chunks), next(chunks)  # a decode step has run with p1
+        first = gen.submit([7, 8, 9], sp).result(120)  # decoded with p1
         gen.update_params(p2, version=1, wait=True, timeout=120)
-        list(chunks)
-        out = h.result(120)
-    assert out.samples[0].versions[-1] == 1
-    assert threads == [threading.main_thread()] * 2 and eng._packed.staged_packs == 2
+        second = gen.submit([7, 8, 9], sp).result(120)  # with p2
+    assert set(first.samples[0].versions) == {0} and set(second.samples[0].versions) == {1}
+    assert first.samples[0].completion_ids != second.samples[0].completion_ids
+    assert threads == [threading.main_thread()] * 2 and eng._packed.packs == eng._packed.staged_packs == 2
 
 
 def test_the_packed_copy_is_what_the_kv_sizing_counts():
