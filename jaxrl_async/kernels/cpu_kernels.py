@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -189,15 +190,30 @@ def stacked_matmul(x: jax.Array, w: jax.Array, layer_idx) -> jax.Array:
 PACK_COLUMNS = 64  # the kernel's column block
 
 
+def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
+    """An uninitialised float32 array whose data starts on an `align`-byte boundary: XLA:CPU's alignment, at which
+    `jax.device_put` on a CPU device takes numpy's memory as it is instead of copying it."""
+    n = math.prod(shape)
+    buf = np.empty(n + align // 4, np.float32)
+    start = (-buf.ctypes.data % align) // 4
+    return buf[start:start + n].reshape(shape)
+
+
 def pack_columns(w) -> np.ndarray:
     """w [L, K, N] (any array) -> [L, ceil(N / 64), K, 64] float32 numpy, block b holding columns [64 b, 64 b + 64)
-    (the last block zero-padded): `stacked_matmul_packed`'s layout."""
+    (the last block zero-padded): `stacked_matmul_packed`'s layout. One copy, into 64-byte aligned memory, so that
+    placing it on a CPU device copies nothing more (a new weight set's copy is made per push: NOTES, session 25)."""
     w = np.asarray(w, np.float32)
     L, K, N = w.shape
-    nb = -(-N // PACK_COLUMNS)
-    if nb * PACK_COLUMNS != N:
-        w = np.concatenate([w, np.zeros((L, K, nb * PACK_COLUMNS - N), np.float32)], axis=2)
-    return np.ascontiguousarray(w.reshape(L, K, nb, PACK_COLUMNS).transpose(0, 2, 1, 3))
+    C = PACK_COLUMNS
+    full, nb = N // C, -(-N // C)
+    out = _aligned_empty((L, nb, K, C))
+    if full:
+        np.copyto(out[:, :full], w[:, :, :full * C].reshape(L, K, full, C).transpose(0, 2, 1, 3))
+    if nb > full:  # the last block: the remaining columns, then zeros
+        out[:, full, :, :N - full * C] = w[:, :, full * C:]
+        out[:, full, :, N - full * C:] = 0.0
+    return out
 
 
 def stacked_matmul_packed(x: jax.Array, wp: jax.Array, layer_idx, n: int) -> jax.Array:
