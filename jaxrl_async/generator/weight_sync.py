@@ -22,9 +22,12 @@ parameters and the new policy version. The push has two halves:
    trainer's parameter buffers; JAX orders the copy's reads before the donation. ``may_alias=False``
    guarantees fresh buffers even when the two meshes share devices (colocated mode).
 2. **Completion, on the transfer thread**: wait until the copy is on the generator devices, then
-   ``Generator.update_params(params, version, wait=True)`` (the decode thread swaps them in between
-   two decode steps), then ``on_applied(version)`` — the loop advertises the version to the
-   staleness manager only now, which is what makes "head version ≥ admission version" hold.
+   ``Generator.update_params(params, version, wait=True)`` (on this thread, the engine derives what its
+   decode programs need from the new weights, ``Engine.prepare_params``: on CPU the packed copy of the
+   layer matrices; then the decode thread swaps them in between two decode steps), then
+   ``on_applied(version)`` — the loop advertises the version to the staleness manager only now, which
+   is what makes "head version ≥ admission version" hold. ``PushStats.apply_s`` includes that
+   preparation.
 
 Double buffering: at most one copy is being completed and one waits in a one-slot mailbox; a
 newer push replaces a waiting one (its version is skipped: the generator jumps to the newer
