@@ -55,9 +55,12 @@ def packable_matrices(params: Any, stacks: tuple[str, ...]) -> dict[str, dict[st
 
 
 def _pack(w: jax.Array, contracted: int) -> jax.Array:
-    """w [L, *contracted dims, *free dims] -> [L, ceil(N / 64), K, 64] on w's devices (K, N: the products)."""
+    """w [L, *contracted dims, *free dims] -> [L, ceil(N / 64), K, 64] on w's devices (K, N: the products). On the
+    one CPU device where the kernels run, numpy reads w's memory as it is and the copy goes back without another
+    (`pack_columns`' aligned memory): no transfer, so a caller's transfer guard (the weight push's) does not apply."""
     k_in = math.prod(w.shape[1:1 + contracted])
-    return jax.device_put(cpu_kernels.pack_columns(jax.device_get(w).reshape(w.shape[0], k_in, -1)), w.sharding)
+    with jax.transfer_guard("allow"):
+        return jax.device_put(cpu_kernels.pack_columns(jax.device_get(w).reshape(w.shape[0], k_in, -1)), w.sharding)
 
 
 class PackedWeights:

@@ -451,6 +451,10 @@ def test_a_new_weight_set_is_packed_off_the_decode_thread():
         np.testing.assert_array_equal(l1, l2)
     assert (pw.packs, pw.staged_packs) == (2, 1)  # p1 at its first dispatch; p2 staged, then taken as is
     assert pw._staged is None and not pw.stage(p2)  # promoted; staging the serving set again makes nothing
+    from jaxrl_async.generator.packed_weights import PackedWeights
+
+    with jax.transfer_guard("disallow"):  # as under the weight push's guard: on the CPU device packing moves nothing
+        assert PackedWeights(pw.stacks).stage(p1)
 
     eng = PagedEngine(cfg, **kw)
     threads = []
