@@ -285,10 +285,8 @@ class PagedEngine(Engine):
             raise ValueError("packed_weights needs the in-place decode matmul (stacked_matmul_rows > 0)")
         self.packed_weights = bool(self.stacked_matmul_rows) if packed_weights is None else bool(packed_weights)
         self._packed = PackedWeights(tuple(tcfg.layer_stacks())) if self.packed_weights else None
-        # the packed copy; with pushes, also the new weights' copy staged while the old one still serves (unmerged
-        # LoRA adapters are pushed alone: the packed base matrices stay the same arrays, nothing is repacked)
-        staged = reserve_weight_push and getattr(tcfg, "lora", None) is None
-        extra_weights = packed_bytes(tcfg) * (2 if staged else 1) if self.packed_weights else 0
+        # the sizing also counts a push's staged copy where it reserves for pushes (`kv_cache.pool_budget`)
+        extra_weights = packed_bytes(tcfg) if self.packed_weights else 0
         # the decode steps' sampler as one CPU kernel (`cpu_kernels.sample_rows`) where the kernels run: one CPU device
         self.cpu_sampler = self.attention == "cpu_paged" and self.mesh.size == 1
         self.kernel_options = dict(kernel_options or {})

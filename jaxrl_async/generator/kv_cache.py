@@ -162,10 +162,16 @@ class SizingReport:
     # staged copy where weight pushes are reserved for)
 
 
+def _push_brings_base(cfg: ModelConfig) -> bool:
+    """A weight push brings new base matrices: all parameters, unless the engine holds unmerged LoRA adapters
+    (``weight_sync.LoraPush``: then only the adapters arrive and the base stays)."""
+    return getattr(cfg, "lora", None) is None  # (a vision-language config has no adapters)
+
+
 def _incoming_push_bytes(cfg: ModelConfig, shardings: Any, pbytes: int) -> int:
     """Bytes a weight push brings per device: all parameters, or with unmerged LoRA adapters (the engine's
     params hold them) only the adapters (``weight_sync.LoraPush``: the base stays)."""
-    if getattr(cfg, "lora", None) is None:  # (a vision-language config has no adapters)
+    if _push_brings_base(cfg):
         return pbytes
     from jaxrl_async.models import lora
 
@@ -179,8 +185,9 @@ def pool_budget(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardin
     """(pages that fit the generator mesh, the sizing report with that count, how it was counted); the formula
     is in the module doc. With `replicas` > 1 (the pool's pages split over the generator's `data` axis, one range
     per replica) each device holds 1/replicas of the pool: the count is `replicas` x what fits one device.
-    `extra_weight_bytes`: more weight memory per device beside the params (the engine's packed copy of its layer
-    matrices, `packed_weights.packed_bytes`)."""
+    `extra_weight_bytes`: more weight memory per device derived from the params' base matrices (the engine's packed
+    copy of its layer matrices, `packed_weights.packed_bytes`); remade for each weight set, so with
+    `reserve_weight_push` a push that brings new base matrices brings a second one while the old one serves."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"cache_memory_fraction must be in (0, 1], got {fraction}")
     probe = KVCacheSpec(num_pages=1, **spec_wo_pages)
@@ -190,7 +197,7 @@ def pool_budget(spec_wo_pages: dict, cfg: ModelConfig, mesh: Mesh, param_shardin
     pbytes = param_bytes_per_device(cfg, param_shardings)
     ws = workspace_bytes(getattr(cfg, "text", cfg), max_slots // replicas, max_prefill, max_seq, shards)
     incoming = _incoming_push_bytes(cfg, param_shardings, pbytes) if reserve_weight_push else 0
-    extra = int(extra_weight_bytes)
+    extra = int(extra_weight_bytes) * (2 if reserve_weight_push and _push_brings_base(cfg) else 1)
     budget = fraction * (limit - max(in_use, pbytes) - incoming - extra) - ws
     n = (int(budget // page_b) if budget > 0 else 0) * replicas
     report_weights = limit - max(in_use, pbytes) - incoming - extra <= 0
