@@ -75,6 +75,11 @@ class PackedWeights:
         self._packed: dict = {}
         self._staged: tuple[tuple, dict] | None = None  # (source, copy) of a weight set not decoded with yet
 
+    def _matrices(self, params: Any) -> tuple[dict, tuple]:
+        """(`packable_matrices` of params, those arrays in order: the identity a copy is checked against)."""
+        mats = packable_matrices(params, self.stacks)
+        return mats, tuple(a for m in mats.values() for a in m.values())
+
     @staticmethod
     def _same(a: tuple, b: tuple) -> bool:
         return len(a) == len(b) and all(x is y for x, y in zip(a, b))
@@ -93,10 +98,9 @@ class PackedWeights:
         them (a weight set the decode thread has not swapped in yet). True if a copy was made (False: params has no
         packable matrices, or their copy is already the current or the staged one). A newer staged set replaces an
         older one that was never decoded with."""
-        mats = packable_matrices(params, self.stacks)
+        mats, source = self._matrices(params)
         if not mats:
             return False
-        source = tuple(a for m in mats.values() for a in m.values())
         with self._lock:
             if self._same(source, self._source) or (self._staged is not None and self._same(source, self._staged[0])):
                 return False
@@ -111,10 +115,9 @@ class PackedWeights:
 
     def __call__(self, params: Any) -> Any:
         """params with the packed copy of its matrices under `PACKED_KEY` (params itself if it has none)."""
-        mats = packable_matrices(params, self.stacks)
+        mats, source = self._matrices(params)
         if not mats:
             return params
-        source = tuple(a for m in mats.values() for a in m.values())
         with self._lock:
             if not self._same(source, self._source):
                 staged, self._staged = self._staged, None
